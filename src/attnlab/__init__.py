@@ -1,0 +1,18 @@
+"""attnlab: MHA, MQA, GQA and MLA attention that is right, fast and costed."""
+
+from .attention import GroupedQueryAttention, MultiHeadLatentAttention, attend
+from .cache import KVCache, LatentCache
+from .config import AttentionConfig, MLAConfig, ModelConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig",
+    "GroupedQueryAttention",
+    "KVCache",
+    "LatentCache",
+    "MLAConfig",
+    "ModelConfig",
+    "MultiHeadLatentAttention",
+    "attend",
+]

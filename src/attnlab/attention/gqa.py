@@ -1,0 +1,105 @@
+"""Grouped-query attention: one module for MHA (n_kv_heads == n_heads), GQA and MQA (n_kv_heads == 1).
+
+Shapes: x (B, T, d_model); q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim).
+The module does the projections, RoPE and the cache; ``attend`` does the math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..cache import KVCache
+from ..config import AttentionConfig
+from .kernels import attend
+from .rope import apply_rope, rope_cos_sin
+
+
+def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor) -> None:
+    """The checks every attention forward makes on its input."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"{owner}: x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{owner}: x has dtype {x.dtype} but the weights are {weight.dtype}")
+
+
+def positions_for(cache_len: int, t: int, device: torch.device) -> torch.Tensor:
+    """Positions of ``t`` new tokens that follow ``cache_len`` cached ones."""
+    return torch.arange(cache_len, cache_len + t, device=device)
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, cfg: AttentionConfig) -> None:
+        super().__init__()
+        if not isinstance(cfg, AttentionConfig):
+            raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+
+    def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """Normal(0, std) projections (the output projection may get a depth-scaled ``out_std``), zero biases."""
+        for lin in (self.wq, self.wk, self.wv, self.wo):
+            nn.init.normal_(lin.weight, mean=0.0, std=out_std if (lin is self.wo and out_std) else std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A cache for this module; dtype and device default to the weights'."""
+        return KVCache(
+            batch_size,
+            self.n_kv_heads,
+            max_seq_len,
+            self.head_dim,
+            dtype=dtype or self.wq.weight.dtype,
+            device=device if device is not None else self.wq.weight.device,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = True,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """``x`` (B, T, d_model) -> (B, T, d_model).
+
+        With a cache, the new tokens take positions ``len(cache) ...`` and attend to everything cached
+        before them; ``attn_mask`` then covers (T, len(cache) + T) keys.
+        """
+        check_input("GroupedQueryAttention", x, self.cfg.d_model, self.wq.weight)
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        start = len(cache) if cache is not None else 0
+        if self.cfg.rope:
+            cos, sin = rope_cos_sin(positions_for(start, t, x.device), self.head_dim, self.cfg.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        y = attend(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=1.0 / math.sqrt(self.head_dim),  # per head, not per model width
+            backend=self.cfg.backend,
+            dropout_p=self.cfg.dropout if self.training else 0.0,
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))

@@ -1,0 +1,165 @@
+"""The attention math, behind one function and three backends.
+
+Shapes (one convention for the whole package):
+    q: (B, n_heads, T_q, D)       k: (B, n_kv_heads, T_k, D)       v: (B, n_kv_heads, T_k, D_v)
+    output: (B, n_heads, T_q, D_v)
+Query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``.
+
+``attn_mask`` is boolean, True = attend (the rule of ``F.scaled_dot_product_attention``), broadcastable to
+(B, n_heads, T_q, T_k). ``is_causal`` aligns the causal mask to the bottom right: query ``i`` sits at position
+``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs. (SDPA's own
+``is_causal`` aligns to the top left, so it is only used when ``T_q == T_k``.) When both are given, a key is
+attended only if both allow it. A query row with no key to attend yields zeros, not NaN.
+
+Backends:
+    "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read.
+    "sdpa"       ``F.scaled_dot_product_attention(enable_gqa=...)``.
+    "grouped"    no repetition: the queries of one group are stacked and multiplied against their unrepeated
+                 KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k).
+    "auto"       picks one of the above by shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BACKEND_NAMES = ("reference", "sdpa", "grouped")
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Scaled dot-product attention for MHA/GQA/MQA shapes; see the module docstring."""
+    _check_inputs(q, k, v, attn_mask, is_causal)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if backend == "auto":
+        backend = choose_backend(q, k, attn_mask, dropout_p)
+    if backend == "sdpa":
+        return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
+    mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
+    if backend == "reference":
+        return _reference(q, k, v, mask, scale, dropout_p)
+    if backend == "grouped":
+        return _grouped(q, k, v, mask, scale, dropout_p)
+    raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+
+
+def choose_backend(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float) -> str:
+    """The backend "auto" resolves to for these shapes."""
+    if q.shape[2] == 1 and dropout_p == 0.0:
+        return "grouped"  # decode: one matmul per KV head against the unrepeated cache
+    return "sdpa"
+
+
+def combined_mask(
+    attn_mask: torch.Tensor | None, is_causal: bool, t_q: int, t_k: int, device: torch.device
+) -> torch.Tensor | None:
+    """One boolean mask (True = attend) from a user mask and the bottom-right causal rule; None if all True."""
+    if not is_causal or t_q == 1:  # a single query at the end of the sequence may see every key
+        return attn_mask
+    causal = torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+    return causal if attn_mask is None else attn_mask & causal
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims (B, heads, T, D), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, n_heads, t_q, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    n_kv_heads, t_k = k.shape[1], k.shape[2]
+    if v.shape[1] != n_kv_heads or v.shape[2] != t_k:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree on heads or length")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"query heads ({n_heads}) must be a multiple of KV heads ({n_kv_heads})")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[3]}")
+    if is_causal and t_q > t_k:
+        raise ValueError(f"is_causal needs T_q <= T_k, got T_q={t_q}, T_k={t_k}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool:
+            raise TypeError(f"attn_mask must be a bool tensor (True = attend), got dtype {attn_mask.dtype}")
+        target = (b, n_heads, t_q, t_k)
+        shape = tuple(attn_mask.shape)
+        ok = len(shape) <= 4 and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
+        if not ok:
+            raise ValueError(
+                f"attn_mask of shape {shape} does not broadcast to (B, n_heads, T_q, T_k)={target}"
+            )
+
+
+def _zero_dead_rows(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Rows whose mask attends to nothing get zeros (softmax over an empty set is undefined)."""
+    if mask is None:
+        return out
+    alive = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
+    if bool(alive.all()):
+        return out
+    return out.masked_fill(~alive, 0.0)
+
+
+def _reference(q, k, v, mask, scale, dropout_p):
+    n_rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(n_rep, dim=1)  # head h reads KV head h // n_rep
+    v = v.repeat_interleave(n_rep, dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_heads, T_q, T_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # NaN rows -> 0
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return (probs @ v.float()).to(q.dtype)
+
+
+def _grouped(q, k, v, mask, scale, dropout_p):
+    b, n_heads, t_q, d = q.shape
+    n_kv_heads, t_k = k.shape[1], k.shape[2]
+    group = n_heads // n_kv_heads
+    qg = q.reshape(b, n_kv_heads, group * t_q, d)  # a view when q is contiguous (always true for T_q == 1)
+    scores = torch.matmul(qg, k.transpose(-2, -1))  # (B, n_kv_heads, group * T_q, T_k)
+    if mask is not None:
+        # Split the mask's head axis (1 or n_heads) the way the queries were split.
+        m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        m = m.unsqueeze(1) if m.shape[1] == 1 else m.unflatten(1, (n_kv_heads, group))
+        scores = scores.view(b, n_kv_heads, group, t_q, t_k).masked_fill(~m, float("-inf"))
+        scores = scores.view(b, n_kv_heads, group * t_q, t_k)
+    probs = torch.softmax(scores.float() * scale, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    out = torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
+    return _zero_dead_rows(out, mask)
+
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
+    t_q, t_k = q.shape[2], k.shape[2]
+    enable_gqa = q.shape[1] != k.shape[1]
+    if is_causal and attn_mask is None and t_q == t_k:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
+        )
+    mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
+    )
+    return _zero_dead_rows(out, mask)

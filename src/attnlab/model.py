@@ -1,0 +1,164 @@
+"""A small Llama-style decoder whose attention is any variant, and generation with the caches.
+
+Pre-norm blocks: ``h = x + attention(attention_norm(x))``, ``out = h + feed_forward(ffn_norm(h))``, RMSNorm,
+SwiGLU MLP (``w2(silu(w1 x) * w3 x)``), RoPE inside the attention. Module names follow Meta's llama3
+``model.py`` (tok_embeddings, layers.N.attention.wq, feed_forward.w1/w2/w3, norm, output) so that
+checkpoint key maps stay short. Shapes: tokens (B, T) int64 -> logits (B, T, vocab_size) float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention.gqa import GroupedQueryAttention
+from .attention.mla import MultiHeadLatentAttention
+from .attention.norm import RMSNorm
+from .cache import KVCache, LatentCache
+from .config import AttentionConfig, ModelConfig
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, ffn_dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, ffn_dim, bias=bias)  # gate
+        self.w2 = nn.Linear(ffn_dim, d_model, bias=bias)  # down
+        self.w3 = nn.Linear(d_model, ffn_dim, bias=bias)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        attn = cfg.attention
+        self.attention = (
+            GroupedQueryAttention(attn)
+            if isinstance(attn, AttentionConfig)
+            else MultiHeadLatentAttention(attn)
+        )
+        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def forward(self, x, *, attn_mask=None, cache=None):
+        h = x + self.attention(self.attention_norm(x), attn_mask=attn_mask, cache=cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if cfg.is_moe:
+            raise ValueError(f"attnlab.model builds dense models only; ModelConfig.n_experts={cfg.n_experts}")
+        if cfg.mlp != "swiglu":
+            raise ValueError(f"attnlab.model builds SwiGLU MLPs only; ModelConfig.mlp={cfg.mlp!r}")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """GPT-2-style init: N(0, std), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for layer in self.layers:
+            layer.attention.init_weights(std, out_std)
+            nn.init.normal_(layer.feed_forward.w1.weight, std=std)
+            nn.init.normal_(layer.feed_forward.w3.weight, std=std)
+            nn.init.normal_(layer.feed_forward.w2.weight, std=out_std)
+            for lin in (layer.feed_forward.w1, layer.feed_forward.w2, layer.feed_forward.w3):
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+            nn.init.ones_(layer.attention_norm.weight)
+            nn.init.ones_(layer.ffn_norm.weight)
+        nn.init.ones_(self.norm.weight)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+    def new_caches(
+        self,
+        batch_size: int,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[KVCache | LatentCache]:
+        """One cache per layer; ``max_seq_len`` defaults to the config's."""
+        max_seq_len = max_seq_len or self.cfg.max_seq_len
+        return [layer.attention.new_cache(batch_size, max_seq_len, dtype, device) for layer in self.layers]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        caches: list[KVCache | LatentCache] | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
+        if caches is not None and len(caches) != len(self.layers):
+            raise ValueError(f"caches has {len(caches)} entries for {len(self.layers)} layers")
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, attn_mask=attn_mask, cache=None if caches is None else caches[i])
+        return self.output(self.norm(x)).float()
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
+    """Next token ids (B, 1) from last-position logits (B, vocab): greedy when temperature == 0."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend ``prompt`` (B, T) by ``max_new_tokens`` tokens; returns (B, T + max_new_tokens).
+
+    With ``use_cache`` the prompt is prefilled once and each new token is one decode step through the
+    caches; without it every step reruns the whole sequence (the slow reference the cache must match).
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
+    tokens = prompt
+    caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
+    step_input = prompt
+    for _ in range(max_new_tokens):
+        logits = model(step_input if use_cache else tokens, caches=caches)[:, -1]
+        nxt = sample_next(logits, temperature, top_k, generator)
+        tokens = torch.cat((tokens, nxt), dim=1)
+        step_input = nxt
+    return tokens
