@@ -1,0 +1,164 @@
+"""KV caches: bytes allocated, length, reset, in-place updates, and a failed update that changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import (
+    AttentionConfig,
+    GroupedQueryAttention,
+    KVCache,
+    LatentCache,
+    MLAConfig,
+    MultiHeadLatentAttention,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize(("dtype", "element_size"), [(torch.float32, 4), (torch.bfloat16, 2)])
+@pytest.mark.parametrize(("n_heads", "n_kv_heads", "head_dim"), [(8, 8, 16), (8, 2, 40), (6, 1, 96)])
+def test_kv_cache_nbytes(n_heads, n_kv_heads, head_dim, dtype, element_size):
+    attn = GroupedQueryAttention(
+        AttentionConfig(d_model=48, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    ).to(dtype)
+    b, s = 3, 17
+    cache = attn.new_cache(batch_size=b, max_seq_len=s)
+    assert cache.k.dtype == cache.v.dtype == dtype
+    assert cache.k.shape == cache.v.shape == (b, n_kv_heads, s, head_dim)
+    assert cache.nbytes == 2 * b * n_kv_heads * s * head_dim * element_size
+    # An explicit dtype overrides the weights'.
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    assert attn.new_cache(b, s, dtype=other).nbytes == 2 * b * n_kv_heads * s * head_dim * (6 - element_size)
+
+
+@pytest.mark.parametrize(("dtype", "element_size"), [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_latent_cache_nbytes(dtype, element_size):
+    cfg = MLAConfig(
+        d_model=32, n_heads=4, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=8
+    )
+    mla = MultiHeadLatentAttention(cfg).to(dtype)
+    cache = mla.new_cache(batch_size=2, max_seq_len=11)
+    assert cache.kv.dtype == dtype
+    assert cache.nbytes == 2 * 11 * (24 + 6) * element_size
+    # Per token it is independent of n_heads: that is the point of MLA.
+    wide = MultiHeadLatentAttention(cfg.replace(n_heads=16)).to(dtype)
+    assert wide.new_cache(batch_size=2, max_seq_len=11).nbytes == cache.nbytes
+
+
+def test_len_update_and_reset():
+    cache = KVCache(2, 3, 8, 4)
+    assert len(cache) == 0
+    k1, v1 = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    k, v = cache.update(k1, v1)
+    assert len(cache) == 5 and torch.equal(k, k1) and torch.equal(v, v1)
+    k2, v2 = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    k, v = cache.update(k2, v2)
+    assert len(cache) == 6
+    assert torch.equal(k, torch.cat((k1, k2), dim=2)) and torch.equal(v, torch.cat((v1, v2), dim=2))
+    assert k.data_ptr() == cache.k.data_ptr()  # a view of the preallocated buffer, not a copy
+    cache.reset()
+    assert len(cache) == 0
+    k, _ = cache.update(k2, v2)
+    assert k.shape == (2, 3, 1, 4) and torch.equal(k, k2)
+
+
+def test_smaller_batch_uses_the_first_rows():
+    cache = LatentCache(4, 6, 8, 2)
+    rows = torch.randn(2, 3, 10)
+    live = cache.update(rows)
+    assert live.shape == (2, 3, 10) and torch.equal(live, rows)
+    assert torch.equal(cache.kv[2:], torch.zeros(2, 6, 10))
+
+
+def test_reset_then_reuse_equals_a_fresh_cache():
+    attn = GroupedQueryAttention(AttentionConfig(d_model=16, n_heads=4, n_kv_heads=2)).eval()
+    x, other = torch.randn(1, 5, 16), torch.randn(1, 7, 16)
+    with torch.no_grad():
+        fresh = attn.new_cache(1, 8)
+        expected = [attn(x[:, :3], cache=fresh), attn(x[:, 3:], cache=fresh)]
+        reused = attn.new_cache(1, 8)
+        attn(other, cache=reused)
+        reused.reset()
+        got = [attn(x[:, :3], cache=reused), attn(x[:, 3:], cache=reused)]
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+def _snapshot(cache):
+    tensors = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.kv,)
+    return len(cache), [t.clone() for t in tensors]
+
+
+def _assert_unchanged(cache, snapshot):
+    length, tensors = snapshot
+    assert len(cache) == length
+    now = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.kv,)
+    for before, after in zip(tensors, now, strict=True):
+        assert torch.equal(before, after)
+
+
+def test_failed_kv_update_leaves_the_cache_unchanged():
+    cache = KVCache(2, 2, 6, 4)
+    cache.update(torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))
+    snap = _snapshot(cache)
+    bad = [
+        (
+            ValueError,
+            r"KVCache overflow: 4 tokens held \+ 3 new > max_seq_len=6",
+            (2, 2, 3, 4),
+            torch.float32,
+        ),
+        (ValueError, "batch of 3 is larger than the cache's batch_size=2", (3, 2, 1, 4), torch.float32),
+        (
+            TypeError,
+            "k has dtype torch.bfloat16, the cache holds torch.float32",
+            (2, 2, 1, 4),
+            torch.bfloat16,
+        ),
+        (ValueError, r"n_kv_heads=2, head_dim=4\); got k \(2, 1, 1, 4\)", (2, 1, 1, 4), torch.float32),
+        (ValueError, r"n_kv_heads=2, head_dim=4\); got k \(2, 2, 1, 5\)", (2, 2, 1, 5), torch.float32),
+    ]
+    for error, match, shape, dtype in bad:
+        with pytest.raises(error, match=match):
+            cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
+        _assert_unchanged(cache, snap)
+    with pytest.raises(ValueError, match=r"got k \(2, 2, 1, 4\), v \(2, 2, 2, 4\)"):
+        cache.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 2, 4))
+    with pytest.raises(TypeError, match=r"k has dtype torch.float32 but v has torch.bfloat16"):
+        cache.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4, dtype=torch.bfloat16))
+    _assert_unchanged(cache, snap)
+    cache.update(torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4))  # exactly full is fine
+    assert len(cache) == 6
+
+
+def test_failed_latent_update_leaves_the_cache_unchanged():
+    cache = LatentCache(2, 4, 6, 2)
+    cache.update(torch.randn(2, 3, 8))
+    snap = _snapshot(cache)
+    with pytest.raises(ValueError, match=r"LatentCache overflow: 3 tokens held \+ 2 new > max_seq_len=4"):
+        cache.update(torch.randn(2, 2, 8))
+    with pytest.raises(ValueError, match=r"batch of 5 is larger than the cache's batch_size=2"):
+        cache.update(torch.randn(5, 1, 8))
+    with pytest.raises(TypeError, match=r"kv has dtype torch.float64, the cache holds torch.float32"):
+        cache.update(torch.randn(2, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_rope_head_dim = 8; got 7"):
+        cache.update(torch.randn(2, 1, 7))
+    _assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize("field", ["batch_size", "n_kv_heads", "max_seq_len", "head_dim"])
+def test_kv_cache_sizes_are_validated(field):
+    sizes = {"batch_size": 1, "n_kv_heads": 2, "max_seq_len": 8, "head_dim": 4}
+    with pytest.raises(ValueError, match=rf"KVCache.{field} must be >= 1, got 0"):
+        KVCache(**(sizes | {field: 0}))
+    with pytest.raises(TypeError, match=rf"KVCache.{field} must be an int, got 2.0"):
+        KVCache(**(sizes | {field: 2.0}))
+
+
+def test_latent_cache_sizes_are_validated():
+    with pytest.raises(ValueError, match=r"LatentCache.kv_lora_rank must be >= 1, got 0"):
+        LatentCache(1, 8, 0, 2)
+    with pytest.raises(TypeError, match=r"LatentCache.max_seq_len must be an int, got True"):
+        LatentCache(1, True, 4, 2)
