@@ -15,6 +15,7 @@ from typing import Any
 BACKENDS = ("auto", "reference", "sdpa", "grouped")
 MLA_MODES = ("naive", "absorbed")
 MLP_KINDS = ("swiglu", "gelu")
+NORM_KINDS = ("rmsnorm", "layernorm")
 
 
 def _check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
@@ -52,6 +53,7 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     dropout: float = 0.0
     backend: str = "auto"
+    out_bias: bool | None = None  # bias on wo; None: same as ``bias`` (Qwen2: bias=True, out_bias=False)
 
     def __post_init__(self) -> None:
         owner = "AttentionConfig"
@@ -81,6 +83,11 @@ class AttentionConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AttentionConfig.dropout must be in [0, 1), got {self.dropout}")
         _check_choice(owner, "backend", self.backend, BACKENDS)
+
+    @property
+    def has_out_bias(self) -> bool:
+        """Whether ``wo`` has a bias: ``out_bias`` if given, else ``bias``."""
+        return self.bias if self.out_bias is None else self.out_bias
 
     @property
     def n_rep(self) -> int:
@@ -118,6 +125,7 @@ class MLAConfig:
     dropout: float = 0.0
     backend: str = "auto"
     mode: str = "absorbed"
+    kv_norm: bool = True  # RMSNorm on the latent (DeepSeek); False keeps K/V linear in x (attnlab.convert)
 
     def __post_init__(self) -> None:
         owner = "MLAConfig"
@@ -181,6 +189,12 @@ class ModelConfig:
     n_active_experts: int = 0
     moe_ffn_dim: int = 0
     n_dense_layers: int = 0
+    # Cost model only (GPT-2/BERT): LayerNorm has a bias as well as a gain; learned absolute position and
+    # token-type (segment) embeddings; BERT's pooler (a d_model x d_model dense layer with bias).
+    norm: str = "rmsnorm"
+    n_positions: int = 0
+    n_token_types: int = 0
+    pooler: bool = False
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -195,6 +209,9 @@ class ModelConfig:
                 f"got {type(self.attention).__name__}"
             )
         _check_choice(owner, "mlp", self.mlp, MLP_KINDS)
+        _check_choice(owner, "norm", self.norm, NORM_KINDS)
+        for name in ("n_positions", "n_token_types"):
+            _check_int(owner, name, getattr(self, name), minimum=0)
         _check_float(owner, "norm_eps", self.norm_eps)
         for name in ("n_experts", "n_shared_experts", "n_active_experts", "moe_ffn_dim", "n_dense_layers"):
             _check_int(owner, name, getattr(self, name), minimum=0)

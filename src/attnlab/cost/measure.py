@@ -1,0 +1,100 @@
+"""Predicted against measured: one decode step of one attention layer of each variant, on this machine.
+
+The prediction is the roofline of that layer on ``local`` hardware (``measure_local``): FLOPs of one new token
+per sequence attending to ``seq_len`` keys, bytes = the layer's weights plus its KV cache. The measurement
+builds the layer with random weights, a cache holding ``seq_len - 1`` tokens, and times the step that adds
+the ``seq_len``-th (best of several runs after a warm-up, as the local bandwidth and matmul rates are), through the module's default backend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ..config import AttentionConfig
+from .flops import attention_flops
+from .hardware import Hardware, measure_local
+from .memory import dtype_bits, dtype_name, kv_cache_bytes
+from .params import param_count
+from .sweep import Variant
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    label: str
+    flops: int
+    bytes: int
+    predicted_seconds: float
+    measured_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted: how far from the roofline this layer runs."""
+        return self.measured_seconds / self.predicted_seconds
+
+
+def predict_layer(
+    variant: Variant, batch: int, seq_len: int, dtype: str, hw: Hardware
+) -> tuple[int, int, float]:
+    cfg = variant.model.attention
+    flops = attention_flops(cfg, batch, 1, seq_len).total
+    nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
+    return flops, nbytes, max(flops / hw.peak_flops[dtype], nbytes / hw.bandwidth)
+
+
+def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, min_seconds: float) -> float:
+    cfg = variant.model.attention
+    cls = GroupedQueryAttention if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention
+    with torch.device("meta"):
+        layer = cls(cfg)
+    layer = layer.to_empty(device="cpu").to(dtype)
+    layer.init_weights()
+    cache = layer.new_cache(batch, seq_len)
+    x = torch.randn(batch, 1, cfg.d_model, dtype=dtype)
+    times: list[float] = []
+    with torch.inference_mode():
+        for i in range(200):
+            cache.pos = seq_len - 1  # the cached tokens' values do not change the work
+            start = time.perf_counter()
+            layer(x, cache=cache)
+            elapsed = time.perf_counter() - start
+            if i >= 2:  # two warm-up steps
+                times.append(elapsed)
+            if len(times) >= 5 and sum(times) >= min_seconds:
+                break
+    return min(times)  # best of, like the bandwidth and matmul figures it is compared with
+
+
+def measure_variants(
+    chosen: list[Variant],
+    *,
+    batch: int = 1,
+    seq_len: int = 4096,
+    dtype: str = "bf16",
+    min_seconds: float = 0.5,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Hardware, list[LayerTiming]]:
+    """Time one layer per variant on this machine next to its ``local`` roofline prediction."""
+    dtype = dtype_name(dtype)
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"--measure runs in fp32, bf16 or fp16; got dtype {dtype!r}")
+    hw = measure_local()
+    out = []
+    for v in chosen:
+        flops, nbytes, predicted = predict_layer(v, batch, seq_len, dtype, hw)
+        if 3 * nbytes > hw.memory_bytes:
+            raise ValueError(
+                f"one {v.label} layer at batch {batch} x {seq_len} tokens needs {nbytes / 2**30:.1f} GiB; "
+                f"too large to time on this machine ({hw.memory_bytes / 2**30:.1f} GiB)"
+            )
+        if progress is not None:
+            progress(v.label)
+        measured = _time_step(v, batch, seq_len, _TORCH_DTYPES[dtype], min_seconds)
+        out.append(LayerTiming(v.label, flops, nbytes, predicted, measured))
+    return hw, out

@@ -1,0 +1,141 @@
+"""Bytes: KV cache, weights, and what one decode step reads.
+
+KV cache per token (DESIGN.md): ``2 * n_layers * n_kv_heads * head_dim * bytes`` for MHA/MQA/GQA (a key and a
+value per KV head), ``n_layers * (kv_lora_rank + qk_rope_head_dim) * bytes`` for MLA (the latent and the one
+rotary key shared by all heads). Sizes below a byte per element (fp6, int4) are counted in bits and rounded up
+to whole bytes once, for the whole cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import AttentionConfig, MLAConfig, ModelConfig
+from .params import mlp_param_count, model_param_count
+
+# Bits per element. fp6 is DeepSeek-V2's "~6 bits per element" KV quantisation (arXiv 2405.04434, Sec. 3.2.3).
+DTYPE_BITS: dict[str, int] = {
+    "fp64": 64,
+    "fp32": 32,
+    "tf32": 32,
+    "bf16": 16,
+    "fp16": 16,
+    "fp8": 8,
+    "int8": 8,
+    "fp6": 6,
+    "int4": 4,
+    "fp4": 4,
+}
+_ALIASES = {
+    "float64": "fp64",
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical short name ("bf16", "fp8", ...) of a dtype string or torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a string or torch.dtype, got {dtype!r} ({type(dtype).__name__})")
+    name = _ALIASES.get(dtype.lower(), dtype.lower())
+    if name not in DTYPE_BITS:
+        known = ", ".join(DTYPE_BITS)
+        raise ValueError(f"dtype {dtype!r} is not known; use one of {known} or a torch.dtype")
+    return name
+
+
+def dtype_bits(dtype: str | torch.dtype) -> int:
+    """Bits per element; any torch.dtype (int32, float8_e5m2fnuz, ...) counts by its itemsize."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize * 8
+    return DTYPE_BITS[dtype_name(dtype)]
+
+
+def _bits_to_bytes(bits: int) -> int:
+    return -(-bits // 8)
+
+
+def _check_size(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def kv_elements_per_token(cfg: AttentionConfig | MLAConfig | ModelConfig) -> int:
+    """Values cached per token: one layer for an attention config, all layers for a ModelConfig."""
+    if isinstance(cfg, ModelConfig):
+        return cfg.n_layers * kv_elements_per_token(cfg.attention)
+    if isinstance(cfg, AttentionConfig):
+        return 2 * cfg.n_kv_heads * cfg.head_dim
+    if isinstance(cfg, MLAConfig):
+        return cfg.cache_dim
+    raise TypeError(f"cfg must be a ModelConfig, AttentionConfig or MLAConfig, got {type(cfg).__name__}")
+
+
+def kv_cache_bytes(
+    cfg: AttentionConfig | MLAConfig | ModelConfig,
+    batch: int,
+    seq_len: int,
+    dtype: str | torch.dtype = "bf16",
+) -> int:
+    """Bytes of the KV cache for ``batch`` sequences of ``seq_len`` tokens (all layers of a ModelConfig).
+
+    Equals ``cache.nbytes`` of the caches attnlab builds (``KVCache``, ``LatentCache``) with that ``max_seq_len``.
+    """
+    _check_size("batch", batch)
+    _check_size("seq_len", seq_len)
+    return _bits_to_bytes(kv_elements_per_token(cfg) * batch * seq_len * dtype_bits(dtype))
+
+
+def expected_experts_touched(model_cfg: ModelConfig, batch: int) -> float:
+    """Routed experts one decode step reads, per MoE layer, for ``batch`` tokens.
+
+    Assumes uniform, independent routing: an expert is missed by one token with probability
+    ``1 - k / n`` (k = n_active_experts of n = n_experts), so ``n * (1 - (1 - k/n) ** batch)`` are touched.
+    Batch 1 reads exactly k experts; a large batch reads them all.
+    """
+    n, k = model_cfg.n_experts, model_cfg.n_active_experts
+    return n * (1.0 - (1.0 - k / n) ** batch)
+
+
+def weight_bytes_read(model_cfg: ModelConfig, batch: int = 1, dtype: str | torch.dtype = "bf16") -> int:
+    """Weight bytes one decode step of ``batch`` tokens reads.
+
+    Every weight matrix is read once per step; the embedding tables are only gathered (``batch`` rows), unless
+    the token table is tied to the LM head, which reads all of it. An MoE layer reads its router, its shared
+    experts and the routed experts the batch touches (``expected_experts_touched``).
+    """
+    _check_size("batch", batch)
+    n = model_param_count(model_cfg, active=True)  # all of it but untouched experts and embedding tables
+    n += batch * model_cfg.d_model  # the gathered embedding rows
+    if model_cfg.is_moe:
+        n_moe = model_cfg.n_layers - model_cfg.n_dense_layers
+        one_expert = mlp_param_count(
+            model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.mlp, model_cfg.mlp_bias
+        )
+        extra = expected_experts_touched(model_cfg, batch) - model_cfg.n_active_experts
+        n += round(n_moe * extra * one_expert)
+    return _bits_to_bytes(n * dtype_bits(dtype))
+
+
+def decode_step_bytes(
+    model_cfg: ModelConfig,
+    batch: int,
+    kv_len: int,
+    dtype: str | torch.dtype = "bf16",
+    kv_dtype: str | torch.dtype | None = None,
+) -> int:
+    """Bytes one decode step reads from memory: the weights (``weight_bytes_read``) and the KV cache of
+    ``kv_len`` tokens per sequence. Activations are ignored (a few rows of d_model per token)."""
+    _check_size("kv_len", kv_len)
+    kv = kv_cache_bytes(model_cfg, batch, kv_len, kv_dtype if kv_dtype is not None else dtype)
+    return weight_bytes_read(model_cfg, batch, dtype) + kv

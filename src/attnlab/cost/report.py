@@ -1,0 +1,151 @@
+"""``attnlab compare``: the comparison as a rich table, a one-line verdict, JSON, a plot and measurements.
+
+The CLI function in ``attnlab.cli`` only forwards its options to ``run_compare``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .hardware import HARDWARE_NAMES, get_hardware
+from .measure import LayerTiming, measure_variants
+from .presets import load_model
+from .sweep import Comparison, compare, plot_comparison, variants
+
+
+def _si(n: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+def _bytes(n: float) -> str:
+    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {name}"
+    return f"{n:.0f} B"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def compare_table(c: Comparison) -> Table:
+    title = (
+        f"{c.model}: batch {c.batch} x {c.seq_len} tokens, {c.dtype}, {c.hardware}"
+        + (f" x{c.n_devices}" if c.n_devices > 1 else "")
+        + f" (weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})"
+    )
+    table = Table(title=title)
+    for name in (
+        "variant", "KV heads", "attn params", "KV bytes/token", "KV cache",
+        "prefill FLOPs", "decode step", "bound", "max batch",
+    ):  # fmt: skip
+        table.add_column(name, justify="left" if name == "variant" else "right")
+    for r in c.rows:
+        table.add_row(
+            r.label + (" *" if r.native else ""),
+            str(r.n_kv_heads) if r.variant != "mla" else f"latent ({r.equivalent_gqa_groups:g})",
+            _si(r.attention_params, "").strip(),
+            f"{r.kv_cache_bytes_per_token:,}",
+            _bytes(r.kv_cache_bytes),
+            _si(r.prefill_flops, "FLOP"),
+            _seconds(r.decode_step_seconds),
+            r.decode_bound,
+            str(r.max_batch),
+        )
+    table.caption = (
+        "* native. attn params: all layers. prefill FLOPs: whole model, causal. decode step: roofline of one "
+        "token per sequence at this context. MLA KV heads: one latent, (x) = equivalent GQA groups."
+    )
+    return table
+
+
+def measure_table(timings: list[LayerTiming], hw_source: str) -> Table:
+    table = Table(title=f"one attention layer, one decode step, on this machine ({hw_source})")
+    for name in ("variant", "FLOPs", "bytes", "predicted (local)", "measured", "measured / predicted"):
+        table.add_column(name, justify="left" if name == "variant" else "right")
+    for t in timings:
+        table.add_row(t.label, _si(t.flops, ""), _bytes(t.bytes), _seconds(t.predicted_seconds),
+                      _seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
+    return table
+
+
+def run_compare(
+    *,
+    model: str,
+    seq_len: int,
+    batch: int,
+    dtype: str,
+    hardware: str,
+    devices: int = 1,
+    plot: Path | None = None,
+    as_json: bool = False,
+    measure: bool = False,
+) -> None:
+    """Everything ``attnlab compare`` does; errors are ValueError/TypeError/FileNotFoundError."""
+    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--devices", devices)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if hardware not in HARDWARE_NAMES:
+        raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE_NAMES)}")
+    model_cfg = load_model(model)
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=160)  # piped or captured: do not squeeze the table into 80 columns
+    err = Console(stderr=True)
+    if hardware == "local" and not as_json:
+        err.print("measuring this machine (once per boot) ...")
+    comparison = compare(
+        model_cfg,
+        batch=batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        hardware=get_hardware(hardware),
+        n_devices=devices,
+    )
+    if plot is not None:
+        plot_comparison(comparison, model_cfg, plot)
+    timings: list[LayerTiming] = []
+    hw_source = ""
+    if measure:
+        chosen = variants(model_cfg)
+        with Progress(
+            TextColumn("timing one layer: {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(), console=err, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("measuring this machine", total=len(chosen))
+
+            def step(label: str) -> None:
+                bar.update(task, description=label, completed=[v.label for v in chosen].index(label))
+
+            hw, timings = measure_variants(
+                chosen, batch=batch, seq_len=seq_len, dtype=comparison.dtype, progress=step
+            )
+            bar.update(task, completed=len(chosen))
+        hw_source = f"bandwidth {_si(hw.bandwidth, 'B/s')}, {comparison.dtype} matmul {_si(hw.peak_flops[comparison.dtype], 'FLOP/s')}"
+    if as_json:
+        doc = {**comparison.to_json(), "verdict": comparison.verdict()}
+        if plot is not None:
+            doc["plot"] = str(plot)
+        if measure:
+            doc["measured"] = [
+                {"variant": t.label, "flops": t.flops, "bytes": t.bytes, "predicted_seconds": t.predicted_seconds,
+                 "measured_seconds": t.measured_seconds, "ratio": t.ratio}
+                for t in timings
+            ]  # fmt: skip
+            doc["local_hardware"] = hw_source
+        print(json.dumps(doc, indent=1))
+        return
+    out.print(compare_table(comparison))
+    out.print(comparison.verdict())
+    if plot is not None:
+        out.print(f"plot written to {plot}")
+    if measure:
+        out.print(measure_table(timings, hw_source))

@@ -1,0 +1,154 @@
+"""Roofline latency of prefill and of one decode step, and what fits in the device's memory.
+
+A phase takes ``max(FLOPs / peak FLOP/s, bytes / bandwidth)`` (Williams, Waterman and Patterson, "Roofline",
+CACM 2009): the ideal time if compute and memory traffic overlap perfectly; real kernels reach a fraction of it.
+
+- Prefill of ``seq_len`` tokens per sequence: FLOPs with the causal mask skipped (``causal=True``, as flash
+  kernels do); bytes = the weights read once (every expert: a long prompt routes to all of them) plus the KV
+  cache written.
+- One decode step at a context of ``seq_len``: FLOPs of one new token per sequence attending to ``seq_len``
+  keys; bytes = ``decode_step_bytes`` (the weights and the whole KV cache).
+- MLA runs each phase in whichever mode is faster (DeepSeek's own inference decompresses for prefill and
+  absorbs for decode); the mode is reported.
+- Memory: the weights plus the KV cache at ``seq_len`` tokens must fit in ``memory_bytes`` (activations and
+  allocator slack are not counted, so these maxima are upper bounds). ``n_devices`` splits weights, KV cache
+  and work evenly over that many devices (ideal tensor parallelism, no communication cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MLAConfig, ModelConfig
+from .flops import model_flops
+from .hardware import Hardware, get_hardware
+from .memory import decode_step_bytes, dtype_bits, dtype_name, kv_cache_bytes, weight_bytes_read
+from .params import model_param_count
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    flops: int
+    bytes: int
+    compute_seconds: float
+    memory_seconds: float
+    mla_mode: str | None = None  # the MLA mode the figures are for; None for MHA/GQA/MQA
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_seconds, self.memory_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / self.bytes
+
+
+@dataclass(frozen=True)
+class Roofline:
+    model: str
+    hardware: str
+    dtype: str
+    batch: int
+    seq_len: int
+    n_devices: int
+    prefill: PhaseCost
+    decode: PhaseCost
+    weight_bytes: int
+    kv_cache_bytes: int
+    memory_bytes: int
+    max_batch: int  # sequences of seq_len tokens that fit next to the weights (0: the weights alone do not)
+    max_context: int  # tokens per sequence that fit at this batch
+
+    @property
+    def fits(self) -> bool:
+        return self.weight_bytes + self.kv_cache_bytes <= self.memory_bytes
+
+
+def weight_bytes(model_cfg: ModelConfig, dtype: str | torch.dtype = "bf16") -> int:
+    """Bytes of all the weights (every expert, every embedding table)."""
+    return -(-model_param_count(model_cfg) * dtype_bits(dtype) // 8)
+
+
+def _peak(hw: Hardware, dtype: str) -> float:
+    # Weights stored narrower than the table's dtypes (int8, int4, fp6) are computed in bf16 after dequantising.
+    compute = dtype if dtype in hw.peak_flops else "bf16"
+    if compute not in hw.peak_flops:
+        raise ValueError(
+            f"hardware {hw.name!r} has no peak FLOP/s for dtype {dtype!r}; it has {', '.join(hw.peak_flops)}"
+        )
+    return hw.peak_flops[compute]
+
+
+def _phase(model_cfg: ModelConfig, fn, peak: float, bandwidth: float) -> PhaseCost:
+    """The phase cost of ``model_cfg``; for MLA the faster of its two modes."""
+    attn = model_cfg.attention
+    if not isinstance(attn, MLAConfig):
+        flops, nbytes = fn(model_cfg)
+        return PhaseCost(flops, nbytes, flops / peak, nbytes / bandwidth)
+    costs = []
+    for mode in ("naive", "absorbed"):
+        flops, nbytes = fn(model_cfg.with_attention(attn.replace(mode=mode)))
+        costs.append(PhaseCost(flops, nbytes, flops / peak, nbytes / bandwidth, mla_mode=mode))
+    return min(costs, key=lambda c: (c.seconds, c.flops))
+
+
+def roofline(
+    model_cfg: ModelConfig,
+    hardware: Hardware | str = "h100",
+    *,
+    batch: int = 1,
+    seq_len: int = 4096,
+    dtype: str | torch.dtype = "bf16",
+    kv_dtype: str | torch.dtype | None = None,
+    n_devices: int = 1,
+) -> Roofline:
+    """Prefill and decode time on ``hardware`` and the largest batch / context that fit; see the module docstring."""
+    if not isinstance(model_cfg, ModelConfig):
+        raise TypeError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    for name, value in (("batch", batch), ("seq_len", seq_len), ("n_devices", n_devices)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    dtype = dtype_name(dtype)
+    kv_dtype = dtype if kv_dtype is None else dtype_name(kv_dtype)
+    peak = _peak(hw, dtype) * n_devices
+    bandwidth = hw.bandwidth * n_devices
+    memory = hw.memory_bytes * n_devices
+
+    def prefill(cfg: ModelConfig) -> tuple[int, int]:
+        flops = model_flops(cfg, batch, seq_len, seq_len, causal=True).total
+        nbytes = weight_bytes_read(cfg, batch * seq_len, dtype) + kv_cache_bytes(
+            cfg, batch, seq_len, kv_dtype
+        )
+        return flops, nbytes
+
+    def decode(cfg: ModelConfig) -> tuple[int, int]:
+        flops = model_flops(cfg, batch, 1, seq_len).total
+        return flops, decode_step_bytes(cfg, batch, seq_len, dtype, kv_dtype)
+
+    weights = weight_bytes(model_cfg, dtype)
+    kv = kv_cache_bytes(model_cfg, batch, seq_len, kv_dtype)
+    free = memory - weights
+    per_sequence = kv_cache_bytes(model_cfg, 1, seq_len, kv_dtype)
+    per_token_batch = kv_cache_bytes(model_cfg, batch, 1, kv_dtype)
+    return Roofline(
+        model=model_cfg.name,
+        hardware=hw.name,
+        dtype=dtype,
+        batch=batch,
+        seq_len=seq_len,
+        n_devices=n_devices,
+        prefill=_phase(model_cfg, prefill, peak, bandwidth),
+        decode=_phase(model_cfg, decode, peak, bandwidth),
+        weight_bytes=weights,
+        kv_cache_bytes=kv,
+        memory_bytes=memory,
+        max_batch=max(free // per_sequence, 0),
+        max_context=max(free // per_token_batch, 0),
+    )

@@ -1,0 +1,285 @@
+"""One model under every attention variant, side by side: what ``attnlab compare`` prints.
+
+The variants keep the model's width, query heads and everything outside attention, and change only how
+keys and values are kept:
+
+- MHA, GQA-g for every g dividing n_heads, and MQA, all with the model's head_dim (for an MLA model, its
+  ``v_head_dim``, the d_h of DeepSeek-V2's comparison);
+- MLA with DeepSeek-V2's rule (arXiv 2405.04434, Sec. 2.1 and 3.1.2): kv_lora_rank = 4 * d_h,
+  qk_rope_head_dim = d_h / 2, qk_nope_head_dim = v_head_dim = d_h, queries uncompressed, unless given.
+  Its cache holds 4.5 d_h values per token per layer: GQA with 2.25 groups.
+
+The model's own configuration is marked ``native``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import AttentionConfig, MLAConfig, ModelConfig
+from .hardware import Hardware, get_hardware
+from .memory import dtype_name, kv_cache_bytes, kv_elements_per_token
+from .params import model_param_count, param_count
+from .roofline import roofline
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str  # "mha", "gqa-8", "mqa", "mla"
+    kind: str  # "mha" | "gqa" | "mqa" | "mla"
+    model: ModelConfig
+    native: bool
+
+    @property
+    def n_kv_heads(self) -> int:
+        """KV heads cached per layer; MLA caches one latent row shared by all heads: 1."""
+        attn = self.model.attention
+        return attn.n_kv_heads if isinstance(attn, AttentionConfig) else 1
+
+
+def base_head_dim(model_cfg: ModelConfig) -> int:
+    attn = model_cfg.attention
+    return attn.head_dim if isinstance(attn, AttentionConfig) else attn.v_head_dim
+
+
+def mla_alternative(
+    model_cfg: ModelConfig, *, kv_lora_rank: int | None = None, qk_rope_head_dim: int | None = None
+) -> MLAConfig:
+    """DeepSeek-V2's MLA shape for this model's width and heads (see the module docstring)."""
+    attn, hd = model_cfg.attention, base_head_dim(model_cfg)
+    rope_dim = qk_rope_head_dim if qk_rope_head_dim is not None else max(2, hd // 2 // 2 * 2)  # even for RoPE
+    return MLAConfig(
+        d_model=attn.d_model,
+        n_heads=attn.n_heads,
+        kv_lora_rank=kv_lora_rank if kv_lora_rank is not None else 4 * hd,
+        qk_nope_head_dim=hd,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=hd,
+        rope_theta=attn.rope_theta,
+    )
+
+
+def variants(
+    model_cfg: ModelConfig, *, kv_lora_rank: int | None = None, qk_rope_head_dim: int | None = None
+) -> list[Variant]:
+    """MHA, GQA-g (g | n_heads, most KV heads first), MQA, then MLA; the model's own one marked native."""
+    if not isinstance(model_cfg, ModelConfig):
+        raise TypeError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
+    attn, hd, h = model_cfg.attention, base_head_dim(model_cfg), model_cfg.n_heads
+    out = []
+    for g in sorted((g for g in range(1, h + 1) if h % g == 0), reverse=True):
+        if isinstance(attn, AttentionConfig):
+            cfg = attn.replace(n_kv_heads=g)
+            native = g == attn.n_kv_heads
+        else:
+            cfg = AttentionConfig(
+                d_model=attn.d_model, n_heads=h, n_kv_heads=g, head_dim=hd, rope_theta=attn.rope_theta
+            )
+            native = False
+        kind = cfg.variant
+        out.append(
+            Variant(kind if kind != "gqa" else f"gqa-{g}", kind, model_cfg.with_attention(cfg), native)
+        )
+    if isinstance(attn, MLAConfig):
+        out.append(Variant("mla", "mla", model_cfg, True))
+    else:
+        mla = mla_alternative(model_cfg, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+        out.append(Variant("mla", "mla", model_cfg.with_attention(mla), False))
+    return out
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    variant: str
+    label: str
+    n_kv_heads: int
+    native: bool
+    equivalent_gqa_groups: float  # KV values per token per layer / (2 * d_h)
+    kv_cache_bytes_per_token: int  # all layers
+    kv_cache_bytes: int  # at batch x seq_len
+    attention_params: int  # all layers
+    model_params: int
+    prefill_flops: int  # whole model, causal mask skipped (the roofline's count)
+    prefill_seconds: float
+    decode_step_flops: int
+    decode_step_bytes: int
+    decode_step_seconds: float
+    decode_bound: str
+    max_batch: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Comparison:
+    model: str
+    hardware: str
+    dtype: str
+    batch: int
+    seq_len: int
+    n_devices: int
+    memory_bytes: int
+    weight_bytes: int
+    rows: list[CompareRow]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def native(self) -> CompareRow:
+        return next(r for r in self.rows if r.native)
+
+    def verdict(self) -> str:
+        native = self.native
+        fastest = min(self.rows, key=lambda r: (r.decode_step_seconds, r.kv_cache_bytes))
+        smallest = min(self.rows, key=lambda r: (r.kv_cache_bytes, r.decode_step_seconds))
+        where = f"{self.batch} x {self.seq_len} tokens on {self.hardware} ({self.dtype})"
+        text = (
+            f"{self.model}, {where}: native {native.label} needs {_gib(native.kv_cache_bytes)} of KV cache and "
+            f"{native.decode_step_seconds * 1e3:.2f} ms per decode step"
+        )
+        if smallest is not native:
+            ratio = native.kv_cache_bytes / smallest.kv_cache_bytes
+            text += f"; {smallest.label} would shrink the cache {ratio:.1f}x"
+        if fastest is not native:
+            ratio = native.decode_step_seconds / fastest.decode_step_seconds
+            text += f", {fastest.label} would decode {ratio:.2f}x faster"
+        else:
+            text += ", no variant decodes faster"
+        if self.weight_bytes > self.memory_bytes:
+            return (
+                text
+                + f"; the weights ({_gib(self.weight_bytes)}) alone exceed the {_gib(self.memory_bytes)} of memory (try --devices)."
+            )
+        best = max(self.rows, key=lambda r: r.max_batch)
+        return (
+            text
+            + f"; max batch {native.max_batch} ({best.label}: {best.max_batch}). Quality is not modelled."
+        )
+
+
+def _gib(n: float) -> str:
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def compare(
+    model_cfg: ModelConfig,
+    *,
+    batch: int = 1,
+    seq_len: int = 4096,
+    dtype: str | torch.dtype = "bf16",
+    hardware: Hardware | str = "h100",
+    n_devices: int = 1,
+    kv_lora_rank: int | None = None,
+    qk_rope_head_dim: int | None = None,
+) -> Comparison:
+    """Every variant of ``model_cfg`` at ``batch`` x ``seq_len`` tokens on ``hardware``."""
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    dtype = dtype_name(dtype)
+    rows = []
+    weights = 0
+    for v in variants(model_cfg, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim):
+        r = roofline(v.model, hw, batch=batch, seq_len=seq_len, dtype=dtype, n_devices=n_devices)
+        per_layer = kv_elements_per_token(v.model.attention)
+        if v.native:
+            weights = r.weight_bytes
+        rows.append(
+            CompareRow(
+                variant=v.kind,
+                label=v.label,
+                n_kv_heads=v.n_kv_heads,
+                native=v.native,
+                equivalent_gqa_groups=per_layer / (2 * base_head_dim(model_cfg)),
+                kv_cache_bytes_per_token=kv_cache_bytes(v.model, 1, 1, dtype),
+                kv_cache_bytes=r.kv_cache_bytes,
+                attention_params=v.model.n_layers * param_count(v.model.attention),
+                model_params=model_param_count(v.model),
+                prefill_flops=r.prefill.flops,
+                prefill_seconds=r.prefill.seconds,
+                decode_step_flops=r.decode.flops,
+                decode_step_bytes=r.decode.bytes,
+                decode_step_seconds=r.decode.seconds,
+                decode_bound=r.decode.bound,
+                max_batch=r.max_batch,
+                max_context=r.max_context,
+            )
+        )
+    return Comparison(
+        model=model_cfg.name or "model",
+        hardware=hw.name,
+        dtype=dtype,
+        batch=batch,
+        seq_len=seq_len,
+        n_devices=n_devices,
+        memory_bytes=hw.memory_bytes * n_devices,
+        weight_bytes=weights,
+        rows=rows,
+    )
+
+
+def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | Path) -> Path:
+    """Two panels: KV cache vs context length per variant; decode latency vs KV heads (the shape of Fig. 6 of
+    the GQA paper, Ainslie et al., arXiv 2305.13245). Written atomically as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--plot must name a .png file, got {str(path)!r}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist")
+    fig, (ax_kv, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
+    contexts = [2**k for k in range(9, 18)]
+    for v in variants(model_cfg):
+        sizes = [kv_cache_bytes(v.model, comparison.batch, s, comparison.dtype) / 2**30 for s in contexts]
+        ax_kv.plot(
+            contexts,
+            sizes,
+            marker="o",
+            ms=3,
+            lw=2.5 if v.native else 1.2,
+            label=v.label + (" (native)" if v.native else ""),
+        )
+    free = (comparison.memory_bytes - comparison.weight_bytes) / 2**30
+    if free > 0:
+        ax_kv.axhline(free, color="gray", ls="--", lw=1, label=f"{comparison.hardware} memory after weights")
+    ax_kv.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV cache (GiB)")
+    ax_kv.set_title(f"KV cache, batch {comparison.batch}, {comparison.dtype}")
+    ax_kv.legend(fontsize=7)
+    gqa = [r for r in comparison.rows if r.variant != "mla"]
+    ax_lat.plot(
+        [r.n_kv_heads for r in gqa],
+        [r.decode_step_seconds * 1e3 for r in gqa],
+        marker="o",
+        label="MHA / GQA / MQA",
+    )
+    for r in comparison.rows:
+        if r.native:
+            ax_lat.plot([r.equivalent_gqa_groups], [r.decode_step_seconds * 1e3], "k*", ms=12, label="native")
+    mla = [r for r in comparison.rows if r.variant == "mla"]
+    ax_lat.plot([r.equivalent_gqa_groups for r in mla], [r.decode_step_seconds * 1e3 for r in mla], "s", color="C3",
+                label="MLA (at its equivalent GQA groups)")  # fmt: skip
+    ax_lat.set(xscale="log", xlabel="KV heads", ylabel="decode step (ms)")
+    ax_lat.set_xscale("log", base=2)
+    ax_lat.set_title(f"decode at {comparison.seq_len} tokens on {comparison.hardware}")
+    ax_lat.legend(fontsize=8)
+    fig.suptitle(f"{comparison.model}: attention variants")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp.png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+    return path

@@ -1,0 +1,136 @@
+"""`attnlab compare`: JSON schema and values, the PNG plot, --measure, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+from attnlab.cost import kv_cache_bytes
+from attnlab.cost.presets import HF_CONFIGS, get_preset
+
+runner = CliRunner()
+
+ROW_KEYS = {
+    "variant": str, "n_kv_heads": int, "native": bool, "kv_cache_bytes_per_token": int, "attention_params": int,
+    "prefill_flops": int, "decode_step_seconds": float, "max_batch": int,
+}  # fmt: skip
+
+
+def run_json(*args: str) -> dict:
+    result = runner.invoke(app, ["compare", *args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compare_json_default_is_llama_2_7b_on_h100():
+    doc = run_json()
+    assert (doc["model"], doc["hardware"], doc["dtype"], doc["batch"], doc["seq_len"]) == (
+        "llama-2-7b",
+        "h100",
+        "bf16",
+        1,
+        4096,
+    )
+    for row in doc["rows"]:
+        for key, kind in ROW_KEYS.items():
+            assert isinstance(row[key], kind), (key, row[key])
+        assert row["variant"] in {"mha", "mqa", "gqa", "mla"}
+        assert row["decode_step_seconds"] > 0 and row["prefill_flops"] > 0
+    assert [r["n_kv_heads"] for r in doc["rows"]] == [32, 16, 8, 4, 2, 1, 1]
+    assert [r["variant"] for r in doc["rows"] if r["native"]] == ["mha"]
+    assert doc["rows"][0]["kv_cache_bytes_per_token"] == 512 * 1024
+    by_heads = [r["decode_step_seconds"] for r in doc["rows"][:6]]
+    assert by_heads == sorted(by_heads, reverse=True)  # fewer KV heads: less to read per step
+    assert [r["max_batch"] for r in doc["rows"][:6]] == sorted(r["max_batch"] for r in doc["rows"][:6])
+    assert "llama-2-7b" in doc["verdict"]
+
+
+def test_compare_json_deepseek_v3_and_options():
+    doc = run_json(
+        "--model", "deepseek-v3", "--seq-len", "1000", "--batch", "2", "--hardware", "h200", "--dtype", "fp8"
+    )
+    mla = [r for r in doc["rows"] if r["native"]]
+    assert len(mla) == 1 and mla[0]["variant"] == "mla" and mla[0]["kv_cache_bytes_per_token"] == 35_136
+    assert mla[0]["kv_cache_bytes"] == kv_cache_bytes(get_preset("deepseek-v3"), 2, 1000, "fp8")
+    assert doc["hardware"] == "h200" and mla[0]["max_batch"] == 0  # 671 GB of fp8 weights > 141 GB
+
+
+def test_compare_config_json_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_CONFIGS["gpt2"]))
+    doc = run_json("--model", str(path), "--seq-len", "1024")
+    assert [r["variant"] for r in doc["rows"] if r["native"]] == ["mha"]
+    assert doc["rows"][0]["kv_cache_bytes_per_token"] == 2 * 12 * 768 * 2
+
+
+def test_compare_table_and_plot(tmp_path):
+    import matplotlib.image
+
+    out = tmp_path / "cmp.png"
+    result = runner.invoke(app, ["compare", "--model", "llama-3-8b", "--plot", str(out)])
+    assert result.exit_code == 0, result.stderr
+    assert "gqa-8 *" in result.stdout and "max batch" in result.stdout and "llama-3-8b" in result.stdout
+    image = matplotlib.image.imread(out)
+    assert image.shape[:2] == (480, 1200)  # 12 x 4.8 inches at 100 dpi
+    assert image.std() > 0.05  # not blank
+    assert [p.name for p in tmp_path.iterdir()] == ["cmp.png"]  # no temp file left
+
+
+def test_compare_measure_small_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            dict(HF_CONFIGS["llama-2-7b"], hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
+        )
+    )
+    result = runner.invoke(app, ["compare", "--model", str(path), "--seq-len", "512", "--hardware", "local",
+                                 "--dtype", "fp32", "--json", "--measure"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert (
+        [m["variant"] for m in doc["measured"]]
+        == [r["label"] for r in doc["rows"]]
+        == ["mha", "gqa-2", "mqa", "mla"]
+    )
+    for m in doc["measured"]:
+        assert m["measured_seconds"] > 0 and m["predicted_seconds"] > 0
+        assert m["ratio"] == pytest.approx(m["measured_seconds"] / m["predicted_seconds"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "llama-2"], "unknown model preset"),
+        (["--model", "nowhere/config.json"], "no config.json at"),
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--batch", "-3"], "--batch must be >= 1, got -3"),
+        (["--hardware", "tpu"], "unknown hardware 'tpu'"),
+        (["--dtype", "fp5"], "dtype 'fp5' is not known"),
+        (["--plot", "no/such/dir/x.png"], "does not exist"),
+        (["--plot", "plot.jpg"], "must name a .png file"),
+        (
+            ["--measure", "--model", "llama-3.1-405b", "--batch", "64", "--seq-len", "131072"],
+            "too large to time",
+        ),
+    ],
+)
+def test_compare_errors_are_one_line_exit_2(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["compare", *args])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab: error:") and message in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_bad_config_json_exit_2(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(HF_CONFIGS["llama-2-7b"], num_key_value_heads=5)))
+    result = runner.invoke(app, ["compare", "--model", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "attnlab: error: llama config.json: num_key_value_heads=5 does not divide num_attention_heads=32"
+    )

@@ -1,0 +1,214 @@
+"""Analytic FLOPs against torch's FlopCounterMode (reference backend) and count_flops (sdpa backend)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, ModelConfig, MultiHeadLatentAttention
+from attnlab.attention.kernels import combined_mask
+from attnlab.cost import attention_flops, count_flops, model_flops
+from attnlab.model import Transformer
+
+N_RANDOM = (
+    25  # random configs per variant family (175 in all), each: prefill fwd, fwd+bwd, decode; 2 backends
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Counting runs thousands of tiny ops; with two threads on a shared 2-core machine each one can wait
+    # hundreds of microseconds for the other thread. One thread is faster and does not change any count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_gqa(rng: random.Random, kind: str) -> AttentionConfig:
+    n_heads = rng.choice([4, 6, 8])
+    groups = [g for g in range(2, n_heads) if n_heads % g == 0]  # strictly between MQA and MHA
+    n_kv = {"mha": n_heads, "mqa": 1, "gqa": rng.choice(groups)}[kind]
+    head_dim = rng.choice([4, 8, 12, 16])
+    bias = rng.random() < 0.5
+    return AttentionConfig(
+        d_model=rng.choice([16, 24, 32]), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, bias=bias,
+        out_bias=rng.choice([None, not bias]),
+    )  # fmt: skip
+
+
+def random_mla(rng: random.Random, mode: str, q_lora: bool) -> MLAConfig:
+    return MLAConfig(
+        d_model=rng.choice([16, 24, 32]),
+        n_heads=rng.choice([1, 2, 3, 4]),
+        kv_lora_rank=rng.choice([4, 8, 12]),
+        qk_nope_head_dim=rng.choice([0, 4, 8]),
+        qk_rope_head_dim=rng.choice([2, 4, 6]),
+        v_head_dim=rng.choice([4, 6, 8]),
+        q_lora_rank=rng.choice([4, 10]) if q_lora else 0,
+        bias=rng.random() < 0.5,
+        mode=mode,
+    )
+
+
+FAMILIES = ["mha", "gqa", "mqa", "mla-naive", "mla-absorbed", "mla-naive-qlora", "mla-absorbed-qlora"]
+
+
+def configs(family: str) -> list[AttentionConfig | MLAConfig]:
+    rng = random.Random(f"flops-{family}")
+    if family.startswith("mla"):
+        return [random_mla(rng, family.split("-")[1], family.endswith("qlora")) for _ in range(N_RANDOM)]
+    return [random_gqa(rng, family) for _ in range(N_RANDOM)]
+
+
+def build(cfg):
+    module = GroupedQueryAttention(cfg) if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention(cfg)
+    return module.double()  # float64: no dtype casts that a counter could see differently
+
+
+class Counter:
+    """One interface over FlopCounterMode (for "reference") and count_flops (for "sdpa")."""
+
+    def __init__(self, backend: str) -> None:
+        self.mode = FlopCounterMode(display=False) if backend == "reference" else count_flops()
+
+    def __enter__(self) -> Counter:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return self.mode.get_total_flops() if isinstance(self.mode, FlopCounterMode) else self.mode.total
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flops_equal_counters_prefill_forward_backward_and_decode(family):
+    rng = random.Random(f"sizes-{family}")
+    checked = 0
+    for cfg in configs(family):
+        b, t, prior = rng.randint(1, 3), rng.randint(1, 6), rng.randint(1, 5)
+        for backend in ("reference", "sdpa"):
+            module = build(cfg.replace(backend=backend))
+            x = torch.randn(b, t, cfg.d_model, dtype=torch.float64, requires_grad=True)
+            with Counter(backend) as fwd:
+                module(x)
+            assert fwd.total == attention_flops(cfg, b, t, t).total, (backend, cfg)
+            with Counter(backend) as both:
+                module(x).square().sum().backward()
+            assert both.total == attention_flops(cfg, b, t, t, backward=True).total, (backend, cfg)
+
+            # decode with a cache: `prior` tokens cached, then one step, then a chunk of t tokens
+            cache = module.new_cache(b, prior + 1 + t)
+            x_prior, x_step, x_chunk = (
+                torch.randn(b, n, cfg.d_model, dtype=torch.float64) for n in (prior, 1, t)
+            )
+            with torch.no_grad():
+                module(x_prior, cache=cache)
+                with Counter(backend) as step:
+                    module(x_step, cache=cache)
+                with Counter(backend) as chunk:
+                    module(x_chunk, cache=cache)
+            assert step.total == attention_flops(cfg, b, 1, prior + 1).total, (backend, cfg)
+            assert chunk.total == attention_flops(cfg, b, t, prior + 1 + t).total, (backend, cfg)
+            checked += 1
+    assert checked == 2 * N_RANDOM
+
+
+def test_mla_modes_cost_differently_and_parts_add_up():
+    cfg = MLAConfig(
+        d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+    )
+    naive = attention_flops(cfg.replace(mode="naive"), 1, 1, 100)
+    absorbed = attention_flops(cfg.replace(mode="absorbed"), 1, 1, 100)
+    # decode: naive decompresses 100 cached latents per head; absorbed scores against them directly
+    assert naive.k_proj == 2 * 100 * 32 * 4 * 16 and absorbed.k_proj == 0
+    assert absorbed.scores == 2 * 4 * 100 * (32 + 8) and naive.scores == 2 * 4 * 100 * (16 + 8)
+    assert absorbed.total < naive.total
+    fields = ("q_proj", "k_proj", "v_proj", "latent_proj", "absorb", "scores", "values", "out_proj")
+    assert naive.total == sum(getattr(naive, f) for f in fields)
+
+
+def test_causal_count_equals_the_mask():
+    cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2)
+    for t_q, t_k in [(5, 5), (3, 9), (1, 7), (8, 8)]:
+        mask = combined_mask(None, True, t_q, t_k, torch.device("cpu"))
+        kept = t_q * t_k if mask is None else int(mask.sum())
+        full = attention_flops(cfg, 2, t_q, t_k)
+        causal = attention_flops(cfg, 2, t_q, t_k, causal=True)
+        assert causal.scores == 2 * 2 * 4 * kept * 8
+        assert full.scores == 2 * 2 * 4 * t_q * t_k * 8
+        assert causal.q_proj == full.q_proj
+    with pytest.raises(ValueError, match="q_len <= kv_len"):
+        attention_flops(cfg, 1, 5, 3, causal=True)
+    with pytest.raises(ValueError, match="batch"):
+        attention_flops(cfg, 0, 5, 5)
+
+
+def test_plain_flop_counter_misses_cpu_sdpa_and_count_flops_does_not():
+    q = torch.randn(2, 8, 16, 32, requires_grad=True)
+    k = torch.randn(2, 2, 16, 32, requires_grad=True)
+    v = torch.randn(2, 2, 16, 32, requires_grad=True)
+    expected = 2 * 2 * 8 * 16 * 16 * (32 + 32)  # per query head: scores and weighted values
+    with FlopCounterMode(display=False) as plain:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    assert plain.get_total_flops() == 0  # why count_flops exists
+    with count_flops() as fc:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert fc.total == expected
+    assert fc.by_op == {"_scaled_dot_product_flash_attention_for_cpu": expected}
+    with count_flops() as fc:
+        out.sum().backward()
+    assert fc.total == 2 * expected  # dQ, dK, dV, dP: twice the forward products
+
+
+def small_model(attention, **kw) -> ModelConfig:
+    return ModelConfig(vocab_size=97, n_layers=2, attention=attention, ffn_dim=40, **kw)
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, backend="reference"),
+        MLAConfig(d_model=32, n_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                  q_lora_rank=12, backend="reference", mode="naive"),
+        MLAConfig(d_model=32, n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                  backend="reference"),
+    ],
+    ids=["gqa", "mla-naive", "mla-absorbed"],
+)  # fmt: skip
+def test_model_flops_equal_flop_counter_on_transformer(attention):
+    cfg = small_model(attention, tie_embeddings=isinstance(attention, MLAConfig))
+    model = Transformer(cfg).double()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 7))
+    with FlopCounterMode(display=False) as fc:
+        model(tokens)
+    assert fc.get_total_flops() == model_flops(cfg, 2, 7).total
+    with FlopCounterMode(display=False) as fc:
+        model(tokens).sum().backward()
+    assert fc.get_total_flops() == model_flops(cfg, 2, 7, backward=True).total
+    caches = model.new_caches(2, 12, dtype=torch.float64)
+    with torch.no_grad():
+        model(tokens, caches=caches)
+        with FlopCounterMode(display=False) as fc:
+            model(tokens[:, :1], caches=caches)
+    assert fc.get_total_flops() == model_flops(cfg, 2, 1, 8).total
+
+
+def test_moe_flops_use_active_experts():
+    attn = AttentionConfig(d_model=64, n_heads=4)
+    dense = ModelConfig(vocab_size=100, n_layers=4, attention=attn, ffn_dim=256)
+    moe = dense.replace(
+        n_experts=16, n_shared_experts=1, n_active_experts=2, moe_ffn_dim=64, n_dense_layers=1
+    )
+    a, b = model_flops(dense, 1, 10), model_flops(moe, 1, 10)
+    assert a.attention == b.attention and a.lm_head == b.lm_head
+    # 1 dense layer of width 256 + 3 MoE layers running 3 experts of width 64; SwiGLU: 6 d f per token
+    assert b.mlp == 10 * 6 * 64 * (256 + 3 * 3 * 64)
+    assert b.router == 10 * 3 * 2 * 64 * 16

@@ -1,0 +1,95 @@
+"""Roofline, memory fit and the hardware table (including the measured local machine and its cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from attnlab.cost import decode_step_bytes, kv_cache_bytes, model_flops
+from attnlab.cost import hardware as hw_mod
+from attnlab.cost.hardware import HARDWARE, Hardware, get_hardware, measure_local
+from attnlab.cost.presets import get_preset
+from attnlab.cost.roofline import roofline, weight_bytes
+
+
+def test_hardware_table():
+    assert set(HARDWARE) == {"h100", "h200", "a100-80gb", "l40s", "rtx4090"}
+    h100 = get_hardware("h100")
+    assert h100.peak_flops["bf16"] == pytest.approx(989.4e12) and h100.bandwidth == 3.35e12
+    assert (
+        get_hardware("h200").bandwidth > h100.bandwidth and get_hardware("h200").memory_bytes == 141 * 10**9
+    )
+    for hw in HARDWARE.values():
+        assert hw.source and {"fp32", "bf16", "fp16"} <= set(hw.peak_flops)
+    with pytest.raises(ValueError, match="known: h100, h200, a100-80gb, l40s, rtx4090, local"):
+        get_hardware("H100")
+
+
+def test_roofline_is_the_max_of_compute_and_memory_time():
+    llama = get_preset("llama-2-7b")
+    h100 = get_hardware("h100")
+    r = roofline(llama, h100, batch=1, seq_len=4096)
+    assert r.decode.flops == model_flops(llama, 1, 1, 4096).total
+    assert r.decode.bytes == decode_step_bytes(llama, 1, 4096)
+    assert r.decode.seconds == pytest.approx(max(r.decode.flops / 989.4e12, r.decode.bytes / 3.35e12))
+    assert r.decode.bound == "memory" and r.prefill.bound == "compute"
+    assert r.prefill.flops == model_flops(llama, 1, 4096, causal=True).total
+    # decode at batch 1 is memory bound: twice the bandwidth halves it, twice the FLOP/s changes nothing
+    fast_mem = dataclasses.replace(h100, bandwidth=2 * h100.bandwidth)
+    fast_flops = dataclasses.replace(h100, peak_flops={k: 2 * v for k, v in h100.peak_flops.items()})
+    assert roofline(llama, fast_mem).decode.seconds == pytest.approx(r.decode.seconds / 2)
+    assert roofline(llama, fast_flops).decode.seconds == pytest.approx(r.decode.seconds)
+    assert roofline(llama, fast_flops).prefill.seconds == pytest.approx(r.prefill.seconds / 2)
+
+
+def test_max_batch_and_context_fit_exactly():
+    llama = get_preset("llama-2-7b")
+    r = roofline(llama, "h100", batch=3, seq_len=4096)
+    weights, memory = weight_bytes(llama), 80 * 10**9
+    assert r.weight_bytes == weights == 2 * 6_738_415_616
+    per_seq = kv_cache_bytes(llama, 1, 4096)
+    assert weights + r.max_batch * per_seq <= memory < weights + (r.max_batch + 1) * per_seq
+    per_token = kv_cache_bytes(llama, 3, 1)
+    assert weights + r.max_context * per_token <= memory < weights + (r.max_context + 1) * per_token
+    assert r.max_batch == 30 and r.fits
+    # DeepSeek-V3 in bf16 needs ~1.34 TB: nothing fits on one H100, it fits on 32
+    v3 = get_preset("deepseek-v3")
+    assert roofline(v3, "h100").max_batch == 0 and not roofline(v3, "h100").fits
+    assert roofline(v3, "h100", n_devices=32).fits
+
+
+def test_mla_picks_the_faster_mode_per_phase():
+    r = roofline(get_preset("deepseek-v2-lite"), "h100", batch=8, seq_len=8192)
+    assert (r.prefill.mla_mode, r.decode.mla_mode) == ("naive", "absorbed")
+    assert roofline(get_preset("llama-2-7b")).decode.mla_mode is None
+
+
+def test_roofline_rejects_bad_sizes():
+    llama = get_preset("llama-2-7b")
+    with pytest.raises(ValueError, match="seq_len"):
+        roofline(llama, "h100", seq_len=0)
+    with pytest.raises(ValueError, match="dtype 'fp5'"):
+        roofline(llama, "h100", dtype="fp5")
+
+
+def test_measure_local_is_cached_per_boot(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measure_local.cache_clear()
+    first = measure_local()
+    assert first.name == "local" and first.bandwidth > 1e8 and first.peak_flops["fp32"] > 1e8
+    assert first.memory_bytes > 2**30
+    saved = json.loads((tmp_path / "attnlab" / "local_hardware.json").read_text())
+    assert saved["key"]["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert Hardware(**saved["hardware"]) == first
+    assert measure_local() is first  # in-process cache
+
+    def no_measuring():
+        raise AssertionError("measured again although the cache file is valid for this boot")
+
+    monkeypatch.setattr(hw_mod, "_measure", no_measuring)
+    measure_local.cache_clear()
+    assert measure_local() == first  # read back from the file
+    assert get_hardware("local") == first
