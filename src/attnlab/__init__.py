@@ -1,7 +1,7 @@
 """attnlab: MHA, MQA, GQA and MLA attention that is right, fast and costed."""
 
 from .attention import GroupedQueryAttention, MultiHeadLatentAttention, attend
-from .cache import KVCache, LatentCache
+from .cache import KVCache, LatentCache, PagedKVCache
 from .config import AttentionConfig, MLAConfig, ModelConfig
 
 __version__ = "0.1.0"
@@ -14,5 +14,6 @@ __all__ = [
     "MLAConfig",
     "ModelConfig",
     "MultiHeadLatentAttention",
+    "PagedKVCache",
     "attend",
 ]

@@ -3,7 +3,7 @@
 A cache owns its position (``len(cache)``, the number of tokens it holds). An attention module's forward
 calls ``update`` once per call: the new tokens are written at ``len(cache)`` and the live prefix is returned,
 so a step costs time proportional to the live length, not to ``max_seq_len``. All sequences of a batch share
-one length here; ``PagedKVCache`` (later) is the cache for ragged batches.
+one length in ``KVCache``; ``PagedKVCache`` is the cache for ragged batches.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class KVCache(_Cache):
                 f"KVCache holds (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}); "
                 f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
+        if v.dtype != k.dtype:  # the write below would cast v silently
+            raise TypeError(f"KVCache: k has dtype {k.dtype} but v has {v.dtype}")
         start, end = self._reserve(b, t, k.dtype, "k")
         self.k[:b, :, start:end] = k
         self.v[:b, :, start:end] = v
@@ -150,3 +152,196 @@ class LatentCache(_Cache):
         start, end = self._reserve(b, t, kv.dtype, "kv")
         self.kv[:b, start:end] = kv
         return self.kv[:b, :end]
+
+
+class OutOfBlocksError(ValueError):
+    """A ``PagedKVCache`` has too few free blocks for an update; the cache is left exactly as it was."""
+
+
+class PagedKVCache:
+    """Keys and values in fixed-size blocks with a block table per sequence (vLLM's PagedAttention, Kwon et al.
+    2023, arXiv 2309.06180), for batches whose sequences have different lengths.
+
+    Layout: ``k`` and ``v`` are pools of (n_kv_heads, n_blocks, block_size, head_dim). Token ``t`` of the sequence
+    in batch row ``r`` lives in block ``block_tables[r][t // block_size]`` at offset ``t % block_size``. Keys are
+    stored after RoPE. Blocks are taken from the pool only when a row needs them, so a row holds
+    ``ceil(length / block_size)`` blocks: at most one of them partly filled. ``free(row)`` returns its blocks.
+
+    A row's next block is, when free, the one physically after its last block; attention then reads each run of
+    consecutive blocks as a single strided view (see ``attnlab.attention.decode.paged_decode``), never a copy.
+    ``update`` appends to the rows in ``active`` (all rows by default; ``select(rows)`` narrows it, e.g. to prefill
+    one prompt of a ragged batch).
+
+    With ``values_in_keys=True`` (MLA's absorbed form: the value of a token is the first ``value_dim`` entries of
+    its cached row) only ``k`` is stored and ``v`` is a view of it.
+    """
+
+    def __init__(
+        self,
+        n_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        batch_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        values_in_keys: bool = False,
+        value_dim: int | None = None,
+    ) -> None:
+        _check_sizes(
+            "PagedKVCache",
+            n_blocks=n_blocks,
+            block_size=block_size,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            batch_size=batch_size,
+        )
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.n_kv_heads, self.head_dim, self.batch_size = n_kv_heads, head_dim, batch_size
+        self.dtype = dtype
+        shape = (n_kv_heads, n_blocks, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.values_in_keys = values_in_keys
+        if values_in_keys:
+            value_dim = head_dim if value_dim is None else value_dim
+            _check_sizes("PagedKVCache", value_dim=value_dim)
+            if value_dim > head_dim:
+                raise ValueError(f"PagedKVCache.value_dim={value_dim} exceeds head_dim={head_dim}")
+            self.v = self.k[..., :value_dim]  # a view: the values are part of the cached rows
+        else:
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch_size
+        self.block_tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self._free = set(range(n_blocks))
+        self.active = list(range(batch_size))
+
+    def __len__(self) -> int:
+        """The longest active row's length."""
+        return max((self.lengths[r] for r in self.active), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (allocated up front)."""
+        return self.k.nbytes if self.values_in_keys else self.k.nbytes + self.v.nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block, keys and values."""
+        return self.nbytes // self.n_blocks
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the blocks held by sequences: at most one partly filled block per sequence."""
+        return (self.n_blocks - len(self._free)) * self.block_nbytes
+
+    @property
+    def n_free_blocks(self) -> int:
+        return len(self._free)
+
+    def select(self, rows: list[int]) -> PagedKVCache:
+        """Make ``rows`` (distinct batch rows, in batch order) the ones the next forward reads and writes."""
+        valid = all(isinstance(r, int) and 0 <= r < self.batch_size for r in rows)
+        if not rows or len(set(rows)) != len(rows) or not valid:
+            raise ValueError(f"PagedKVCache.select: rows must be distinct, in [0, {self.batch_size}): {rows}")
+        self.active = list(rows)
+        return self
+
+    def positions(self, t: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """(len(active), t) positions of ``t`` new tokens appended to each active row."""
+        start = torch.tensor([self.lengths[r] for r in self.active], device=device)
+        return start[:, None] + torch.arange(t, device=device)
+
+    def free(self, row: int) -> None:
+        """End row ``row``'s sequence: its blocks go back to the pool and its length to 0."""
+        if not isinstance(row, int) or not 0 <= row < self.batch_size:
+            raise ValueError(f"PagedKVCache.free: row must be in [0, {self.batch_size}), got {row!r}")
+        self._free.update(self.block_tables[row])
+        self.block_tables[row] = []
+        self.lengths[row] = 0
+
+    def reset(self) -> None:
+        for row in range(self.batch_size):
+            self.free(row)
+        self.active = list(range(self.batch_size))
+
+    def update(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Append ``k``, ``v`` (len(active), n_kv_heads, T, head_dim) to the active rows (``v`` None when
+        ``values_in_keys``).
+
+        Raises ``OutOfBlocksError`` before writing anything when the pool cannot hold the new tokens.
+        """
+        b, h, t, d = k.shape
+        if (v is None) != self.values_in_keys:
+            raise ValueError(
+                "PagedKVCache: pass v=None exactly when the cache was built with values_in_keys=True"
+            )
+        v = k if v is None else v
+        if (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape or b != len(self.active):
+            raise ValueError(
+                f"PagedKVCache holds (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}) for "
+                f"{len(self.active)} active rows; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise TypeError(f"PagedKVCache: k, v dtypes {k.dtype}, {v.dtype}; the cache holds {self.dtype}")
+        bs = self.block_size
+        need = [-(-(self.lengths[r] + t) // bs) - len(self.block_tables[r]) for r in self.active]
+        if sum(need) > len(self._free):
+            raise OutOfBlocksError(
+                f"PagedKVCache out of blocks: {t} new tokens for rows {self.active} need {sum(need)} blocks, "
+                f"{len(self._free)} of {self.n_blocks} are free (block_size={bs}); free finished sequences or "
+                "build the cache with more n_blocks"
+            )
+        for row, n_new in zip(self.active, need, strict=True):
+            for j in range(n_new):
+                self.block_tables[row].append(self._take(self.block_tables[row], n_new - j))
+        for i, row in enumerate(self.active):
+            table, pos = self.block_tables[row], self.lengths[row]
+            done = 0
+            while done < t:  # one slice per block touched: a decode step writes one token in one block
+                block, offset = table[(pos + done) // bs], (pos + done) % bs
+                n = min(bs - offset, t - done)
+                self.k[:, block, offset : offset + n] = k[i, :, done : done + n]
+                if not self.values_in_keys:
+                    self.v[:, block, offset : offset + n] = v[i, :, done : done + n]
+                done += n
+            self.lengths[row] = pos + t
+
+    def runs(self, row: int) -> list[tuple[int, int]]:
+        """Row ``row``'s live tokens as (first block, n_tokens) runs of physically consecutive blocks."""
+        table, length, bs = self.block_tables[row], self.lengths[row], self.block_size
+        out: list[tuple[int, int]] = []
+        for i, block in enumerate(table):
+            n = min(bs, length - i * bs)
+            if out and block == out[-1][0] + out[-1][1] // bs and out[-1][1] % bs == 0:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((block, n))
+        return out
+
+    def _take(self, table: list[int], wanted: int) -> int:
+        """A free block for a row that still needs ``wanted`` blocks now.
+
+        The block after the row's last one if it is free (the run goes on); otherwise a new run starts inside the
+        longest free run, centred so that the ``wanted`` blocks fit and both this row and whichever row ends just
+        before the gap keep free blocks to grow into (worst fit: runs stay long, attention does fewer matmuls);
+        a gap that starts at block 0 has no row before it and is filled from its start.
+        Blocks are only placed, never reserved ahead.
+        """
+        if table and table[-1] + 1 in self._free:
+            block = table[-1] + 1
+        else:
+            start, length = self._longest_free_run()
+            block = start + (max(0, length - wanted) // 2 if start > 0 else 0)  # nothing left of block 0
+        self._free.remove(block)
+        return block
+
+    def _longest_free_run(self) -> tuple[int, int]:
+        best, best_len, start, prev = -1, 0, -1, -2
+        for block in sorted(self._free):
+            if block != prev + 1:
+                start = block
+            prev = block
+            if block - start + 1 > best_len:
+                best, best_len = start, block - start + 1
+        return best, best_len

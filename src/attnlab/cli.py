@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -40,6 +41,77 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(code=2) from None
 
     return wrapper
+
+
+@app.command()
+@user_errors
+def compare(
+    model: str = typer.Option("llama-2-7b", "--model", help="Preset name (exact) or path to a config.json."),
+    seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per sequence (context length)."),
+    batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weights and KV dtype: fp32, bf16, fp16, fp8, ..."),
+    hardware: str = typer.Option("h100", "--hardware", help="h100, h200, a100-80gb, l40s, rtx4090 or local."),
+    devices: int = typer.Option(1, "--devices", help="Devices sharing the model (ideal tensor parallel)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write KV cache and latency plots to this PNG."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    measure: bool = typer.Option(False, "--measure", help="Also time one layer per variant on this machine."),
+) -> None:
+    """What MHA, every GQA, MQA and MLA would cost for a model: KV cache, FLOPs, decode latency, max batch."""
+    from .cost.report import run_compare
+
+    run_compare(
+        model=model, seq_len=seq_len, batch=batch, dtype=dtype, hardware=hardware, devices=devices,
+        plot=plot, as_json=as_json, measure=measure,
+    )  # fmt: skip
+
+
+@app.command()
+@user_errors
+def convert(
+    src: Path = typer.Argument(..., help="Source checkpoint directory (config.json + safetensors)."),
+    dst: Path = typer.Argument(..., help="Destination directory (written atomically; must not exist)."),
+    kv_heads: int = typer.Option(..., "--kv-heads", help="KV heads after conversion; divides the source's."),
+    method: str = typer.Option("mean", "--method", help="mean, first, random, fit, grouped-fit (+ --calib)."),
+    calib: Path | None = typer.Option(None, "--calib", help="Calibration text file, for --method fit."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Convert a Llama / Mistral / Qwen2 / BERT checkpoint to fewer KV heads (GQA / MQA)."""
+    from .hf.checkpoint import run_convert
+
+    run_convert(src, dst, kv_heads, method, calib=calib, overwrite=overwrite, as_json=as_json)
+
+
+bench_app = typer.Typer(help="Time decode steps against baselines and the roofline.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("decode")
+@user_errors
+def bench_decode(
+    kv_heads: str = typer.Option("32,8,1", "--kv-heads", help="Comma list of n_kv_heads (of 32)."),
+    batch: str = typer.Option("1", "--batch", help="Comma list of batch sizes."),
+    context: str = typer.Option("2048", "--context", help="Comma list of live context lengths."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Comma list of fp32, bf16."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed round-robin repeats (median kept)."),
+    layer: bool = typer.Option(True, "--layer/--no-layer", help="Whole layer vs HF LlamaAttention."),
+    mla: bool = typer.Option(True, "--mla/--no-mla", help="MLA naive/absorbed vs HF DeepseekV3."),
+    paged: bool = typer.Option(True, "--paged/--no-paged", help="Paged vs contiguous cache."),
+    e2e: bool = typer.Option(False, "--e2e", help="Also time generation of a small model per variant."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write latency vs n_kv_heads to this PNG."),
+    remeasure: bool = typer.Option(False, "--remeasure", help="Measure bandwidth/peak now, not this boot's."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the tables."),
+) -> None:
+    """One decode step with a filled cache: ms, GB/s, fraction of the roofline, speedups over the baselines.
+
+    On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE (see docs/performance.md).
+    """
+    from .bench.command import run_bench_decode
+
+    run_bench_decode(
+        kv_heads=kv_heads, batch=batch, context=context, dtype=dtype, repeats=repeats, layer=layer, mla=mla,
+        paged=paged, e2e=e2e, plot=plot, as_json=as_json, remeasure=remeasure,
+    )  # fmt: skip
 
 
 def main() -> None:

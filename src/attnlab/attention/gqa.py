@@ -11,9 +11,10 @@ import math
 import torch
 from torch import nn
 
-from ..cache import KVCache
+from ..cache import KVCache, PagedKVCache
 from ..config import AttentionConfig
-from .kernels import attend
+from .decode import paged_decode
+from .kernels import attend, check_mask
 from .rope import apply_rope, rope_cos_sin
 
 
@@ -42,7 +43,7 @@ class GroupedQueryAttention(nn.Module):
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.has_out_bias)
 
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
         """Normal(0, std) projections (the output projection may get a depth-scaled ``out_std``), zero biases."""
@@ -68,6 +69,21 @@ class GroupedQueryAttention(nn.Module):
             device=device if device is not None else self.wq.weight.device,
         )
 
+    def new_paged_cache(
+        self, n_blocks: int, block_size: int, batch_size: int, dtype: torch.dtype | None = None
+    ) -> PagedKVCache:
+        """A block-table cache for ragged batches (``PagedKVCache``); dtype and device default to the weights'."""
+        weight = self.wq.weight
+        return PagedKVCache(
+            n_blocks,
+            block_size,
+            self.n_kv_heads,
+            self.head_dim,
+            batch_size=batch_size,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
     def forward(
         self,
         x: torch.Tensor,
@@ -86,7 +102,10 @@ class GroupedQueryAttention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if isinstance(cache, PagedKVCache):
+            return self._forward_paged(q, k, v, attn_mask, is_causal, cache)
         start = len(cache) if cache is not None else 0
+        check_mask("GroupedQueryAttention", attn_mask, (b, self.n_heads, t, start + t))
         if self.cfg.rope:
             cos, sin = rope_cos_sin(positions_for(start, t, x.device), self.head_dim, self.cfg.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -102,4 +121,20 @@ class GroupedQueryAttention(nn.Module):
             backend=self.cfg.backend,
             dropout_p=self.cfg.dropout if self.training else 0.0,
         )
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _forward_paged(self, q, k, v, attn_mask, is_causal, cache: PagedKVCache) -> torch.Tensor:
+        """The rows of a ragged batch each continue from their own length in a ``PagedKVCache``."""
+        if attn_mask is not None:
+            raise ValueError("GroupedQueryAttention: attn_mask is not supported with a PagedKVCache")
+        b, _, t, _ = q.shape
+        if b != len(cache.active):
+            raise ValueError(f"GroupedQueryAttention: batch of {b}, PagedKVCache active rows {cache.active}")
+        if self.cfg.rope:
+            positions = cache.positions(t, q.device)  # (B, T): each row from its own length
+            cos, sin = rope_cos_sin(positions.reshape(-1), self.head_dim, self.cfg.rope_theta)
+            cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.update(k, v)
+        y = paged_decode(q, cache, scale=1.0 / math.sqrt(self.head_dim), is_causal=is_causal)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))

@@ -15,7 +15,8 @@ Backends:
     "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read.
     "sdpa"       ``F.scaled_dot_product_attention(enable_gqa=...)``.
     "grouped"    no repetition: the queries of one group are stacked and multiplied against their unrepeated
-                 KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k).
+                 KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k); for one
+                 query per head (decode) ``decode.grouped_decode``: split-K over the context, log-sum-exp merge.
     "auto"       picks one of the above by shape.
 """
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .decode import grouped_decode
 
 BACKEND_NAMES = ("reference", "sdpa", "grouped")
 
@@ -50,14 +53,19 @@ def attend(
     if backend == "reference":
         return _reference(q, k, v, mask, scale, dropout_p)
     if backend == "grouped":
+        if q.shape[2] == 1 and dropout_p == 0.0:  # decode: the cache-as-left-operand split-K kernel
+            return grouped_decode(q, k, v, scale=scale, mask=mask)
         return _grouped(q, k, v, mask, scale, dropout_p)
     raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
 
 
 def choose_backend(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float) -> str:
     """The backend "auto" resolves to for these shapes."""
+    # Measured (docs/performance.md): for one query per head the grouped decode kernel beats SDPA at every
+    # n_kv_heads, float32 and bfloat16 (bfloat16 SDPA with enable_gqa is the slowest); for prefill SDPA's fused
+    # flash kernel wins.
     if q.shape[2] == 1 and dropout_p == 0.0:
-        return "grouped"  # decode: one matmul per KV head against the unrepeated cache
+        return "grouped"
     return "sdpa"
 
 
@@ -93,18 +101,24 @@ def _check_inputs(
         raise ValueError(f"q and k head dims differ: {d} vs {k.shape[3]}")
     if is_causal and t_q > t_k:
         raise ValueError(f"is_causal needs T_q <= T_k, got T_q={t_q}, T_k={t_k}")
-    if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool:
-            raise TypeError(f"attn_mask must be a bool tensor (True = attend), got dtype {attn_mask.dtype}")
-        target = (b, n_heads, t_q, t_k)
-        shape = tuple(attn_mask.shape)
-        ok = len(shape) <= 4 and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
-        if not ok:
-            raise ValueError(
-                f"attn_mask of shape {shape} does not broadcast to (B, n_heads, T_q, T_k)={target}"
-            )
+    check_mask("attend", attn_mask, (b, n_heads, t_q, t_k))
+
+
+def check_mask(owner: str, attn_mask: torch.Tensor | None, target: tuple[int, int, int, int]) -> None:
+    """``attn_mask`` must be None or a bool tensor that broadcasts to ``target`` = (B, n_heads, T_q, T_k).
+
+    The modules call this before writing their cache, so that a bad mask leaves the cache as it was.
+    """
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        got = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+        raise TypeError(f"{owner}: attn_mask must be a bool tensor (True = attend), got {got}")
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False)):
+        raise ValueError(
+            f"{owner}: attn_mask of shape {shape} does not broadcast to (B, n_heads, T_q, T_k)={target}"
+        )
 
 
 def _zero_dead_rows(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -145,6 +159,8 @@ def _grouped(q, k, v, mask, scale, dropout_p):
         scores = scores.view(b, n_kv_heads, group, t_q, t_k).masked_fill(~m, float("-inf"))
         scores = scores.view(b, n_kv_heads, group * t_q, t_k)
     probs = torch.softmax(scores.float() * scale, dim=-1)
+    if mask is not None and not bool(mask.any(dim=-1).all()):
+        probs = probs.nan_to_num(0.0)  # dead rows are NaN; left in, NaN * 0 would poison v's gradient
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     out = torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
@@ -159,6 +175,8 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
             q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
         )
     mask = combined_mask(attn_mask, is_causal, t_q, t_k, q.device)
+    if mask is not None and mask.ndim < 2:  # SDPA rejects a 1-D key mask (T_k,) that broadcasts fine
+        mask = mask.expand(t_q, t_k)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
     )

@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import LatentCache
+from ..cache import LatentCache, PagedKVCache
 from ..config import MLAConfig
+from .decode import paged_decode
 from .gqa import check_input, positions_for
-from .kernels import attend
+from .kernels import attend, check_mask
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin
 
@@ -44,7 +45,7 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.wq = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.bias)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank) if cfg.kv_norm else nn.Identity()
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
 
@@ -74,6 +75,24 @@ class MultiHeadLatentAttention(nn.Module):
             device=device if device is not None else weight.device,
         )
 
+    def new_paged_cache(
+        self, n_blocks: int, block_size: int, batch_size: int, dtype: torch.dtype | None = None
+    ) -> PagedKVCache:
+        """A paged cache of latent rows for ragged batches (absorbed mode): one KV "head" of width
+        kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values are also the values."""
+        weight = self.wkv_a.weight
+        return PagedKVCache(
+            n_blocks,
+            block_size,
+            1,
+            self.cfg.cache_dim,
+            batch_size=batch_size,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+            values_in_keys=True,
+            value_dim=self.cfg.kv_lora_rank,
+        )
+
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank:
             return self.wq_b(self.q_norm(self.wq_a(x)))
@@ -99,7 +118,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c, k_rope = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
 
+        if isinstance(cache, PagedKVCache):
+            return self._forward_paged(q_nope, q_rope, c, k_rope, attn_mask, is_causal, cache)
         start = len(cache) if cache is not None else 0
+        check_mask("MultiHeadLatentAttention", attn_mask, (b, cfg.n_heads, t, start + t))
         cos, sin = rope_cos_sin(positions_for(start, t, x.device), cfg.qk_rope_head_dim, cfg.rope_theta)
         q_rope = apply_rope(q_rope, cos, sin)
         row = torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)  # (B, T, cache_dim)
@@ -142,3 +164,23 @@ class MultiHeadLatentAttention(nn.Module):
         v = rows[:, None, :, : self.cfg.kv_lora_rank]  # values are the latent itself
         y_latent = attend(q, k, v, **common)  # (B, H, T, kv_lora_rank)
         return torch.einsum("bhtr,hvr->bhtv", y_latent, w_uv)
+
+    def _forward_paged(self, q_nope, q_rope, c, k_rope, attn_mask, is_causal, cache: PagedKVCache):
+        """Absorbed attention over a paged latent cache; each row of a ragged batch from its own length."""
+        cfg = self.cfg
+        b, _, t, _ = q_nope.shape
+        if attn_mask is not None or self.mode != "absorbed" or b != len(cache.active):
+            raise ValueError(
+                "MultiHeadLatentAttention with a PagedKVCache needs mode='absorbed', no attn_mask and one input "
+                f"row per active cache row; got mode={self.mode!r}, batch {b}, active rows {cache.active}"
+            )
+        positions = cache.positions(t, q_nope.device).reshape(-1)  # (B * T,)
+        cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
+        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None])
+        cache.update(torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)[:, None], None)
+        w_uk, w_uv = self._split_wkv_b()
+        q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1)
+        y = paged_decode(q, cache, scale=cfg.softmax_scale, is_causal=is_causal)  # (B, H, T, kv_lora_rank)
+        y = torch.einsum("bhtr,hvr->bhtv", y, w_uv)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))

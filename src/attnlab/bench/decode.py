@@ -1,0 +1,427 @@
+"""The decode benchmark: one decode step over a filled cache, against its baselines and the roofline.
+
+Every row times its contenders round-robin in one run (``timing.interleaved``) and records median milliseconds,
+so speedups are ratios measured side by side. Rows by ``kind``:
+
+    attention  ``attend`` alone, q (B, n_heads, 1, D) over the live prefix of a ``KVCache``: "grouped" (ours),
+               SDPA with ``enable_gqa=True`` on the same tensors, the repeat-KV "reference", and "grouped" again
+               over a cache with 4x the ``max_seq_len`` (cost must follow the live length, not the buffer).
+    layer      a whole ``GroupedQueryAttention`` decode step vs Hugging Face ``LlamaAttention`` (sdpa), same
+               weights, same cache contents.
+    mla        ``MultiHeadLatentAttention`` naive vs absorbed vs Hugging Face ``DeepseekV3Attention`` (DeepSeek-V2-Lite
+               attention dims by default).
+    paged      ``grouped_decode`` over a contiguous cache vs ``paged_decode`` over a ``PagedKVCache`` holding the
+               same keys/values (rows prefilled, then grown in lockstep), and over one whose allocator scatters
+               every block (the worst case: one run, hence one chunk, per block).
+    e2e        tokens/s of decode steps of a small ``attnlab.model.Transformer`` per attention variant, batch 1
+               (contiguous caches) and a ragged batch of 4 (paged caches; MLA pages its latent rows).
+
+Roofline: bytes = KV read for the live length (``cost.kv_cache_bytes``) + queries + outputs (+ weights for
+layer/mla rows); FLOPs from ``cost.attention_flops``; time = max(bytes / bandwidth, FLOPs / peak) with the
+machine's measured bandwidth and matmul peak (``cost.hardware.measure_local``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.decode import grouped_decode, paged_decode
+from ..attention.gqa import GroupedQueryAttention
+from ..attention.kernels import attend
+from ..attention.mla import MultiHeadLatentAttention
+from ..cache import KVCache, PagedKVCache
+from ..config import AttentionConfig, MLAConfig, ModelConfig
+from ..cost import attention_flops, kv_cache_bytes
+from ..cost.hardware import Hardware, measure_local
+from . import baselines
+from .timing import interleaved
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# DeepSeek-V2-Lite's attention (arXiv 2405.04434, its config.json): no query compression.
+V2_LITE_MLA = MLAConfig(
+    d_model=2048, n_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+)
+
+
+@dataclass(frozen=True)
+class DecodeGrid:
+    """What to run. Sizes follow the issue: n_heads 32, head_dim 128; MLA with DeepSeek-V2-Lite dims."""
+
+    kv_heads: tuple[int, ...] = (32, 8, 1)
+    batches: tuple[int, ...] = (1,)
+    contexts: tuple[int, ...] = (2048,)
+    dtypes: tuple[str, ...] = ("fp32",)
+    n_heads: int = 32
+    head_dim: int = 128
+    repeats: int = 5
+    layer: bool = True
+    mla: bool = True
+    paged: bool = True
+    e2e: bool = False
+    e2e_context: int = 2048
+    e2e_steps: int = 8
+    block_size: int = 256
+    mla_cfg: MLAConfig = field(default=V2_LITE_MLA)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_heads", "batches", "contexts"):
+            values = getattr(self, name)
+            if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
+                raise ValueError(f"DecodeGrid.{name} must be positive ints, got {values!r}")
+        for n_kv in self.kv_heads:
+            if self.n_heads % n_kv:
+                raise ValueError(f"DecodeGrid.kv_heads: {n_kv} does not divide n_heads={self.n_heads}")
+        for dt in self.dtypes:
+            if dt not in DTYPES:
+                raise ValueError(f"DecodeGrid.dtypes: {dt!r} is not one of {', '.join(DTYPES)}")
+        if self.repeats < 1:
+            raise ValueError(f"DecodeGrid.repeats must be >= 1, got {self.repeats}")
+
+
+def roofline_s(hw: Hardware, n_bytes: float, flops: float, dtype: str) -> float:
+    """max(bytes / bandwidth, FLOPs / peak): the fastest this step could run on ``hw``."""
+    return max(n_bytes / hw.bandwidth, flops / hw.peak_flops[dtype])
+
+
+def _sig(x: float) -> float:
+    """Four significant digits: enough for noisy timings, readable in JSON."""
+    return float(f"{x:.4g}")
+
+
+def _ms(seconds: dict[str, float]) -> dict[str, float]:
+    return {k: _sig(v * 1e3) for k, v in seconds.items()}
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _filled_kv_cache(b: int, n_kv: int, d: int, context: int, max_len: int, dtype, gen) -> KVCache:
+    cache = KVCache(b, n_kv, max_len, d, dtype=dtype)
+    cache.update(
+        torch.randn(b, n_kv, context, d, generator=gen).to(dtype),
+        torch.randn(b, n_kv, context, d, generator=gen).to(dtype),
+    )
+    return cache
+
+
+def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, n_kv: int) -> dict:
+    dt, h, d = DTYPES[dtype], grid.n_heads, grid.head_dim
+    gen = torch.Generator().manual_seed(0)
+    cache = _filled_kv_cache(b, n_kv, d, context, 2 * context, dt, gen)
+    big = KVCache(b, n_kv, 4 * context, d, dtype=dt)
+    k, v = cache.k[:, :, :context], cache.v[:, :, :context]  # the live view update() returns
+    big_k, big_v = big.update(k, v)
+    q = torch.randn(b, h, 1, d, generator=gen).to(dt)
+    scale = d**-0.5
+    contenders = {
+        "grouped": lambda: attend(q, k, v, scale=scale, backend="grouped"),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
+        "reference": lambda: attend(q, k, v, scale=scale, backend="reference"),
+        "grouped_4x_buffer": lambda: attend(q, big_k, big_v, scale=scale, backend="grouped"),
+    }
+    with torch.inference_mode():
+        err = _max_err(contenders["grouped"](), contenders["reference"]())
+        times = interleaved(contenders, repeats=grid.repeats)
+    cfg = AttentionConfig(d_model=h * d, n_heads=h, n_kv_heads=n_kv, head_dim=d)
+    fl = attention_flops(cfg, b, 1, context)
+    flops = fl.scores + fl.values
+    elem = torch.finfo(dt).bits // 8
+    n_bytes = kv_cache_bytes(cfg, b, context, dtype) + 2 * b * h * d * elem  # + queries and outputs
+    return _finish_row(
+        dict(kind="attention", dtype=dtype, batch=b, context=context, n_heads=h, n_kv_heads=n_kv, head_dim=d),
+        hw,
+        times,
+        n_bytes,
+        flops,
+        ours="grouped",
+        err=err,
+        baselines=("sdpa", "reference"),
+    )
+
+
+def _finish_row(row, hw, times, n_bytes, flops, *, ours, err, baselines) -> dict:
+    roof = roofline_s(hw, n_bytes, flops, row["dtype"])
+    row.update(
+        ms=_ms(times),
+        bytes=int(n_bytes),
+        flops=int(flops),
+        roofline_ms=_sig(roof * 1e3),
+        achieved_gbps=_sig(n_bytes / times[ours] / 1e9),
+        roofline_fraction=_sig(roof / times[ours]),
+        speedup={name: _sig(times[name] / times[ours]) for name in baselines},
+        max_abs_err=err,
+    )
+    return row
+
+
+def layer_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, n_kv: int) -> dict:
+    dt, h, d = DTYPES[dtype], grid.n_heads, grid.head_dim
+    torch.manual_seed(0)
+    cfg = AttentionConfig(d_model=h * d, n_heads=h, n_kv_heads=n_kv, head_dim=d, backend="auto")
+    attn = GroupedQueryAttention(cfg)
+    attn.init_weights()
+    attn = attn.to(dt).eval()
+    gen = torch.Generator().manual_seed(1)
+    cache = _filled_kv_cache(b, n_kv, d, context, context + 8, dt, gen)
+    hf_step, hf_crop = baselines.llama_attention(attn, cache.k[:, :, :context], cache.v[:, :, :context])
+    x = torch.randn(b, 1, h * d, generator=gen).to(dt)
+
+    def reset() -> None:
+        cache.pos = context
+        hf_crop()
+
+    contenders = {"ours": lambda: attn(x, cache=cache), "hf_llama_sdpa": lambda: hf_step(x)}
+    with torch.inference_mode():
+        err = _max_err(contenders["ours"](), contenders["hf_llama_sdpa"]())
+        reset()
+        times = interleaved(contenders, repeats=grid.repeats, reset=reset)
+    fl = attention_flops(cfg, b, 1, context)
+    elem = torch.finfo(dt).bits // 8
+    weights = sum(p.numel() for p in attn.parameters()) * elem
+    n_bytes = kv_cache_bytes(cfg, b, context, dtype) + weights + 2 * b * h * d * elem
+    return _finish_row(
+        dict(kind="layer", dtype=dtype, batch=b, context=context, n_heads=h, n_kv_heads=n_kv, head_dim=d),
+        hw,
+        times,
+        n_bytes,
+        fl.total,
+        ours="ours",
+        err=err,
+        baselines=("hf_llama_sdpa",),
+    )
+
+
+def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) -> dict:
+    dt, cfg = DTYPES[dtype], grid.mla_cfg
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(cfg)
+    mla.init_weights()
+    mla = mla.to(dt).eval()
+    gen = torch.Generator().manual_seed(1)
+    cache = mla.new_cache(b, context + 8)
+    rows = torch.randn(b, context, cfg.cache_dim, generator=gen).to(dt)
+    cache.update(rows)
+    hf_step, hf_crop = baselines.deepseek_attention(mla, rows)
+    x = torch.randn(b, 1, cfg.d_model, generator=gen).to(dt)
+
+    def run(mode: str):
+        mla.mode = mode
+        return mla(x, cache=cache)
+
+    def reset() -> None:
+        cache.pos = context
+        hf_crop()
+
+    contenders = {
+        "absorbed": lambda: run("absorbed"),
+        "naive": lambda: run("naive"),
+        "hf_deepseek_v3": lambda: hf_step(x),
+    }
+    with torch.inference_mode():
+        ours = contenders["absorbed"]()
+        reset()
+        err = max(_max_err(ours, contenders["naive"]()), _max_err(ours, contenders["hf_deepseek_v3"]()))
+        reset()
+        times = interleaved(contenders, repeats=grid.repeats, reset=reset)
+    mla.mode = "absorbed"
+    fl = attention_flops(cfg.replace(mode="absorbed"), b, 1, context)
+    elem = torch.finfo(dt).bits // 8
+    weights = sum(p.numel() for p in mla.parameters()) * elem
+    n_bytes = kv_cache_bytes(cfg, b, context, dtype) + weights
+    return _finish_row(
+        dict(
+            kind="mla", dtype=dtype, batch=b, context=context, n_heads=cfg.n_heads, n_kv_heads=1, head_dim=0
+        ),
+        hw,
+        times,
+        n_bytes,
+        fl.total,
+        ours="absorbed",
+        err=err,
+        baselines=("naive", "hf_deepseek_v3"),
+    )
+
+
+class _ScatteredPagedKVCache(PagedKVCache):
+    """The worst allocator (highest free block first): every block of a row is a run of its own."""
+
+    def _take(self, table: list[int], wanted: int) -> int:
+        block = max(self._free)
+        self._free.remove(block)
+        return block
+
+
+def _paged_copy(cls, k, v, bs: int, n_blocks: int) -> PagedKVCache:
+    """``k``, ``v`` (B, n_kv, S, D) in a paged cache: most of each row prefilled, the tail grown in lockstep."""
+    b, n_kv, s, d = k.shape
+    paged = cls(n_blocks, bs, n_kv, d, batch_size=b, dtype=k.dtype)
+    head = max(0, s - 4 * bs)
+    for row in range(b):
+        paged.select([row]).update(k[row : row + 1, :, :head], v[row : row + 1, :, :head])
+    paged.select(list(range(b)))
+    for t in range(head, s, 64):  # rows grow together, as in batched decoding
+        paged.update(k[:, :, t : t + 64], v[:, :, t : t + 64])
+    return paged
+
+
+def paged_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, n_kv: int) -> dict:
+    """Same keys/values in a contiguous cache, a paged one, and a paged one with every block scattered."""
+    dt, h, d, bs = DTYPES[dtype], grid.n_heads, grid.head_dim, grid.block_size
+    gen = torch.Generator().manual_seed(0)
+    cache = _filled_kv_cache(b, n_kv, d, context, context, dt, gen)
+    k, v = cache.k, cache.v
+    n_blocks = b * math.ceil(context / bs) + 2  # almost no slack: rows must share the pool tightly
+    paged = _paged_copy(PagedKVCache, k, v, bs, n_blocks)
+    scattered = _paged_copy(_ScatteredPagedKVCache, k, v, bs, n_blocks)
+    q = torch.randn(b, h, 1, d, generator=gen).to(dt)
+    scale = d**-0.5
+    contenders = {
+        "paged": lambda: paged_decode(q, paged, scale=scale),
+        "contiguous": lambda: grouped_decode(q, k, v, scale=scale),
+        "paged_scattered": lambda: paged_decode(q, scattered, scale=scale),
+    }
+    with torch.inference_mode():
+        ref = contenders["contiguous"]()
+        err = max(_max_err(contenders["paged"](), ref), _max_err(contenders["paged_scattered"](), ref))
+        times = interleaved(contenders, repeats=grid.repeats)
+    cfg = AttentionConfig(d_model=h * d, n_heads=h, n_kv_heads=n_kv, head_dim=d)
+    fl = attention_flops(cfg, b, 1, context)
+    elem = torch.finfo(dt).bits // 8
+    n_bytes = kv_cache_bytes(cfg, b, context, dtype) + 2 * b * h * d * elem
+    row = _finish_row(
+        dict(kind="paged", dtype=dtype, batch=b, context=context, n_heads=h, n_kv_heads=n_kv, head_dim=d),
+        hw,
+        times,
+        n_bytes,
+        fl.scores + fl.values,
+        ours="paged",
+        err=err,
+        baselines=("contiguous", "paged_scattered"),
+    )
+    row["runs_per_row"] = [len(paged.runs(r)) for r in range(b)]
+    row["runs_per_row_scattered"] = [len(scattered.runs(r)) for r in range(b)]
+    row["block_size"] = bs
+    return row
+
+
+def e2e_model_configs(n_heads: int = 16, d_model: int = 1024) -> dict[str, ModelConfig]:
+    """One small Llama-style model with MHA, GQA-8, MQA and MLA attention."""
+    head_dim = d_model // n_heads
+    attn = {
+        "mha": AttentionConfig(d_model=d_model, n_heads=n_heads),
+        "gqa8": AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=8),
+        "mqa": AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=1),
+        "mla": MLAConfig(
+            d_model=d_model,
+            n_heads=n_heads,
+            kv_lora_rank=4 * head_dim,
+            qk_nope_head_dim=head_dim,
+            qk_rope_head_dim=head_dim // 2,
+            v_head_dim=head_dim,
+        ),
+    }
+    return {
+        name: ModelConfig(
+            vocab_size=8192, n_layers=4, attention=a, ffn_dim=2816, max_seq_len=32768, name=name
+        )
+        for name, a in attn.items()
+    }
+
+
+def _step_seconds(model, batch: int, caches, steps: int) -> float:
+    """Median seconds of ``steps`` decode steps (one warm-up) that extend ``caches`` by one token each."""
+    tokens = torch.zeros(batch, 1, dtype=torch.long)
+    return interleaved({"step": lambda: model(tokens, caches=caches)}, repeats=steps, warmup=1)["step"]
+
+
+def e2e_rows(grid: DecodeGrid, dtype: str) -> list[dict]:
+    """Decode tokens/s of each variant: batch 1 (contiguous caches), and a ragged batch of 4 (paged caches)."""
+    from ..model import Transformer
+
+    dt, context, steps = DTYPES[dtype], grid.e2e_context, grid.e2e_steps
+    out = []
+    for name, cfg in e2e_model_configs().items():
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        model.init_weights(seed=0)
+        model = model.to(dt).eval()
+        gen = torch.Generator().manual_seed(0)
+        lengths = [context, (3 * context) // 4, context // 2, context // 4]
+        prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
+        with torch.inference_mode():
+            single = model.new_caches(1, context + steps + 1)
+            model(prompts[0], caches=single)
+            bs = grid.block_size
+            n_blocks = sum(math.ceil((n + steps + 1) / bs) for n in lengths) + 4
+            batched = [layer.attention.new_paged_cache(n_blocks, bs, 4, dt) for layer in model.layers]
+            for row, p in enumerate(prompts):
+                model(p, caches=[c.select([row]) for c in batched])
+            for c in batched:
+                c.select([0, 1, 2, 3])
+            batch_note = f"paged, ragged lengths {lengths}"
+            s1 = _step_seconds(model, 1, single, steps)
+            s4 = _step_seconds(model, 4, batched, steps)
+        out.append(
+            dict(
+                kind="e2e",
+                dtype=dtype,
+                variant=name,
+                context=context,
+                n_layers=cfg.n_layers,
+                d_model=cfg.d_model,
+                tokens_per_s_batch1=round(1 / s1, 2),
+                tokens_per_s_batch4=round(4 / s4, 2),
+                batch4_cache=batch_note,
+                kv_bytes_per_token=kv_cache_bytes(cfg, 1, 1, dtype),
+            )
+        )
+    return out
+
+
+def machine(hw: Hardware) -> dict[str, Any]:
+    return dict(
+        hardware=dataclasses.asdict(hw),
+        processor=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
+
+
+def run_decode(grid: DecodeGrid, progress=None) -> dict[str, Any]:
+    """Run ``grid``; returns {"machine": ..., "grid": ..., "rows": [...]} (JSON-ready)."""
+    hw = measure_local()
+    rows: list[dict] = []
+
+    def note(row: dict) -> None:
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+
+    for dtype in grid.dtypes:
+        for b in grid.batches:
+            for context in grid.contexts:
+                for n_kv in grid.kv_heads:
+                    note(attention_row(grid, hw, dtype, b, context, n_kv))
+                    if grid.layer and b == grid.batches[0]:
+                        note(layer_row(grid, hw, dtype, b, context, n_kv))
+                    if grid.paged and n_kv <= 8:
+                        note(paged_row(grid, hw, dtype, b, context, n_kv))
+                if grid.mla and b == grid.batches[0]:
+                    note(mla_row(grid, hw, dtype, b, context))
+        if grid.e2e:
+            for row in e2e_rows(grid, dtype):
+                note(row)
+    grid_json = {k: v for k, v in dataclasses.asdict(grid).items() if k != "mla_cfg"}
+    grid_json["mla_cfg"] = dataclasses.asdict(grid.mla_cfg)
+    return {"machine": machine(hw), "grid": grid_json, "rows": rows}

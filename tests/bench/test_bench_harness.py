@@ -1,0 +1,72 @@
+"""The decode benchmark harness: its baselines compute what ours computes, and its outputs are complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.bench import DecodeGrid, interleaved, run_decode
+from attnlab.bench.report import performance_page, plot
+from attnlab.cli import app
+from attnlab.config import MLAConfig
+
+TINY_MLA = MLAConfig(
+    d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    grid = DecodeGrid(
+        kv_heads=(4, 2, 1), contexts=(33,), dtypes=("fp32",), n_heads=4, head_dim=16, repeats=2,
+        block_size=8, mla_cfg=TINY_MLA,
+    )  # fmt: skip
+    return run_decode(grid)
+
+
+def test_interleaved_times_every_contender_round_robin():
+    calls = []
+    times = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    with pytest.raises(ValueError, match="repeats"):
+        interleaved({"a": lambda: None}, repeats=0)
+
+
+def test_every_contender_agrees_with_its_baseline(tiny_result):
+    kinds = {r["kind"] for r in tiny_result["rows"]}
+    assert kinds == {"attention", "layer", "mla", "paged"}
+    for row in tiny_result["rows"]:
+        # ours vs reference / HF LlamaAttention / naive MLA and HF DeepseekV3Attention / contiguous cache
+        assert row["max_abs_err"] < 1e-4, row
+        assert row["roofline_ms"] > 0 and row["roofline_fraction"] > 0
+        assert all(v > 0 for v in row["ms"].values())
+    layer = [r for r in tiny_result["rows"] if r["kind"] == "layer"]
+    assert [r["n_kv_heads"] for r in layer] == [4, 2, 1]
+    mla = next(r for r in tiny_result["rows"] if r["kind"] == "mla")
+    assert set(mla["ms"]) == {"absorbed", "naive", "hf_deepseek_v3"}
+    hw = tiny_result["machine"]["hardware"]
+    assert hw["bandwidth"] > 0 and hw["peak_flops"]["fp32"] > 0
+    json.dumps(tiny_result)  # JSON-ready
+
+
+def test_page_and_plot(tiny_result, tmp_path):
+    png = plot(tiny_result, tmp_path / "decode.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = performance_page(tiny_result, plot_path="decode.png", command="cmd", notes="## Notes\nclosing")
+    assert "| fp32 | 1 | 33 | 2 |" in page and "GB/s" in page and page.rstrip().endswith("closing")
+
+
+def test_cli_bench_decode_json_and_errors():
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        ["bench", "decode", "--kv-heads", "8", "--context", "40", "--repeats", "1", "--no-layer", "--no-mla",
+         "--no-paged", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert [r["kind"] for r in data["rows"]] == ["attention"] and data["rows"][0]["n_kv_heads"] == 8
+    bad = runner.invoke(app, ["bench", "decode", "--kv-heads", "3", "--json"])
+    assert bad.exit_code == 2 and "kv_heads" in bad.output
