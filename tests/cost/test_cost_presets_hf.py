@@ -147,3 +147,15 @@ def test_variant_sweep():
     for v in v3:
         assert (v.model.n_experts, v.model.vocab_size) == (256, 129280)
         assert isinstance(v.model.attention, (AttentionConfig, MLAConfig))
+
+
+def test_rope_theta_read_from_rope_parameters_and_top_level():
+    # transformers >= 5 writes the RoPE base inside rope_parameters; older config.json files at the top level
+    small = dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4
+    )
+    new_style = transformers.LlamaConfig(**small, rope_theta=500000.0).to_dict()
+    assert "rope_theta" not in new_style and new_style["rope_parameters"]["rope_theta"] == 500000.0
+    assert from_hf_config(new_style).attention.rope_theta == 500000.0
+    old_style = {k: v for k, v in new_style.items() if k != "rope_parameters"} | {"rope_theta": 1e6}
+    assert from_hf_config(old_style).attention.rope_theta == 1e6

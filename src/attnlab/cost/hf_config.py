@@ -55,6 +55,13 @@ class _Fields:
             )
         return value
 
+    def rope_theta(self) -> float:
+        """RoPE base: transformers >= 5 writes it inside ``rope_parameters``, older configs at the top level."""
+        params = self.raw.get("rope_parameters")
+        if isinstance(params, dict) and "rope_theta" in params:
+            return _Fields(params, self.model_type).float("rope_theta")
+        return self.float("rope_theta", 10000.0)
+
     def fail(self, message: str) -> None:
         raise ValueError(f"{self.model_type} config.json: {message}")
 
@@ -88,7 +95,7 @@ def _llama_like(f: _Fields) -> ModelConfig:
         head_dim=head_dim,
         bias=bias,
         out_bias=out_bias,
-        rope_theta=f.float("rope_theta", 10000.0),
+        rope_theta=f.rope_theta(),
     )
     return ModelConfig(
         vocab_size=f.int("vocab_size"),
@@ -141,7 +148,7 @@ def _deepseek(f: _Fields) -> ModelConfig:
         qk_rope_head_dim=f.int("qk_rope_head_dim"),
         v_head_dim=f.int("v_head_dim"),
         q_lora_rank=f.opt_int("q_lora_rank") or 0,  # null: queries are not compressed (V2-Lite)
-        rope_theta=f.float("rope_theta", 10000.0),
+        rope_theta=f.rope_theta(),
         bias=f.bool("attention_bias", False),
     )
     n_layers = f.int("num_hidden_layers")

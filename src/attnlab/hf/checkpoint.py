@@ -1,0 +1,180 @@
+"""On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert`` calls this.
+
+Llama / Mistral / Qwen2: the result is the same architecture with ``num_key_value_heads`` lowered. The converted
+``k_proj``/``v_proj`` weights (and biases) are written; every other tensor and file is copied bit for bit, except
+that the data-aware "fit" method also rewrites ``q_proj`` and ``o_proj`` (it folds its per-head maps into them).
+BERT: converted in attnlab, written in the MHA layout with repeated K/V heads (see ``attnlab.hf.bert``).
+
+Calibration (``calib``, for "fit" and "grouped-fit"): a UTF-8 text file; each non-empty line (up to 256) is
+tokenised with the source's ``tokenizer.json``; lines are run in right-padded batches and padded positions are
+left out of the statistics.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ..convert.gqa import METHODS
+from ..convert.model import DATA_AWARE, convert_model
+from . import bert, io, llama
+
+
+def calibration_batches(
+    src: Path, calib: str | Path, max_lines: int = 256, max_tokens: int = 128, batch_size: int = 16
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Padded batches ``(ids, mask)`` of the lines of the text file ``calib``, tokenised with the source's
+    ``tokenizer.json``; padding is on the right (what ``convert_model`` needs for causal decoders)."""
+    from tokenizers import Tokenizer  # a dependency of transformers; needed only for calibration
+
+    calib = Path(calib)
+    if not calib.is_file():
+        raise FileNotFoundError(f"calibration file not found: {calib}")
+    if not (src / "tokenizer.json").is_file():
+        raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_tokens)
+    lines = [line.strip() for line in calib.read_text(encoding="utf-8").splitlines() if line.strip()]
+    seqs = sorted((ids for ids in (tok.encode(line).ids for line in lines[:max_lines]) if ids), key=len)
+    if not seqs:
+        raise ValueError(f"calibration file {calib} has no usable lines")
+    batches = []
+    for i in range(0, len(seqs), batch_size):  # sorted by length, so that little padding is needed
+        chunk = seqs[i : i + batch_size]
+        width = len(chunk[-1])
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in chunk])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
+        batches.append((ids, mask))
+    return batches
+
+
+def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
+    if (
+        isinstance(n_kv_heads, bool)
+        or not isinstance(n_kv_heads, int)
+        or n_kv_heads < 1
+        or n_kv_src % n_kv_heads
+    ):
+        raise ValueError(
+            f"--kv-heads {n_kv_heads} must be a positive divisor of the checkpoint's {n_kv_src} KV heads "
+            f"({n_heads} query heads)"
+        )
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    n_kv_heads: int,
+    method: str = "mean",
+    *,
+    calib: str | Path | None = None,
+    overwrite: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Convert the checkpoint in ``src`` to ``n_kv_heads`` KV heads, written atomically to ``dst``.
+
+    Returns a summary: architecture, heads before/after, KV cache values per token before/after, tensors
+    rewritten and copied.
+    """
+    src, dst = Path(src), Path(dst)
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
+    if src.resolve() == dst.resolve() or src.resolve() in dst.resolve().parents:
+        raise ValueError(
+            f"destination {dst} must be outside the source {src} (a conversion never modifies it)"
+        )
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"destination exists: {dst} (pass --overwrite to replace it)")
+    hf = io.read_config(src)
+    model_type = hf["model_type"]
+    if model_type == "bert":
+        model, _ = bert.load_bert(src)
+    elif model_type in llama.ARCHITECTURES:
+        model = llama.load_llama(src)
+    else:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join([*llama.ARCHITECTURES, 'bert'])}"
+        )
+    attn = model.cfg.attention
+    _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
+    if method in DATA_AWARE and calib is None:
+        raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
+    batches = calibration_batches(src, calib) if calib is not None and method in DATA_AWARE else None
+    model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
+    converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed)
+
+    tensors, files = io.read_tensors(src)
+    touched = ("k_proj", "v_proj", "key", "value") + (
+        ("q_proj", "o_proj", "query", "output.dense") if method in DATA_AWARE else ()
+    )
+    pattern = re.compile(
+        r"\.(?:self_attn|attention\.self|attention)\.("
+        + "|".join(map(re.escape, touched))
+        + r")\.(weight|bias)$"
+    )
+    if model_type == "bert":
+        new = bert.mha_tensors(converted)
+        new_hf = hf
+    else:
+        new = llama.state_to_hf(converted)
+        new_hf = dict(hf, num_key_value_heads=n_kv_heads)
+    rewritten = []
+    for key, value in tensors.items():
+        if pattern.search(key):
+            name = key.removeprefix("bert.")
+            tensors[key] = new[name].to(value.dtype).contiguous()
+            rewritten.append(key)
+    weight_names = set(files.values()) | {io.INDEX, "config.json"}
+    with io.atomic_dir(dst, overwrite) as tmp:
+        io.write_tensors(tmp, tensors, files)
+        io.write_config(tmp, new_hf)
+        io.copy_other_files(src, tmp, skip=weight_names)
+    head_dim = attn.head_dim
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "model_type": model_type,
+        "method": method,
+        "n_layers": model.cfg.n_layers,
+        "n_heads": attn.n_heads,
+        "n_kv_heads_before": attn.n_kv_heads,
+        "n_kv_heads_after": n_kv_heads,
+        "kv_values_per_token_before": 2 * model.cfg.n_layers * attn.n_kv_heads * head_dim,
+        "kv_values_per_token_after": 2 * model.cfg.n_layers * n_kv_heads * head_dim,
+        "layout": "mha (repeated K/V heads)" if model_type == "bert" else "gqa",
+        "tensors_rewritten": len(rewritten),
+        "tensors_copied": len(tensors) - len(rewritten),
+        "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches else 0,
+    }
+
+
+def run_convert(
+    src: str | Path,
+    dst: str | Path,
+    n_kv_heads: int,
+    method: str,
+    *,
+    calib: str | Path | None = None,
+    overwrite: bool = False,
+    as_json: bool = False,
+) -> dict:
+    """``attnlab convert``: convert, then print the summary as a table (or JSON)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = convert_checkpoint(src, dst, n_kv_heads, method, calib=calib, overwrite=overwrite)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return summary
+    table = Table(title=f"attnlab convert: {summary['model_type']} -> {n_kv_heads} KV heads ({method})")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    return summary

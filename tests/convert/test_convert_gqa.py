@@ -1,0 +1,259 @@
+"""mha_to_gqa / permute_heads / gqa_to_mla on single modules: exactness where claimed, errors where not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import AttentionConfig, GroupedQueryAttention
+from attnlab.convert import METHODS, gqa_to_mla, mha_to_gqa, permute_heads
+from attnlab.convert.gqa import joint_fit
+
+
+def make(n_heads=8, n_kv_heads=None, bias=False, rope=True, d_model=64, out_bias=None, dtype=torch.float64):
+    cfg = AttentionConfig(
+        d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, bias=bias, rope=rope, out_bias=out_bias
+    )
+    attn = GroupedQueryAttention(cfg).to(dtype)
+    attn.init_weights(std=0.2)
+    with torch.no_grad():
+        for lin in (attn.wq, attn.wk, attn.wv, attn.wo):
+            if lin.bias is not None:
+                lin.bias.normal_()
+    return attn
+
+
+def inputs(n=2, t=12, d=64, dtype=torch.float64, seed=1):
+    # Correlated inputs (a random linear mix), as real activations are, rather than white noise.
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g, dtype=dtype) / d**0.5 + torch.eye(d, dtype=dtype)
+    return torch.randn(n, t, d, generator=g, dtype=dtype) @ mix
+
+
+def heads(w, n, hd=8):
+    return w.detach().view(n, hd, -1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mean_rows_are_group_means(bias):
+    attn = make(n_heads=8, bias=bias)
+    new = mha_to_gqa(attn, 2, "mean")
+    assert new.cfg.n_kv_heads == 2 and new.wk.weight.shape == (16, 64)
+    for lin_new, lin_old in ((new.wk, attn.wk), (new.wv, attn.wv)):
+        old = heads(lin_old.weight, 8)
+        for g in range(2):
+            torch.testing.assert_close(
+                heads(lin_new.weight, 2)[g], old[4 * g : 4 * g + 4].mean(0), rtol=0, atol=1e-15
+            )
+            if bias:
+                ob = lin_old.bias.detach().view(8, 8)
+                torch.testing.assert_close(
+                    lin_new.bias.detach().view(2, 8)[g], ob[4 * g : 4 * g + 4].mean(0), rtol=0, atol=1e-15
+                )
+    # Queries and output are untouched by mean pooling.
+    assert torch.equal(new.wq.weight, attn.wq.weight) and torch.equal(new.wo.weight, attn.wo.weight)
+
+
+def test_mean_from_gqa_source_equals_mean_over_query_heads():
+    # GQA-4 -> GQA-2 pools pairs of source KV heads: the same as pooling the MHA model with repeated KV heads.
+    gqa4 = make(n_heads=8, n_kv_heads=4)
+    mha = make(n_heads=8)
+    with torch.no_grad():
+        mha.wq.weight.copy_(gqa4.wq.weight)
+        mha.wo.weight.copy_(gqa4.wo.weight)
+        mha.wk.weight.copy_(heads(gqa4.wk.weight, 4).repeat_interleave(2, 0).reshape(64, 64))
+        mha.wv.weight.copy_(heads(gqa4.wv.weight, 4).repeat_interleave(2, 0).reshape(64, 64))
+    x = inputs()
+    torch.testing.assert_close(mha(x), gqa4(x))
+    torch.testing.assert_close(mha_to_gqa(mha, 2)(x), mha_to_gqa(gqa4, 2)(x))
+
+
+def test_first_keeps_first_head_and_random_is_seeded():
+    attn = make()
+    first = mha_to_gqa(attn, 4, "first")
+    torch.testing.assert_close(heads(first.wk.weight, 4), heads(attn.wk.weight, 8)[::2], rtol=0, atol=0)
+    r1, r2, r3 = (mha_to_gqa(attn, 4, "random", seed=s) for s in (0, 0, 1))
+    assert torch.equal(r1.wk.weight, r2.wk.weight) and not torch.equal(r1.wk.weight, r3.wk.weight)
+    assert abs(r1.wk.weight.std().item() - attn.wk.weight.std().item()) < 0.05
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n_kv", [8, 4])
+def test_same_head_count_is_identity(method, n_kv):
+    attn = make(n_kv_heads=n_kv, bias=True)
+    new = mha_to_gqa(attn, n_kv, method, calib=inputs())
+    assert new is not attn and new.cfg == attn.cfg
+    for (name, a), (_, b) in zip(attn.state_dict().items(), new.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_permuting_heads_leaves_output_unchanged(rope):
+    attn = make(n_kv_heads=4, bias=True, rope=rope)
+    perm = torch.tensor([2, 0, 3, 1])
+    moved = permute_heads(attn, perm)
+    assert not torch.equal(moved.wk.weight, attn.wk.weight)
+    x = inputs()
+    torch.testing.assert_close(moved(x), attn(x), rtol=1e-12, atol=1e-12)
+    # The KV head in slot 0 is the source's head 2 and carries its two query heads.
+    torch.testing.assert_close(heads(moved.wk.weight, 4)[0], heads(attn.wk.weight, 4)[2])
+    torch.testing.assert_close(heads(moved.wq.weight, 8)[:2], heads(attn.wq.weight, 8)[4:6])
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_joint_fit_of_a_single_head_is_exact_and_rope_maps_commute(rope):
+    # One projection: the fit must reproduce it exactly (P = A B). With RoPE, A must commute with rotations.
+    p = torch.randn(1, 8, 65, dtype=torch.float64)
+    s = torch.eye(8, dtype=torch.float64)[None] + 0.1
+    c = torch.eye(65, dtype=torch.float64)
+    b, a = joint_fit(p, s, c, rope=rope)
+    torch.testing.assert_close(a[0] @ b, p[0])
+    if rope:
+        from attnlab.attention.rope import apply_rope, rope_cos_sin
+
+        cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0, dtype=torch.float64)
+        v = torch.randn(5, 8, dtype=torch.float64)
+        torch.testing.assert_close(apply_rope(v @ a[0].T, cos, sin), apply_rope(v, cos, sin) @ a[0].T)
+
+
+@pytest.mark.parametrize("rope,bias", [(True, False), (False, True)])
+def test_fit_beats_mean_on_held_out_inputs(rope, bias):
+    attn = make(n_heads=8, bias=bias, rope=rope)
+    calib, held_out = inputs(n=16, t=32, seed=2), inputs(n=4, t=32, seed=3)
+    ref = attn(held_out)
+    err = {m: (mha_to_gqa(attn, 2, m, calib=calib)(held_out) - ref).pow(2).mean().item() for m in METHODS}
+    # Unrelated random heads are the hard case: the fit still wins, and the paper's order holds.
+    assert err["fit"] < err["mean"] < err["first"] < err["random"], err
+
+
+def rope_commuting(hd, g):
+    """A random map on one head that commutes with RoPE: a scaled rotation of every frequency plane."""
+    half = hd // 2
+    a, b = (
+        torch.randn(half, generator=g, dtype=torch.float64),
+        torch.randn(half, generator=g, dtype=torch.float64),
+    )
+    m = torch.zeros(hd, hd, dtype=torch.float64)
+    idx = torch.arange(half)
+    m[idx, idx], m[idx, idx + half], m[idx + half, idx], m[idx + half, idx + half] = a, -b, b, a
+    return m
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_fit_is_exact_when_heads_differ_by_foldable_maps(rope):
+    # Within each group, every head is (A_i B) for a shared B and maps A_i that the fit can fold into the
+    # queries / the output projection (RoPE-commuting for keys under RoPE). Mean pooling cannot undo the A_i.
+    attn = make(n_heads=8, rope=rope)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for lin in (attn.wk, attn.wv):
+            w = heads(lin.weight, 8).clone()
+            for h in range(8):
+                base = w[(h // 4) * 4]
+                m = (
+                    rope_commuting(8, g)
+                    if (rope and lin is attn.wk)
+                    else torch.randn(8, 8, generator=g, dtype=torch.float64)
+                )
+                w[h] = m @ base
+            lin.weight.copy_(w.reshape(64, 64))
+    calib, held_out = inputs(n=8, t=32, seed=2), inputs(n=2, t=16, seed=3)
+    ref = attn(held_out)
+    fit = mha_to_gqa(attn, 2, "fit", calib=calib)
+    mean = mha_to_gqa(attn, 2, "mean")
+    tol = 1e-4 if rope else 1e-9  # apply_rope computes in float32 even for float64 inputs
+    torch.testing.assert_close(fit(held_out), ref, rtol=tol, atol=tol)
+    assert (mean(held_out) - ref).abs().max() > 1e-1
+
+
+def test_errors_name_the_problem():
+    attn = make()
+    with pytest.raises(ValueError, match="n_kv_heads=3"):
+        mha_to_gqa(attn, 3)
+    with pytest.raises(TypeError, match="n_kv_heads"):
+        mha_to_gqa(attn, 2.0)
+    with pytest.raises(ValueError, match="method"):
+        mha_to_gqa(attn, 2, "median")
+    with pytest.raises(ValueError, match="calib"):
+        mha_to_gqa(attn, 2, "fit")
+    with pytest.raises(ValueError, match="perm"):
+        permute_heads(attn, [0, 0, 1, 2, 3, 4, 5, 6])
+
+
+def test_qwen_style_out_bias():
+    cfg = AttentionConfig(d_model=32, n_heads=4, bias=True, out_bias=False)
+    attn = GroupedQueryAttention(cfg)
+    assert attn.wq.bias is not None and attn.wk.bias is not None and attn.wo.bias is None
+    assert GroupedQueryAttention(AttentionConfig(d_model=32, n_heads=4, bias=True)).wo.bias is not None
+    assert mha_to_gqa(attn, 2).wo.bias is None
+
+
+# --- GQA -> MLA ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["naive", "absorbed"])
+@pytest.mark.parametrize(
+    "rope,bias,n_kv",
+    [(False, False, 8), (False, False, 2), (True, False, 1), (True, True, 1)],
+)
+def test_gqa_to_mla_exact_at_full_rank(mode, rope, bias, n_kv):
+    attn = make(n_kv_heads=n_kv, bias=bias, rope=rope)
+    if bias:
+        with torch.no_grad():
+            attn.wq.bias.zero_()  # MLA's wq has no bias (DeepSeek); k/v/o biases are carried
+    full = n_kv * 8 if rope else 2 * n_kv * 8
+    mla = gqa_to_mla(attn, full)
+    mla.mode = mode
+    x = inputs()
+    torch.testing.assert_close(mla(x), attn(x), rtol=1e-10, atol=1e-10)
+    assert mla.cfg.cache_dim == (full + 8 if rope else full + 2)
+    # Cached decode through the latent cache equals the full forward (the decode kernel's softmax is float32).
+    cache = mla.new_cache(2, 12)
+    with torch.no_grad():  # caches are for inference
+        steps = torch.cat([mla(x[:, i : i + 1], cache=cache) for i in range(12)], dim=1)
+    torch.testing.assert_close(steps, attn(x), rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_to_mla_low_rank_error_falls_with_rank():
+    attn = make(n_kv_heads=4, rope=False)
+    calib, x = inputs(n=8, t=32, seed=4), inputs(seed=5)
+    errs = [(gqa_to_mla(attn, r, calib=calib)(x) - attn(x)).pow(2).mean().item() for r in (8, 24, 40, 64)]
+    assert errs[0] > errs[1] > errs[2] > errs[3]
+    assert errs[3] < 1e-20  # rank 64 = d_model: the stacked K/V of 4 heads (64 rows) is full
+
+
+def test_gqa_to_mla_refuses_query_bias_and_bad_rank():
+    attn = make(bias=True, rope=False)
+    with pytest.raises(ValueError, match="query bias"):
+        gqa_to_mla(attn, 16)
+    with pytest.raises(ValueError, match="rank"):
+        gqa_to_mla(make(rope=False), 129)
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_similarity_groups_find_planted_groups(rope):
+    # Heads {0, 3, 5, 6} and {1, 2, 4, 7} are each (A_i B) for a shared B: groups that are not consecutive.
+    # grouped-fit must find them (and then be exact); "fit" on index groups cannot be.
+    from attnlab.convert.gqa import similarity_groups
+
+    planted = [[0, 3, 5, 6], [1, 2, 4, 7]]
+    attn = make(n_heads=8, rope=rope)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for lin in (attn.wk, attn.wv):
+            w = heads(lin.weight, 8).clone()
+            for group in planted:
+                for h in group:
+                    keys = rope and lin is attn.wk
+                    m = rope_commuting(8, g) if keys else torch.randn(8, 8, generator=g, dtype=torch.float64)
+                    w[h] = m @ w[group[0]]
+            lin.weight.copy_(w.reshape(64, 64))
+    calib, held_out = inputs(n=8, t=32, seed=2), inputs(n=2, t=16, seed=3)
+    order = similarity_groups(attn, 2, calib)
+    assert sorted([sorted(order[:4]), sorted(order[4:])]) == planted
+    ref = attn(held_out)
+    tol = 1e-4 if rope else 1e-9
+    torch.testing.assert_close(
+        mha_to_gqa(attn, 2, "grouped-fit", calib=calib)(held_out), ref, rtol=tol, atol=tol
+    )
+    assert (mha_to_gqa(attn, 2, "fit", calib=calib)(held_out) - ref).abs().max() > 1e-2
