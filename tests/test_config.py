@@ -120,3 +120,16 @@ def test_model_config_validation():
     with pytest.raises(ValueError, match=r"attention.d_model=32 does not match the model's d_model=64"):
         cfg.with_attention(AttentionConfig(d_model=32, n_heads=4))
     assert cfg.with_attention(MLAConfig(**MLA)).attention.variant == "mla"
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: AttentionConfig(d_model=64, n_heads=4, bias=1), "AttentionConfig.bias"),
+        (lambda: AttentionConfig(d_model=64, n_heads=4, out_bias="no"), "AttentionConfig.out_bias"),
+        (lambda: AttentionConfig(d_model=64, n_heads=4, rope=None), "AttentionConfig.rope"),
+    ],
+)
+def test_flags_must_be_bool(make, field):
+    with pytest.raises(TypeError, match=f"{field} must be True or False"):
+        make()

@@ -99,7 +99,11 @@ def bench_decode(
     paged: bool = typer.Option(True, "--paged/--no-paged", help="Paged vs contiguous cache."),
     e2e: bool = typer.Option(False, "--e2e", help="Also time generation of a small model per variant."),
     plot: Path | None = typer.Option(None, "--plot", help="Write latency vs n_kv_heads to this PNG."),
-    remeasure: bool = typer.Option(False, "--remeasure", help="Measure bandwidth/peak now, not this boot's."),
+    cached_hardware: bool = typer.Option(
+        False,
+        "--cached-hardware",
+        help="Reuse this boot's bandwidth/peak measurement instead of measuring now.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the tables."),
 ) -> None:
     """One decode step with a filled cache: ms, GB/s, fraction of the roofline, speedups over the baselines.
@@ -110,7 +114,7 @@ def bench_decode(
 
     run_bench_decode(
         kv_heads=kv_heads, batch=batch, context=context, dtype=dtype, repeats=repeats, layer=layer, mla=mla,
-        paged=paged, e2e=e2e, plot=plot, as_json=as_json, remeasure=remeasure,
+        paged=paged, e2e=e2e, plot=plot, as_json=as_json, cached_hardware=cached_hardware,
     )  # fmt: skip
 
 

@@ -31,6 +31,12 @@ def _check_float(owner: str, name: str, value: Any) -> None:
         raise TypeError(f"{owner}.{name} must be a number, got {value!r} ({type(value).__name__})")
 
 
+def _check_bool(owner: str, *names_values: tuple[str, Any]) -> None:
+    for name, value in names_values:
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}.{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{owner}.{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -83,6 +89,9 @@ class AttentionConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AttentionConfig.dropout must be in [0, 1), got {self.dropout}")
         _check_choice(owner, "backend", self.backend, BACKENDS)
+        _check_bool(owner, ("bias", self.bias), ("rope", self.rope))
+        if self.out_bias is not None:
+            _check_bool(owner, ("out_bias", self.out_bias))
 
     @property
     def has_out_bias(self) -> bool:
@@ -143,6 +152,7 @@ class MLAConfig:
             raise ValueError(f"MLAConfig.dropout must be in [0, 1), got {self.dropout}")
         _check_choice(owner, "backend", self.backend, BACKENDS)
         _check_choice(owner, "mode", self.mode, MLA_MODES)
+        _check_bool(owner, ("bias", self.bias), ("kv_norm", self.kv_norm))
 
     @property
     def qk_head_dim(self) -> int:
@@ -209,6 +219,12 @@ class ModelConfig:
                 f"got {type(self.attention).__name__}"
             )
         _check_choice(owner, "mlp", self.mlp, MLP_KINDS)
+        _check_bool(
+            owner,
+            ("mlp_bias", self.mlp_bias),
+            ("tie_embeddings", self.tie_embeddings),
+            ("pooler", self.pooler),
+        )
         _check_choice(owner, "norm", self.norm, NORM_KINDS)
         for name in ("n_positions", "n_token_types"):
             _check_int(owner, name, getattr(self, name), minimum=0)

@@ -77,7 +77,7 @@ def test_roofline_rejects_bad_sizes():
 
 def test_measure_local_is_cached_per_boot(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    measure_local.cache_clear()
+    hw_mod._local_cached.cache_clear()
     first = measure_local()
     assert first.name == "local" and first.bandwidth > 1e8 and first.peak_flops["fp32"] > 1e8
     assert first.memory_bytes > 2**30
@@ -90,6 +90,15 @@ def test_measure_local_is_cached_per_boot(tmp_path, monkeypatch):
         raise AssertionError("measured again although the cache file is valid for this boot")
 
     monkeypatch.setattr(hw_mod, "_measure", no_measuring)
-    measure_local.cache_clear()
+    hw_mod._local_cached.cache_clear()
     assert measure_local() == first  # read back from the file
     assert get_hardware("local") == first
+
+    # fresh=True measures now (a benchmark's own run) and replaces both caches with the new figures
+    newer = dataclasses.replace(first, bandwidth=first.bandwidth * 2)
+    monkeypatch.setattr(hw_mod, "_measure", lambda: newer)
+    assert measure_local(fresh=True) == newer
+    assert measure_local() == newer
+    hw_mod._local_cached.cache_clear()
+    monkeypatch.setattr(hw_mod, "_measure", no_measuring)
+    assert measure_local() == newer  # the file holds the fresh measurement

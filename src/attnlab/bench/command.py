@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from .decode import DecodeGrid, run_decode
@@ -37,10 +35,8 @@ def run_bench_decode(
     e2e: bool,
     plot: Path | None,
     as_json: bool,
-    remeasure: bool = False,
+    cached_hardware: bool = False,
 ) -> dict:
-    if remeasure:  # attnlab.cost caches the machine's measurement per boot under XDG_CACHE_HOME
-        os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="attnlab-bench-")
     grid = DecodeGrid(
         kv_heads=int_list("kv-heads", kv_heads),
         batches=int_list("batch", batch),
@@ -52,6 +48,7 @@ def run_bench_decode(
         paged=paged,
         e2e=e2e,
         e2e_context=min(int_list("context", context)),
+        fresh_hardware=not cached_hardware,
     )
     progress = (
         None if as_json else (lambda row: print(f"  done: {row['kind']} {row['dtype']}", file=sys.stderr))

@@ -70,6 +70,7 @@ class DecodeGrid:
     e2e_context: int = 2048
     e2e_steps: int = 8
     block_size: int = 256
+    fresh_hardware: bool = True  # measure bandwidth/peak in this run (False: reuse this boot's measurement)
     mla_cfg: MLAConfig = field(default=V2_LITE_MLA)
 
     def __post_init__(self) -> None:
@@ -400,7 +401,7 @@ def machine(hw: Hardware) -> dict[str, Any]:
 
 def run_decode(grid: DecodeGrid, progress=None) -> dict[str, Any]:
     """Run ``grid``; returns {"machine": ..., "grid": ..., "rows": [...]} (JSON-ready)."""
-    hw = measure_local()
+    hw = measure_local(fresh=grid.fresh_hardware)
     rows: list[dict] = []
 
     def note(row: dict) -> None:
