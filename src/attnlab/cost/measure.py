@@ -84,7 +84,7 @@ def measure_variants(
     dtype = dtype_name(dtype)
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"--measure runs in fp32, bf16 or fp16; got dtype {dtype!r}")
-    hw = measure_local()
+    hw = measure_local(fresh=True)  # timings are read against the machine as it is now, not earlier this boot
     out = []
     for v in chosen:
         flops, nbytes, predicted = predict_layer(v, batch, seq_len, dtype, hw)
