@@ -23,6 +23,7 @@ import matplotlib
 import torch
 from tokenizers import Tokenizer
 
+from attnlab.atomic import save_figure, write_atomic
 from attnlab.convert import METHODS, convert_model
 from attnlab.convert.model import DATA_AWARE
 from attnlab.hf import load_bert, sentence_embeddings
@@ -57,13 +58,6 @@ def embed(model, tok: Tokenizer, lines: list[str], batch: int = 64) -> torch.Ten
                 for i in range(0, len(lines), batch)
             ]
         )
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    tmp.replace(path)
 
 
 def nearest(emb: torch.Tensor) -> torch.Tensor:
@@ -143,9 +137,7 @@ def plot(result: dict, path: Path) -> None:
     axes[1].legend()
     fig.suptitle("all-MiniLM-L6-v2 converted to GQA/MQA, no training")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=120)
 
 
 def markdown(result: dict, png: Path, json_path: Path, command: str) -> str:

@@ -184,7 +184,8 @@ def notes(result: dict, command: str) -> str:
 
 
 def write_docs(result: dict, command: str) -> None:
-    from attnlab.bench.report import performance_page, plot, write_atomic
+    from attnlab.atomic import write_atomic
+    from attnlab.bench.report import performance_page, plot
 
     png = plot(result, RESULTS / "decode.png")
     rel = os.path.relpath(png, DOC.parent)
@@ -200,7 +201,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
-    from attnlab.bench.report import write_atomic
+    from attnlab.atomic import write_atomic
 
     path = RESULTS / "decode.json"
     command = "python benchmarks/decode.py" + (" --quick" if args.quick else "")

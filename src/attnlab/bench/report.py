@@ -9,9 +9,10 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..atomic import save_figure
 
 COLUMNS = {
     "attention": ("grouped", "sdpa", "reference", "grouped_4x_buffer"),
@@ -136,24 +137,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def markdown_table(header: list[str], cells: list[list[str]]) -> str:

@@ -12,12 +12,13 @@ import contextlib
 import functools
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ..atomic import write_atomic
 
 TERA = 1e12
 
@@ -169,18 +170,6 @@ def _measure() -> Hardware:
     )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @functools.cache
 def _local_cached() -> Hardware:
     key = _session_key()
@@ -196,7 +185,7 @@ def _local_cached() -> Hardware:
 def _measure_and_save() -> Hardware:
     hw = _measure()
     with contextlib.suppress(OSError):  # a read-only home still gets the in-process cache
-        _write_atomic(_cache_path(), json.dumps({"key": _session_key(), "hardware": asdict(hw)}, indent=1))
+        write_atomic(_cache_path(), json.dumps({"key": _session_key(), "hardware": asdict(hw)}, indent=1))
     return hw
 
 

@@ -14,13 +14,12 @@ The model's own configuration is marked ``native``.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..atomic import save_figure
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from .hardware import Hardware, get_hardware
 from .memory import dtype_name, kv_cache_bytes, kv_elements_per_token
@@ -274,12 +273,4 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
     ax_lat.legend(fontsize=8)
     fig.suptitle(f"{comparison.model}: attention variants")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp.png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return save_figure(fig, path)
