@@ -160,11 +160,12 @@ def _grouped(q, k, v, mask, scale, dropout_p):
         scores = scores.view(b, n_kv_heads, group * t_q, t_k)
     probs = torch.softmax(scores.float() * scale, dim=-1)
     if mask is not None and not bool(mask.any(dim=-1).all()):
-        probs = probs.nan_to_num(0.0)  # dead rows are NaN; left in, NaN * 0 would poison v's gradient
+        # Rows that attend to nothing are NaN after the softmax: as zeros they give zero outputs, and no NaN
+        # reaches v's gradient (which masking the output afterwards would not prevent).
+        probs = probs.nan_to_num(0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    out = torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
-    return _zero_dead_rows(out, mask)
+    return torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
