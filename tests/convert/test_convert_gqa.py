@@ -1,4 +1,4 @@
-"""mha_to_gqa / permute_heads / gqa_to_mla on single modules: exactness where claimed, errors where not."""
+"""mha_to_gqa / permute_heads on single modules: exactness where claimed, errors where not (MLA: test_convert_mla)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnlab import AttentionConfig, GroupedQueryAttention
-from attnlab.convert import METHODS, gqa_to_mla, mha_to_gqa, permute_heads
+from attnlab.convert import METHODS, mha_to_gqa, permute_heads
 from attnlab.convert.gqa import joint_fit
 
 
@@ -186,48 +186,6 @@ def test_qwen_style_out_bias():
     assert attn.wq.bias is not None and attn.wk.bias is not None and attn.wo.bias is None
     assert GroupedQueryAttention(AttentionConfig(d_model=32, n_heads=4, bias=True)).wo.bias is not None
     assert mha_to_gqa(attn, 2).wo.bias is None
-
-
-# --- GQA -> MLA ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", ["naive", "absorbed"])
-@pytest.mark.parametrize(
-    "rope,bias,n_kv",
-    [(False, False, 8), (False, False, 2), (True, False, 1), (True, True, 1)],
-)
-def test_gqa_to_mla_exact_at_full_rank(mode, rope, bias, n_kv):
-    attn = make(n_kv_heads=n_kv, bias=bias, rope=rope)
-    if bias:
-        with torch.no_grad():
-            attn.wq.bias.zero_()  # MLA's wq has no bias (DeepSeek); k/v/o biases are carried
-    full = n_kv * 8 if rope else 2 * n_kv * 8
-    mla = gqa_to_mla(attn, full)
-    mla.mode = mode
-    x = inputs()
-    torch.testing.assert_close(mla(x), attn(x), rtol=1e-10, atol=1e-10)
-    assert mla.cfg.cache_dim == (full + 8 if rope else full + 2)
-    # Cached decode through the latent cache equals the full forward (the decode kernel's softmax is float32).
-    cache = mla.new_cache(2, 12)
-    with torch.no_grad():  # caches are for inference
-        steps = torch.cat([mla(x[:, i : i + 1], cache=cache) for i in range(12)], dim=1)
-    torch.testing.assert_close(steps, attn(x), rtol=1e-5, atol=1e-5)
-
-
-def test_gqa_to_mla_low_rank_error_falls_with_rank():
-    attn = make(n_kv_heads=4, rope=False)
-    calib, x = inputs(n=8, t=32, seed=4), inputs(seed=5)
-    errs = [(gqa_to_mla(attn, r, calib=calib)(x) - attn(x)).pow(2).mean().item() for r in (8, 24, 40, 64)]
-    assert errs[0] > errs[1] > errs[2] > errs[3]
-    assert errs[3] < 1e-20  # rank 64 = d_model: the stacked K/V of 4 heads (64 rows) is full
-
-
-def test_gqa_to_mla_refuses_query_bias_and_bad_rank():
-    attn = make(bias=True, rope=False)
-    with pytest.raises(ValueError, match="query bias"):
-        gqa_to_mla(attn, 16)
-    with pytest.raises(ValueError, match="rank"):
-        gqa_to_mla(make(rope=False), 129)
 
 
 @pytest.mark.parametrize("rope", [True, False])

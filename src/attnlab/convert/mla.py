@@ -1,23 +1,42 @@
-"""GQA -> MLA: keys and values of all KV heads factorised jointly through one latent (MHA2MLA, TransMLA).
+"""GQA/MHA (Llama family, RoPE on every head dim) -> MLA in DeepSeek's layout, for one attention module.
 
 Shapes: per-head projections (n, head_dim, d) as in ``convert.gqa`` (``d`` = d_model, +1 with biases).
+A *plane* ``f`` (0 <= f < head_dim/2) is the pair of rows (f, f + head_dim/2) that half-split RoPE rotates
+together, by the angle ``pos * theta ** (-2f / head_dim)``: plane 0 turns fastest. As a complex number
+``z_f = x_f + i x_{f + head_dim/2}``, RoPE multiplies it by ``e^{i pos w_f}`` and the plane's share of a score is
+``Re(conj(q_f) k_f e^{i (s - t) w_f})``.
 
-An MLA layer caches ``c = W_a x`` (``kv_lora_rank`` values) and one rotary key shared by all heads;
-``wkv_b`` expands ``c`` into per-head keys and values. Stack every KV head's key and value projections into
-``M`` (2 n_kv head_dim, d) and take its leading ``rank`` directions ``U`` (weighted by the second moment of
-calibration inputs when given, else plain SVD): ``W_a = U^T M`` and ``wkv_b = U`` (rows of each query head's
-KV head). When ``rank`` reaches the rank of ``M`` the factorisation is exact. The converted module has
-``kv_norm=False``: DeepSeek's RMSNorm on the latent is not a linear map, so no weights could reproduce it.
+DeepSeek's MLA caches a latent ``c`` (``kv_lora_rank`` values) and ONE rotary key of ``qk_rope_head_dim`` values
+shared by all heads, rotated at the frequencies ``rope_theta' ** (-2j / qk_rope_head_dim)``, j < P =
+qk_rope_head_dim/2. Those start at 1 and fall geometrically, so the source planes that can keep RoPE with their
+own frequency are ``0, s, 2s, ..., (P-1)s`` for an integer stride ``s``, with ``rope_theta' = theta ** (s P /
+(head_dim/2))`` (``rope_planes``). Which stride to use is ``convert.mla_model.choose_stride``'s job.
 
-RoPE cannot be folded into a latent: in DeepSeek's decoupled layout only one rotary key, shared by all heads,
-is rotated. So:
-    rope=False   keys and values both go through the latent (``qk_nope_head_dim = head_dim``); the required
-                 rotary part (2 dims) is zero. Exact at full rank.
-    rope=True    the rotary key is the source's single KV head's key (``qk_rope_head_dim = head_dim``, no
-                 ``nope`` part) and only values go through the latent. Exact at full rank for MQA sources;
-                 with several KV heads the keys are first merged into one (``mha_to_gqa(..., 1)``, "fit"
-                 with calibration data, else "mean") and that merge is the only approximation.
-MLA's ``wq`` has no bias (DeepSeek's layout), so a source with a non-zero query bias is refused.
+The conversion, per layer:
+
+1. RoRoPE (TransMLA, Meng et al. 2025, arXiv 2502.07864): for each plane, a unitary mixing of the KV heads
+   commutes with RoPE (every head's plane turns by the same angle), so the plane's keys of all KV heads can be
+   written exactly as ``k_{g,f} = a_{g,f} k*_f + r_{g,f}``: a shared "virtual head" ``k*_f`` plus residuals,
+   with ``k*_f`` the leading direction of the query-weighted keys (``convert.gqa.joint_fit`` with RoPE; the
+   complex scalars ``a`` move onto the queries, exactly). ``rorope=False`` takes ``k*_f`` = the mean over KV
+   heads instead (the naive baseline).
+2. The kept planes' ``k*`` form the shared rotary key: exact. Everything else loses RoPE, which is the
+   approximation: the residuals ``r`` of the kept planes and all of the other planes become position-free
+   ("nope") keys (as MHA2MLA, Ji et al. 2025, arXiv 2502.14837, does for the planes it drops). Given how far
+   back each head attends on calibration text (``distances``), a plane that loses RoPE keeps its *mean*
+   rotation instead of none: its query is turned and shrunk by ``conj(E[e^{-i w_f D}])``
+   (``mean_phase_queries``), the best position-free stand-in when the distance D is independent of the
+   content. Slow planes keep nearly all of their scores, fast ones are damped instead of left unrotated.
+3. The nope keys and the values of all KV heads are stacked and factored jointly into the latent: ``wkv_a`` =
+   the ``kv_lora_rank`` leading directions of the stacked projections, ``wkv_b`` = the map back (SVD of the
+   stacked projections, weighted by the second moment of calibration inputs when given, and by what reads each
+   row: the queries for keys, ``wo`` for values, with ``weighting="readers"``). Exact at full rank.
+
+Exact cases (tested): a source without RoPE at full rank (any n_kv_heads; the rotary part is zero), and a
+one-KV-head source with every plane kept (``qk_rope_head_dim = head_dim``) at full rank. With several KV heads
+only one virtual head per plane keeps RoPE, so no rank makes those exact. MLA's ``wq`` has no bias (DeepSeek's
+layout), so a non-zero query bias is refused. The module is built with ``kv_norm=False``: keys and values stay
+linear in the input, as in the source; ``convert.latent_norm`` adds DeepSeek's latent RMSNorm for export.
 """
 
 from __future__ import annotations
@@ -26,14 +45,82 @@ import torch
 
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
-from ..config import MLAConfig
-from .gqa import _augmented, mha_to_gqa, second_moment
+from ..config import AttentionConfig, MLAConfig
+from .gqa import _augmented, _sqrt_and_inv_sqrt, joint_fit, second_moment
+
+WEIGHTINGS = ("readers", "inputs")
+
+
+def _check_int(name: str, value: object, low: int, high: int, why: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}] ({why}), got {value!r}")
+    return value
+
+
+def check_rope_dim(rope_dim: object, head_dim: int, rope: bool) -> int:
+    """``rope_dim`` (qk_rope_head_dim) validated against the source's head_dim; returned as an int."""
+    high = head_dim if rope else max(head_dim, 2)
+    value = _check_int("rope_dim", rope_dim, 2, high, f"the rotary key of a source with head_dim={head_dim}")
+    if value % 2:
+        raise ValueError(f"rope_dim must be even (RoPE turns pairs of dims), got {value}")
+    return value
+
+
+def max_stride(head_dim: int, rope_dim: int) -> int:
+    """The largest stride ``s`` for which planes ``0, s, ..., (rope_dim/2 - 1) s`` exist in a head."""
+    n_planes = rope_dim // 2
+    return (head_dim // 2 - 1) // (n_planes - 1) if n_planes > 1 else 1
+
+
+def rope_planes(head_dim: int, rope_dim: int, stride: int) -> torch.Tensor:
+    """Source planes that keep RoPE: ``0, stride, ..., (rope_dim/2 - 1) * stride`` (long tensor)."""
+    high = max_stride(head_dim, rope_dim)
+    _check_int("stride", stride, 1, high, f"{rope_dim // 2} planes of a head_dim={head_dim} head")
+    return torch.arange(rope_dim // 2) * stride
+
+
+def plane_rows(planes: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a head holding ``planes`` in half-split order: all first halves, then all second halves."""
+    return torch.cat((planes, planes + head_dim // 2))
+
+
+def mla_rope_theta(theta: float, head_dim: int, rope_dim: int, stride: int) -> float:
+    """The MLA rope_theta whose j-th frequency is the source's frequency of plane ``j * stride``:
+    ``theta' ** (-2j / rope_dim) = theta ** (-2 j stride / head_dim)``."""
+    return float(theta ** (stride * rope_dim / head_dim))
+
+
+def full_rank(cfg: AttentionConfig, rope_dim: int) -> int:
+    """The latent size at which the factorisation is exact: the rows of the stacked nope keys and values, or
+    the inputs (d_model, +1 with biases) if fewer, since a larger latent would hold nothing more."""
+    rows = cfg.n_kv_heads * (_nope_dim(cfg, rope_dim) + cfg.head_dim)
+    return min(rows, cfg.d_model + (1 if cfg.bias else 0))
+
+
+def _nope_dim(cfg: AttentionConfig, rope_dim: int) -> int:
+    # With one KV head the kept planes are carried whole by the rotary key: no residual is left to keep.
+    return cfg.head_dim - rope_dim if cfg.rope and cfg.n_kv_heads == 1 else cfg.head_dim
+
+
+def check_target(cfg: AttentionConfig, kv_lora_rank: object, rope_dim: object, stride: object = 1) -> int:
+    """Validate an MLA target for a source with attention ``cfg`` before any work; returns the rope_dim
+    (``None`` -> head_dim with RoPE, else 2). Raises ValueError naming the bad value."""
+    if rope_dim is None:
+        rope_dim = cfg.head_dim if cfg.rope else 2
+    rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope)
+    if cfg.rope:
+        rope_planes(cfg.head_dim, rope_dim, stride)
+    high = full_rank(cfg, rope_dim)
+    _check_int("kv_lora_rank", kv_lora_rank, 1, high, "the rank of the stacked nope keys and values")
+    return rope_dim
 
 
 def _latent_basis(m: torch.Tensor, c: torch.Tensor, rank: int) -> torch.Tensor:
-    """The ``rank`` leading directions (rows of ``m`` space) of ``m`` weighted by input moment ``c``."""
-    _, evecs = torch.linalg.eigh(m @ c @ m.T)
-    return evecs[:, -rank:].flip(-1)  # (rows, rank), most important first
+    """The ``rank`` leading left singular vectors of ``m C^(1/2)`` (rows of ``m``), most important first."""
+    evals, evecs = torch.linalg.eigh(c)
+    root = evecs * evals.clamp_min(0).sqrt()  # C = root root^T
+    u, _, _ = torch.linalg.svd(m @ root, full_matrices=False)
+    return u[:, :rank]
 
 
 def _set(lin: torch.nn.Linear, w: torch.Tensor) -> None:
@@ -48,69 +135,165 @@ def _set(lin: torch.nn.Linear, w: torch.Tensor) -> None:
         lin.weight.copy_(w)
 
 
-def gqa_to_mla(
-    attn: GroupedQueryAttention, rank: int, *, calib: torch.Tensor | None = None
-) -> MultiHeadLatentAttention:
-    """An MLA module with latent size ``rank`` computing (exactly, where the module docstring says so) ``attn``.
+def shared_rotary_keys(
+    attn: GroupedQueryAttention, c: torch.Tensor, rorope: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per plane, the virtual head ``k*`` (head_dim, d) and the maps ``a`` (n_kv_heads, head_dim, head_dim).
 
-    ``calib`` (..., d_model): inputs of ``attn`` on calibration data; weights the factorisation and, with RoPE
-    and several KV heads, the merge of the keys.
+    ``a[g] @ k*`` is KV head g's share of the virtual head (one complex scalar per plane, so it commutes with
+    RoPE); ``rorope``: the leading query-weighted direction per plane, else the mean over KV heads.
+    """
+    hd, n_kv = attn.head_dim, attn.n_kv_heads
+    wk = _augmented(attn.wk, n_kv, hd)
+    eye = torch.eye(hd, dtype=wk.dtype).expand(n_kv, hd, hd)
+    if n_kv == 1:
+        return wk[0], eye.clone()
+    if not rorope:
+        return wk.mean(0), eye.clone()
+    wq = _augmented(attn.wq, attn.n_heads, hd)
+    sq = torch.einsum("hid,de,hje->hij", wq, c, wq).view(n_kv, attn.cfg.n_rep, hd, hd).sum(1)
+    return joint_fit(wk, sq, c, rope=True)
+
+
+def gqa_to_mla(
+    attn: GroupedQueryAttention,
+    kv_lora_rank: int,
+    *,
+    rope_dim: int | None = None,
+    stride: int = 1,
+    calib: torch.Tensor | None = None,
+    rorope: bool = True,
+    weighting: str = "readers",
+    distances: torch.Tensor | None = None,
+) -> MultiHeadLatentAttention:
+    """An MLA module (DeepSeek layout, ``kv_norm=False``) approximating ``attn``; see the module docstring.
+
+    ``rope_dim``: qk_rope_head_dim (default: head_dim with RoPE, else 2). ``stride``: source planes
+    ``0, stride, 2 stride, ...`` keep RoPE. ``calib`` (..., d_model): inputs of ``attn`` on calibration data;
+    weights the virtual heads and the factorisation (without it every input direction counts alike).
+    ``attn`` is not modified.
     """
     if not isinstance(attn, GroupedQueryAttention):
         raise TypeError(f"attn must be a GroupedQueryAttention, got {type(attn).__name__}")
-    cfg, hd = attn.cfg, attn.head_dim
+    cfg, hd, n_kv = attn.cfg, attn.head_dim, attn.n_kv_heads
     if attn.wq.bias is not None and bool(attn.wq.bias.detach().ne(0).any()):
         raise ValueError("gqa_to_mla: MLA's wq has no bias, and this module's query bias is non-zero")
-    value_rows = cfg.n_kv_heads * hd
-    full = value_rows if cfg.rope else 2 * value_rows
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= full:
-        raise ValueError(
-            f"rank must be an int in [1, {full}] (the full rank of the cached K/V), got {rank!r}"
-        )
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}; got {weighting!r}")
+    rope_dim = check_target(cfg, kv_lora_rank, rope_dim, stride)
+    nope = _nope_dim(cfg, rope_dim)
+    rows = n_kv * (nope + hd)
+    if calib is not None and calib.shape[-1] != cfg.d_model:
+        raise ValueError(f"calib must be (..., d_model={cfg.d_model}), got {tuple(calib.shape)}")
     d_in = cfg.d_model + (1 if cfg.bias else 0)
     c = second_moment(calib, cfg.bias) if calib is not None else torch.eye(d_in, dtype=torch.float64)
+    # Dampen (as GPTQ does): directions the calibration never visits keep a small weight, so that a latent of
+    # full rank is exact for every input, not only on the calibration span.
+    c = c + 1e-6 * c.diagonal().mean() * torch.eye(d_in, dtype=c.dtype)
 
+    wq = _augmented(attn.wq, cfg.n_heads, hd)  # (H, hd, d_in); its bias column is zero (checked above)
+    wk, wv = _augmented(attn.wk, n_kv, hd), _augmented(attn.wv, n_kv, hd)
+    kv_of_head = torch.arange(cfg.n_heads) // cfg.n_rep
     if cfg.rope:
-        keys = mha_to_gqa(attn, 1, "fit" if calib is not None else "mean", calib=calib)
-        m = _augmented(attn.wv, cfg.n_kv_heads, hd).reshape(value_rows, -1)
-        nope, rope = 0, hd
+        k_star, a = shared_rotary_keys(attn, c, rorope)
+        kept = plane_rows(rope_planes(hd, rope_dim, stride), hd)
+        k_rope = k_star[kept]  # (rope_dim, d_in): the shared rotary key
+        q_rope = torch.einsum("hji,hjd->hid", a[kv_of_head], wq)[:, kept]  # a^T q keeps a^T q . k* = q . a k*
+        k_nope = wk.clone()
+        k_nope[:, kept] -= torch.einsum("gij,jd->gid", a, k_star)[:, kept]  # residuals of the kept planes
+        m_rot = None if distances is None else mean_rotation(distances, cfg.rope_theta, hd)
+        q_nope = wq if m_rot is None else mean_phase_queries(wq, m_rot)
+        nope_rows = torch.arange(hd) if nope == hd else _complement(kept, hd)
+        k_nope, q_nope = k_nope[:, nope_rows], q_nope[:, nope_rows]
+        theta = mla_rope_theta(cfg.rope_theta, hd, rope_dim, stride)
     else:
-        keys = attn
-        wk, wv = _augmented(attn.wk, cfg.n_kv_heads, hd), _augmented(attn.wv, cfg.n_kv_heads, hd)
-        m = torch.cat((wk, wv), dim=1).reshape(full, -1)  # per KV head: its key rows, then its value rows
-        nope, rope = hd, 2  # MLA always has a rotary part; it is left at zero
-    u = _latent_basis(m, c, rank)  # (rows of m, rank)
+        k_rope = torch.zeros(rope_dim, d_in, dtype=wq.dtype)  # MLA always has a rotary part: left at zero
+        q_rope = torch.zeros(cfg.n_heads, rope_dim, d_in, dtype=wq.dtype)
+        k_nope, q_nope, theta = wk, wq, cfg.rope_theta
+
+    m = torch.cat((k_nope, wv), dim=1)  # (n_kv, nope + hd, d_in): per KV head its nope key rows, then values
+    root, inv_root = _row_weights(attn, q_nope, c, nope, weighting)
+    weighted = (root @ m).reshape(rows, d_in)
+    u = _latent_basis(weighted, c, kv_lora_rank)  # (rows, rank)
+    w_b = (inv_root @ u.view(n_kv, nope + hd, kv_lora_rank))[kv_of_head]  # (H, nope + hd, rank)
+
     mla_cfg = MLAConfig(
         d_model=cfg.d_model,
         n_heads=cfg.n_heads,
-        kv_lora_rank=rank,
+        kv_lora_rank=kv_lora_rank,
         qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
+        qk_rope_head_dim=rope_dim,
         v_head_dim=hd,
-        rope_theta=cfg.rope_theta,
-        bias=cfg.bias,
+        rope_theta=theta,
+        bias=cfg.bias or cfg.has_out_bias,
         backend=cfg.backend,
         kv_norm=False,
     )
     weight = attn.wq.weight
     mla = MultiHeadLatentAttention(mla_cfg).to(weight.device, weight.dtype)
-    kv_of_head = torch.arange(cfg.n_heads) // cfg.n_rep
-    wq = keys.wq.weight.detach().double().view(cfg.n_heads, hd, cfg.d_model)
-    if cfg.rope:
-        k_rope = _augmented(keys.wk, 1, hd)[0]  # (hd, d): the one rotary key
-        _set(mla.wkv_a, torch.cat((u.T @ m, k_rope)))
-        _set(mla.wq, wq.reshape(-1, cfg.d_model))
-        wkv_b = u.view(cfg.n_kv_heads, hd, rank)[kv_of_head]  # (H, v_head_dim, rank)
-    else:
-        _set(mla.wkv_a, torch.cat((u.T @ m, torch.zeros(rope, m.shape[1], dtype=m.dtype))))
-        # MLA scales scores by (nope + rope)^-1/2; the source by head_dim^-1/2.
-        scale = ((nope + rope) / hd) ** 0.5
-        q = torch.cat((wq * scale, torch.zeros(cfg.n_heads, rope, cfg.d_model, dtype=wq.dtype)), dim=1)
-        _set(mla.wq, q.reshape(-1, cfg.d_model))
-        wkv_b = u.view(cfg.n_kv_heads, 2 * hd, rank)[kv_of_head]  # (H, nope + v_head_dim, rank)
-    _set(mla.wkv_b, wkv_b.reshape(-1, rank))
+    scale = (mla_cfg.qk_head_dim / hd) ** 0.5  # MLA scales scores by qk_head_dim^-1/2, the source by hd^-1/2
+    q = torch.cat((q_nope, q_rope), dim=1)[..., : cfg.d_model] * scale  # the zero query-bias column dropped
+    _set(mla.wq, q.reshape(-1, cfg.d_model))
+    _set(mla.wkv_a, torch.cat((u.T @ weighted, k_rope)))
+    _set(mla.wkv_b, w_b.reshape(-1, kv_lora_rank))
     wo = attn.wo.weight.detach().double()
     if attn.wo.bias is not None:
         wo = torch.cat((wo, attn.wo.bias.detach().double()[:, None]), dim=1)
     _set(mla.wo, wo)
     return mla
+
+
+def mean_rotation(distances: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
+    """(H, head_dim/2) complex ``m = E[e^{-i w_f D}]``: the mean rotation plane f of head h sees, over the
+    distances ``D = t - s`` where that head attends (``distances`` (H, K): weight of D = 0..K-1)."""
+    w = distances.double() / distances.double().sum(-1, keepdim=True).clamp_min(1e-300)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angle = -inv_freq[None, :] * torch.arange(w.shape[1], dtype=torch.float64)[:, None]  # (K, head_dim/2)
+    return torch.complex(w @ angle.cos(), w @ angle.sin())
+
+
+def mean_phase_queries(wq: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Queries (H, hd, d) whose planes are turned and shrunk by ``conj(m)`` (``mean_rotation``).
+
+    A plane that loses RoPE contributes ``Re(conj(q) k e^{-i w D})`` at distance ``D`` in the source; averaged
+    over the distances where the head attends that is ``Re(conj(q) k m) = Re(conj(conj(m) q) k)``: ``m`` is
+    close to 1 for slow planes (RoPE barely mattered there) and small for fast ones (their rotated products
+    average out). Putting ``conj(m)`` on the query keeps the nope key shared by all heads.
+    """
+    half = wq.shape[1] // 2
+    re, im = m.real[..., None], m.imag[..., None]
+    x1, x2 = wq[:, :half], wq[:, half:]
+    # conj(m) (x1 + i x2) = (re x1 + im x2) + i (re x2 - im x1)
+    return torch.cat((re * x1 + im * x2, re * x2 - im * x1), dim=1)
+
+
+def _complement(rows: torch.Tensor, n: int) -> torch.Tensor:
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[rows] = False
+    return torch.arange(n)[keep]
+
+
+def _row_weights(
+    attn: GroupedQueryAttention, q_nope: torch.Tensor, c: torch.Tensor, nope: int, weighting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, ``S^(1/2)`` and ``S^(-1/2)`` (n_kv, nope + hd, nope + hd) for the stacked rows.
+
+    "readers": a key row's error is weighted by the queries that read it (the error of the scores, times the
+    softmax scale), a value row's by ``wo`` (the error of the output); "inputs": all rows alike.
+    """
+    cfg, hd, n_kv = attn.cfg, attn.head_dim, attn.n_kv_heads
+    size = nope + hd
+    if weighting == "inputs":
+        eye = torch.eye(size, dtype=torch.float64).expand(n_kv, size, size)
+        return eye, eye
+    sk = torch.einsum("hid,de,hje->hij", q_nope, c, q_nope) / hd  # (H, nope, nope)
+    sk = sk.view(n_kv, cfg.n_rep, nope, nope).sum(1)
+    wo = attn.wo.weight.detach().double().view(cfg.d_model, cfg.n_heads, hd).permute(1, 0, 2)
+    sv = torch.einsum("hdi,hdj->hij", wo, wo).view(n_kv, cfg.n_rep, hd, hd).sum(1)
+    root = torch.zeros(n_kv, size, size, dtype=torch.float64)
+    inv = torch.zeros_like(root)
+    for g in range(n_kv):
+        for block, s in ((slice(0, nope), sk[g]), (slice(nope, size), sv[g])):
+            if s.numel():
+                root[g, block, block], inv[g, block, block] = _sqrt_and_inv_sqrt(s)
+    return root, inv

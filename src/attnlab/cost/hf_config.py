@@ -153,8 +153,9 @@ def _deepseek(f: _Fields) -> ModelConfig:
     )
     n_layers = f.int("num_hidden_layers")
     moe: dict[str, int] = {}
-    n_experts = f.opt_int("n_routed_experts")
-    if n_experts:
+    # No routed experts, or first_k_dense_replace covering every layer (attnlab.hf.deepseek writes both): dense.
+    n_experts = f.opt_int("n_routed_experts", minimum=0)
+    if n_experts and f.int("first_k_dense_replace", 0, minimum=0) != n_layers:
         if f.int("moe_layer_freq", 1) != 1:
             f.fail(
                 f"moe_layer_freq={f.raw['moe_layer_freq']} is not supported (only 1: every layer after the dense ones)"

@@ -119,22 +119,25 @@ def _permute_rope_rows(w: torch.Tensor, head_dim: int, inverse: bool) -> torch.T
     return w.reshape(-1, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
-def hf_to_attnlab_key(key: str) -> str | None:
-    """attnlab name of a Hugging Face tensor name; None for tensors that are not weights (``inv_freq``)."""
+def hf_to_attnlab_key(
+    key: str, layer_map: dict[str, str] = _LAYER_MAP, family: str = "Llama-family"
+) -> str | None:
+    """attnlab name of a Hugging Face tensor name; None for tensors that are not weights (``inv_freq``).
+    ``layer_map``: the per-layer names (another decoder family shares the embedding/norm/head names)."""
     if _IGNORED.search(key):
         return None
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", key)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_map:
+        return f"layers.{m.group(1)}.{layer_map[m.group(2)]}.{m.group(3)}"
     stem, _, leaf = key.rpartition(".")
     if stem in _TOP_MAP:
         return f"{_TOP_MAP[stem]}.{leaf}"
-    raise ValueError(f"unexpected tensor {key!r} in a Llama-family checkpoint")
+    raise ValueError(f"unexpected tensor {key!r} in a {family} checkpoint")
 
 
-def attnlab_to_hf_key(key: str) -> str:
+def attnlab_to_hf_key(key: str, layer_map: dict[str, str] = _LAYER_MAP) -> str:
     m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", key)
-    inverse_layer = {v: k for k, v in _LAYER_MAP.items()}
+    inverse_layer = {v: k for k, v in layer_map.items()}
     if m and m.group(2) in inverse_layer:
         return f"model.layers.{m.group(1)}.{inverse_layer[m.group(2)]}.{m.group(3)}"
     stem, _, leaf = key.rpartition(".")
@@ -186,7 +189,11 @@ def load_llama(src: str | Path, layout: str = "half_split") -> Transformer:
     hf = io.read_config(src)
     cfg = model_config_from_hf(hf)
     tensors, _ = io.read_tensors(src)
-    state = state_from_hf(tensors, cfg, layout)
+    return model_from_state(src, cfg, state_from_hf(tensors, cfg, layout))
+
+
+def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    """A ``Transformer`` holding ``state`` (read from ``src``), whose key set must be exactly the model's."""
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = set(model.state_dict())

@@ -1,0 +1,304 @@
+"""Whole-model GQA/MHA -> MLA conversion, the choice of rotary planes, DeepSeek's latent norm, and error reports.
+
+A model is a ``Transformer``-like object as in ``convert.model`` (``layers[i].attention``, ``cfg.with_attention``);
+calibration batches are token ids (B, T) or ``(ids, mask)`` pairs, right-padded (see ``convert.model``).
+
+Which planes keep RoPE (``planes``), one stride for the whole model because a DeepSeek config has one
+``rope_theta`` (see ``convert.mla``):
+    "first"    stride 1: the ``rope_dim/2`` fastest-turning planes (MHA2MLA's "high-frequency" baseline; the
+               slowest planes cannot be kept in DeepSeek's layout, whose rotary frequencies start at 1).
+    "uniform"  the largest stride: kept planes spread evenly over the frequency range.
+    "norm"     MHA2MLA's criterion (Ji et al. 2025, arXiv 2502.14837): each plane's contribution to the
+               attention scores, ``sum_h rms|q'_{h,f}| * rms|k*_f|`` over calibration inputs (q' and k* the
+               queries and shared key after RoRoPE, i.e. the part a rotary plane can carry); every layer's
+               scores are normalised to sum to 1, and the stride whose kept planes collect the most wins.
+    "error"    (default with calibration) the same, with each head's share scaled by ``sqrt(1 - |m|^2)``: what
+               the plane would still cost without RoPE once turned by its mean rotation ``m`` (step 2 of
+               ``convert.mla``). A slow plane, which barely turns over the distances a head attends to, costs
+               little even when its norm is large.
+    an int     that stride.
+
+Layers are converted in order, each calibrated on the inputs it receives from the already converted layers
+below it (as ``convert_model`` does), so a layer's factorisation also absorbs the error of the earlier ones.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..attention.gqa import GroupedQueryAttention
+from ..attention.mla import MultiHeadLatentAttention
+from ..attention.rope import apply_rope, rope_cos_sin
+from .gqa import _augmented, second_moment
+from .latent_norm import fold_latent_norm
+from .mla import check_rope_dim, gqa_to_mla, max_stride, mean_rotation, shared_rotary_keys
+from .model import Batch, attention_inputs
+
+PLANES = ("error", "norm", "first", "uniform")
+
+
+def _attentions(model: nn.Module, kind: type) -> list:
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer.attention, kind):
+            raise TypeError(
+                f"layers.{i}.attention is a {type(layer.attention).__name__}, not {kind.__name__}"
+            )
+    return [layer.attention for layer in layers]
+
+
+def plane_scores(
+    attn: GroupedQueryAttention,
+    calib: torch.Tensor | None,
+    rorope: bool = True,
+    distances: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(head_dim/2,) contribution of each plane to the scores (module docstring); ``calib`` None: unit inputs.
+    With ``distances`` (the "error" criterion) each head's share is scaled by ``sqrt(1 - |m|^2)``, the spread
+    of the rotations it sees around their mean ``m`` (``convert.mla.mean_rotation``)."""
+    cfg, hd = attn.cfg, attn.head_dim
+    d_in = cfg.d_model + (1 if cfg.bias else 0)
+    c = second_moment(calib, cfg.bias) if calib is not None else torch.eye(d_in, dtype=torch.float64)
+    k_star, a = shared_rotary_keys(attn, c, rorope)
+    wq = _augmented(attn.wq, cfg.n_heads, hd)
+    q = torch.einsum("hji,hjd->hid", a[torch.arange(cfg.n_heads) // cfg.n_rep], wq)  # queries after RoRoPE
+
+    def plane_rms(w: torch.Tensor) -> torch.Tensor:  # (..., hd, d_in) -> (..., hd/2): sqrt E|plane|^2
+        energy = torch.einsum("...id,de,...ie->...i", w, c, w).clamp_min(0)
+        return (energy[..., : hd // 2] + energy[..., hd // 2 :]).sqrt()
+
+    q_rms = plane_rms(q)  # (H, hd/2)
+    if distances is not None:
+        m = mean_rotation(distances, cfg.rope_theta, hd)
+        q_rms = q_rms * (1 - m.abs().square()).clamp_min(0).sqrt()
+    return q_rms.sum(0) * plane_rms(k_star)
+
+
+@torch.no_grad()
+def choose_stride(
+    model: nn.Module,
+    rope_dim: int,
+    planes: str | int | None = None,
+    *,
+    calib: Sequence[Batch] | None = None,
+    rorope: bool = True,
+) -> int:
+    """The stride of the planes that keep RoPE in every layer (module docstring); ``planes`` None: "error"
+    with calibration, else "norm" (on the weights alone)."""
+    if planes is None:
+        planes = "error" if calib else "norm"
+    attns = _attentions(model, GroupedQueryAttention)
+    cfg = attns[0].cfg
+    if not cfg.rope:
+        return 1
+    rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope)
+    high = max_stride(cfg.head_dim, rope_dim)
+    if isinstance(planes, int) and not isinstance(planes, bool):
+        if not 1 <= planes <= high:
+            raise ValueError(
+                f"planes (a stride) must be in [1, {high}] for rope_dim={rope_dim} of head_dim={cfg.head_dim}, "
+                f"got {planes}"
+            )
+        return planes
+    if planes not in PLANES:
+        raise ValueError(f"planes must be one of {', '.join(PLANES)} or an int stride; got {planes!r}")
+    if planes == "first":
+        return 1
+    if planes == "uniform":
+        return high
+    if planes == "error" and not calib:
+        raise ValueError("planes='error' needs calib: the attention distances come from calibration text")
+    total = torch.zeros(cfg.head_dim // 2, dtype=torch.float64)
+    for i, attn in enumerate(attns):
+        x, distances = None, None
+        if calib:
+            seqs = _sequences(model, i, calib)
+            x = torch.cat([xs[mask] for xs, mask in seqs])
+            distances = attention_distances(attn, seqs) if planes == "error" else None
+        scores = plane_scores(attn, x, rorope, distances)
+        total += scores / scores.sum().clamp_min(1e-300)
+    n_planes = rope_dim // 2
+    kept = [total[torch.arange(n_planes) * s].sum().item() for s in range(1, high + 1)]
+    return 1 + max(range(high), key=lambda i: kept[i])
+
+
+@torch.no_grad()
+def convert_model_to_mla(
+    model: nn.Module,
+    kv_lora_rank: int,
+    rope_dim: int | None = None,
+    *,
+    calib: Sequence[Batch] | None = None,
+    planes: str | int | None = None,
+    rorope: bool = True,
+    weighting: str = "readers",
+    mean_phase: bool = True,
+) -> nn.Module:
+    """A copy of ``model`` whose attention layers are MLA (``gqa_to_mla``, ``kv_norm=False``); ``model`` is not
+    modified. ``rope_dim`` defaults to head_dim (every plane kept) with RoPE, else 2. ``mean_phase`` (with
+    calibration): planes that lose RoPE are turned by the mean rotation each head sees (``mean_phase_queries``)
+    instead of none."""
+    attns = _attentions(model, GroupedQueryAttention)
+    cfg = attns[0].cfg
+    if rope_dim is None:
+        rope_dim = cfg.head_dim if cfg.rope else 2
+    stride = choose_stride(model, rope_dim, planes, calib=calib, rorope=rorope)
+    out = copy.deepcopy(model).eval()
+    for i, layer in enumerate(out.layers):
+        x, distances = None, None
+        if calib:
+            seqs = _sequences(out, i, calib)
+            x = torch.cat([xs[mask] for xs, mask in seqs])
+            distances = attention_distances(layer.attention, seqs) if mean_phase and cfg.rope else None
+        layer.attention = gqa_to_mla(
+            layer.attention,
+            kv_lora_rank,
+            rope_dim=rope_dim,
+            stride=stride,
+            calib=x,
+            rorope=rorope,
+            weighting=weighting,
+            distances=distances,
+        )
+    out.cfg = out.cfg.with_attention(out.layers[0].attention.cfg)
+    return out
+
+
+@torch.no_grad()
+def fold_latent_norms(
+    model: nn.Module, calib: Sequence[Batch], *, balance: bool = True
+) -> tuple[nn.Module, list[dict]]:
+    """A copy of an MLA model (``kv_norm=False``) with DeepSeek's latent norm in every layer
+    (``fold_latent_norm``), each layer calibrated on the inputs the already folded layers give it; and the
+    per-layer statistics."""
+    if not calib:
+        raise ValueError("fold_latent_norms needs calib: a non-empty list of token batches (B, T)")
+    _attentions(model, MultiHeadLatentAttention)
+    out = copy.deepcopy(model).eval()
+    stats = []
+    for i, layer in enumerate(out.layers):
+        layer.attention, layer_stats = fold_latent_norm(
+            layer.attention, attention_inputs(out, i, calib), balance=balance
+        )
+        stats.append(layer_stats)
+    out.cfg = out.cfg.with_attention(out.layers[0].attention.cfg)
+    return out, stats
+
+
+def _sequences(
+    model: nn.Module, index: int, batches: Sequence[Batch]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch, the (B, T, d_model) inputs of ``layers[index].attention`` and the (B, T) bool mask of real
+    tokens (causal decoders with right padding: a real token never attends to a pad)."""
+    seen: list[torch.Tensor] = []
+    handle = model.layers[index].attention.register_forward_pre_hook(lambda _m, a: seen.append(a[0].detach()))
+    out = []
+    try:
+        for batch in batches:
+            ids, mask = batch if isinstance(batch, tuple) else (batch, torch.ones_like(batch))
+            seen.clear()
+            model(ids)
+            out.append((seen[-1], mask.bool()))
+    finally:
+        handle.remove()
+    return out
+
+
+@torch.no_grad()
+def attention_distances(attn: nn.Module, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(n_heads, T) attention mass each head puts on keys 0, 1, ..., T-1 tokens back, summed over the real
+    query tokens of ``seqs`` (``_sequences``'s (inputs, mask) pairs)."""
+    t_max = max(x.shape[1] for x, _ in seqs)
+    total = None
+    for x, mask in seqs:
+        scores = attention_scores(attn, x)  # (B, H, T, T)
+        t = x.shape[1]
+        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() & mask[:, None, None, :]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+        probs = probs * mask[:, None, :, None]  # padded queries count for nothing
+        hist = torch.stack([probs.diagonal(-d, -2, -1).sum((0, 2)) for d in range(t)], dim=1)  # (H, T)
+        hist = torch.nn.functional.pad(hist.double(), (0, t_max - t))
+        total = hist if total is None else total + hist
+    return total
+
+
+@torch.no_grad()
+def layer_errors(source: nn.Module, converted: nn.Module, batches: Sequence[Batch]) -> list[dict]:
+    """Per layer, how far the converted attention is from the source's on the SAME inputs (those the source
+    model gives the layer): ``output_error`` = ||y' - y|| / ||y|| over real tokens, and ``score_error`` = the
+    same for the pre-softmax scores (scaled logits) of every head over causal pairs of real tokens."""
+    if not batches:
+        raise ValueError("layer_errors needs a non-empty list of token batches (B, T)")
+    src_attns = _attentions(source, GroupedQueryAttention)
+    if len(converted.layers) != len(src_attns):
+        raise ValueError(f"converted has {len(converted.layers)} layers, the source {len(src_attns)}")
+    report = []
+    for i, src in enumerate(src_attns):
+        dst = converted.layers[i].attention
+        num = {"output": 0.0, "score": 0.0}
+        den = {"output": 0.0, "score": 0.0}
+        for x, mask in _sequences(source, i, batches):
+            y, y_new = src(x), dst(x)
+            num["output"] += (y_new - y)[mask].double().square().sum().item()
+            den["output"] += y[mask].double().square().sum().item()
+            s, s_new = attention_scores(src, x), attention_scores(dst, x)
+            t = x.shape[1]
+            pairs = (
+                mask[:, None, :, None] & mask[:, None, None, :] & torch.ones(t, t, dtype=torch.bool).tril()
+            )
+            num["score"] += (s_new - s)[pairs.expand_as(s)].double().square().sum().item()
+            den["score"] += s[pairs.expand_as(s)].double().square().sum().item()
+        report.append({f"{k}_error": (num[k] / max(den[k], 1e-300)) ** 0.5 for k in num})
+    return report
+
+
+def attention_scores(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Scaled pre-softmax scores (B, n_heads, T, T) of a GQA or MLA module on ``x`` (B, T, d_model), positions
+    0..T-1, computed here from the weights (an independent reading of the two modules' score formulas)."""
+    b, t, _ = x.shape
+    pos = torch.arange(t, device=x.device)
+    if isinstance(attn, GroupedQueryAttention):
+        hd = attn.head_dim
+        q = attn.wq(x).view(b, t, -1, hd).transpose(1, 2)
+        k = attn.wk(x).view(b, t, -1, hd).transpose(1, 2).repeat_interleave(attn.cfg.n_rep, dim=1)
+        if attn.cfg.rope:
+            cos, sin = rope_cos_sin(pos, hd, attn.cfg.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q @ k.transpose(-1, -2) * hd**-0.5
+    cfg = attn.cfg
+    q = attn._queries(x).view(b, t, -1, cfg.qk_head_dim).transpose(1, 2)
+    q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    c, k_rope = attn.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    k_nope = (
+        attn.wkv_b(attn.kv_norm(c)).view(b, t, cfg.n_heads, -1)[..., : cfg.qk_nope_head_dim].transpose(1, 2)
+    )
+    cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
+    q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+    return (
+        q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope[:, None].transpose(-1, -2)
+    ) * cfg.softmax_scale
+
+
+@torch.no_grad()
+def logit_distance(a: nn.Module, b: nn.Module, batches: Sequence[Batch]) -> dict:
+    """How far model ``b``'s next-token distribution is from ``a``'s over the real tokens of ``batches``:
+    ``max_abs`` logit difference, ``rel_rms`` (||l_b - l_a|| / ||l_a - mean||, logits centred per token) and
+    ``kl`` (mean KL(p_a || p_b), nats per token)."""
+    if not batches:
+        raise ValueError("logit_distance needs a non-empty list of token batches (B, T)")
+    max_abs, num, den, kl, n = 0.0, 0.0, 0.0, 0.0, 0
+    for batch in batches:
+        ids, mask = batch if isinstance(batch, tuple) else (batch, torch.ones_like(batch))
+        keep = mask.bool()
+        la, lb = a(ids)[keep].double(), b(ids)[keep].double()
+        max_abs = max(max_abs, (lb - la).abs().max().item())
+        num += (lb - la).square().sum().item()
+        den += (la - la.mean(-1, keepdim=True)).square().sum().item()
+        log_pa, log_pb = la.log_softmax(-1), lb.log_softmax(-1)
+        kl += (log_pa.exp() * (log_pa - log_pb)).sum().item()
+        n += len(la)
+    return {"max_abs": max_abs, "rel_rms": (num / max(den, 1e-300)) ** 0.5, "kl": kl / max(n, 1)}

@@ -1,0 +1,119 @@
+"""On-disk conversion of a Llama / Mistral / Qwen2 checkpoint to a native, dense DeepSeek-V3 (MLA) checkpoint.
+
+Steps: load the source (``load_llama``) in float32; convert every attention layer to MLA
+(``convert.convert_model_to_mla``: RoPE kept on the chosen planes after RoRoPE, the rest factored into the
+latent); add DeepSeek's latent norm (``convert.fold_latent_norms``); write ``DeepseekV3ForCausalLM`` weights
+(``hf.deepseek``, in the source's dtype) atomically, with every other file of the source (tokenizer,
+generation config) copied. The source is only read.
+
+Calibration: ``calib`` is a UTF-8 text file, tokenised with the source's ``tokenizer.json`` as for
+``attnlab convert --kv-heads`` (``hf.checkpoint.calibration_batches``). Without it, random token ids (seeded)
+stand in: enough to set the scale of the latent norm, but a poor guide to what the model attends to.
+The summary reports the error of every step on the calibration batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..convert.mla import check_target, rope_planes
+from ..convert.mla_model import (
+    choose_stride,
+    convert_model_to_mla,
+    fold_latent_norms,
+    layer_errors,
+    logit_distance,
+)
+from . import deepseek, io, llama
+from .checkpoint import calibration_batches
+
+
+def random_batches(
+    vocab_size: int, seed: int, n: int = 4, batch: int = 4, length: int = 64
+) -> list[torch.Tensor]:
+    """Token-id batches drawn uniformly from the vocabulary: calibration when no text is given."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (batch, length), generator=gen) for _ in range(n)]
+
+
+def convert_checkpoint_to_mla(
+    src: str | Path,
+    dst: str | Path,
+    kv_lora_rank: int,
+    rope_dim: int | None = None,
+    *,
+    calib: str | Path | None = None,
+    planes: str | int = "norm",
+    rorope: bool = True,
+    weighting: str = "readers",
+    balance: bool = True,
+    overwrite: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Convert the Llama-family checkpoint in ``src`` to a DeepSeek-V3 MLA checkpoint in ``dst``; returns a
+    summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors, logit distances).
+
+    Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim) raise
+    ValueError before anything is written.
+    """
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve() or src.resolve() in dst.resolve().parents:
+        raise ValueError(
+            f"destination {dst} must be outside the source {src} (a conversion never modifies it)"
+        )
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"destination exists: {dst} (pass --overwrite to replace it)")
+    hf = io.read_config(src)
+    if hf["model_type"] not in llama.ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {hf['model_type']!r} for MLA conversion; supported: "
+            f"{', '.join(llama.ARCHITECTURES)}"
+        )
+    cfg = llama.model_config_from_hf(hf)
+    attn_cfg = cfg.attention
+    rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim)
+    model = llama.load_llama(src)
+    dtype = model.tok_embeddings.weight.dtype
+    model = model.float()
+    batches = calibration_batches(src, calib) if calib is not None else random_batches(cfg.vocab_size, seed)
+
+    stride = choose_stride(model, rope_dim, planes, calib=batches, rorope=rorope)
+    mla = convert_model_to_mla(
+        model, kv_lora_rank, rope_dim, calib=batches, planes=stride, rorope=rorope, weighting=weighting
+    )
+    native, norm_stats = fold_latent_norms(mla, batches, balance=balance)
+    errors = layer_errors(model, mla, batches)
+    summary = {
+        "src": str(src),
+        "dst": str(dst),
+        "model_type": hf["model_type"],
+        "n_layers": cfg.n_layers,
+        "n_heads": attn_cfg.n_heads,
+        "n_kv_heads_before": attn_cfg.n_kv_heads,
+        "head_dim": attn_cfg.head_dim,
+        "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
+        "rope_planes": rope_planes(attn_cfg.head_dim, rope_dim, stride).tolist() if attn_cfg.rope else [],
+        "rope_theta": native.cfg.attention.rope_theta,
+        "kv_values_per_token_before": 2 * cfg.n_layers * attn_cfg.n_kv_heads * attn_cfg.head_dim,
+        "kv_values_per_token_after": cfg.n_layers * native.cfg.attention.cache_dim,
+        "calibration": str(calib) if calib is not None else "random tokens",
+        "layer_output_error": [round(e["output_error"], 6) for e in errors],
+        "layer_score_error": [round(e["score_error"], 6) for e in errors],
+        "latent_norm_error": [round(s["latent_error"], 6) for s in norm_stats],
+        # Logit distances on the calibration batches: conversion alone, the latent norm alone, both.
+        "logits_source_vs_mla": logit_distance(model, mla, batches),
+        "logits_mla_vs_native": logit_distance(mla, native, batches),
+        "logits_source_vs_native": logit_distance(model, native, batches),
+    }
+    native = native.to(dtype)
+    tensors = deepseek.state_to_hf(native)
+    files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
+    with io.atomic_dir(dst, overwrite) as tmp:
+        io.write_tensors(tmp, tensors)
+        io.write_config(tmp, deepseek.hf_config_from_model(native.cfg, hf))
+        io.copy_other_files(src, tmp, skip=files)
+    return summary

@@ -1,0 +1,191 @@
+"""GQA/MHA -> MLA (DeepSeek layout): exact cases, RoRoPE, plane selection, the latent norm, bad targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_convert_gqa import heads, inputs, make, rope_commuting
+
+from attnlab import AttentionConfig, ModelConfig
+from attnlab.convert import (
+    choose_stride,
+    convert_model_to_mla,
+    fold_latent_norm,
+    fold_latent_norms,
+    gqa_to_mla,
+    layer_errors,
+    logit_distance,
+)
+from attnlab.convert.mla import full_rank, rope_planes
+from attnlab.convert.mla_model import attention_scores
+from attnlab.model import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("mode", ["naive", "absorbed"])
+@pytest.mark.parametrize(
+    "rope,bias,n_kv",
+    [(False, False, 8), (False, True, 2), (True, False, 1), (True, True, 1)],
+)
+def test_exact_at_full_rank_without_rope_or_from_one_kv_head(mode, rope, bias, n_kv):
+    attn = make(n_kv_heads=n_kv, bias=bias, rope=rope)
+    if bias:
+        with torch.no_grad():
+            attn.wq.bias.zero_()  # MLA's wq has no bias (DeepSeek); k/v/o biases are carried
+    rope_dim = 8 if rope else 2  # with RoPE: every plane of the head_dim=8 heads kept
+    full = full_rank(attn.cfg, rope_dim)
+    mla = gqa_to_mla(attn, full, rope_dim=rope_dim, calib=inputs(n=1, t=6, seed=3))  # rank-deficient calib
+    mla.mode = mode
+    x = inputs()
+    tol = 1e-10
+    torch.testing.assert_close(mla(x), attn(x), rtol=tol, atol=tol)
+    assert mla.cfg.cache_dim == full + rope_dim and not mla.cfg.kv_norm
+    # One KV head, every plane kept: the rotary key is the source key, nothing is left for a nope part.
+    assert mla.cfg.qk_nope_head_dim == (0 if rope else 8)
+    cache = mla.new_cache(2, 12)
+    with torch.no_grad():  # cached decode through the latent cache equals the full forward
+        steps = torch.cat([mla(x[:, i : i + 1], cache=cache) for i in range(12)], dim=1)
+    torch.testing.assert_close(steps, attn(x), rtol=1e-5, atol=1e-5)
+
+
+def test_low_rank_error_falls_with_rank():
+    attn = make(n_kv_heads=4, rope=False)
+    calib, x = inputs(n=8, t=32, seed=4), inputs(seed=5)
+    errs = [_rel(gqa_to_mla(attn, r, calib=calib)(x), attn(x)) for r in (8, 24, 40, 64)]
+    assert errs[0] > errs[1] > errs[2] > errs[3]
+    assert errs[3] < 1e-10  # rank 64 = d_model: the stacked K/V of 4 heads (64 rows) is full
+
+
+@pytest.mark.parametrize("rorope,exact", [(True, True), (False, False)])
+def test_rorope_concentrates_planes_that_differ_by_a_rotation(rorope, exact):
+    # Every KV head's key is a per-plane scaled rotation of one key (RoPE-commuting maps): one virtual head
+    # per plane carries all of it, so RoRoPE keeps every score exact; the mean over heads cannot.
+    attn = make(n_heads=8, n_kv_heads=4)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        base = heads(attn.wk.weight, 4)[0].clone()
+        attn.wk.weight.copy_(torch.stack([rope_commuting(8, g) @ base for _ in range(4)]).reshape(32, 64))
+    calib, x = inputs(n=8, t=32, seed=2), inputs(seed=3)
+    mla = gqa_to_mla(attn, full_rank(attn.cfg, 8), rope_dim=8, calib=calib, rorope=rorope)
+    err = _rel(attention_scores(mla, x), attention_scores(attn, x))
+    assert (err < 1e-5) if exact else (err > 1e-2), err
+
+
+def _planted_model(stride: int, n_kv: int = 1, seed: int = 0) -> Transformer:
+    """A 2-layer model with head_dim 32 whose query/key planes 0, stride, 2 stride, ... are 10x stronger."""
+    cfg = ModelConfig(
+        vocab_size=64,
+        n_layers=2,
+        attention=AttentionConfig(d_model=64, n_heads=4, n_kv_heads=n_kv, head_dim=32, rope_theta=100.0),
+        ffn_dim=96,
+        max_seq_len=64,
+    )
+    model = Transformer(cfg)
+    model.init_weights(std=0.1, seed=seed)
+    strong = rope_planes(32, 8, stride)
+    scale = torch.full((16,), 0.1)
+    scale[strong] = 1.0
+    rows = torch.cat((scale, scale))  # half-split: plane f is rows f and f + 16
+    with torch.no_grad():
+        for layer in model.layers:
+            for lin in (layer.attention.wq, layer.attention.wk):
+                w = lin.weight.view(-1, 32, 64)
+                w.mul_(rows[None, :, None] * 3.0)
+    return model.eval()
+
+
+def test_norm_selection_finds_the_strong_planes_and_beats_first_and_uniform():
+    # rope_dim 8 = 4 planes of 16; strides 1..5 are possible ("uniform" = 5, "first" = 1); 3 is planted.
+    model = _planted_model(stride=3)
+    calib = [torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))]
+    held_out = [torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(2))]
+    assert choose_stride(model, 8, "norm", calib=calib) == choose_stride(model, 8, "error", calib=calib) == 3
+    assert choose_stride(model, 8, "first") == 1 and choose_stride(model, 8, "uniform") == 5
+    errors = {}
+    for planes in (None, "first", "uniform"):  # None: "error" with calibration
+        mla = convert_model_to_mla(model, 56, 8, calib=calib, planes=planes)  # full rank: RoPE is the error
+        errors[planes] = sum(e["score_error"] for e in layer_errors(model, mla, held_out))
+        assert mla.cfg.attention.kv_lora_rank == 56 and mla.cfg.attention.qk_rope_head_dim == 8
+    assert errors[None] < 0.5 * min(errors["first"], errors["uniform"]), errors
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_model_converted_at_full_rank_gives_source_logits(rope):
+    # float32, as checkpoints are used: MQA with every plane kept, or no RoPE at all, converts exactly.
+    n_kv = 1 if rope else 2
+    cfg = ModelConfig(
+        vocab_size=80,
+        n_layers=2,
+        attention=AttentionConfig(d_model=48, n_heads=4, n_kv_heads=n_kv, head_dim=12, rope=rope),
+        ffn_dim=64,
+        max_seq_len=64,
+    )
+    src = Transformer(cfg)
+    src.init_weights(std=0.1, seed=4)
+    src.eval()
+    before = {k: v.clone() for k, v in src.state_dict().items()}
+    calib = [torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(5))]
+    rope_dim = 12 if rope else 2
+    full = full_rank(cfg.attention, rope_dim)
+    mla = convert_model_to_mla(src, full, rope_dim, calib=calib)
+    tokens = torch.randint(0, 80, (2, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(mla(tokens), src(tokens), rtol=1e-4, atol=1e-4)
+    for key, value in src.state_dict().items():  # the source is untouched
+        assert torch.equal(value, before[key]), key
+    dist = logit_distance(src, mla, [tokens])
+    assert dist["max_abs"] < 1e-4 and dist["kl"] < 1e-8
+    assert all(e["output_error"] < 1e-5 and e["score_error"] < 1e-5 for e in layer_errors(src, mla, [tokens]))
+    # DeepSeek's latent norm then changes each token's latent scale: measured, small but not zero.
+    native, stats = fold_latent_norms(mla, calib)
+    assert native.cfg.attention.kv_norm and len(stats) == 2
+    assert 0 < logit_distance(mla, native, calib)["rel_rms"] < 0.5
+
+
+def test_latent_norm_fold_scales_each_token_and_balancing_makes_the_rms_constant():
+    # A 2-value latent reading inputs (cos t, 3 sin t): its RMS varies, but rescaling the second coordinate
+    # by 1/3 makes it constant, so the balanced fold reproduces the layer; the plain one cannot.
+    attn = make(n_heads=4, n_kv_heads=1, rope=False, d_model=8)
+    mla = gqa_to_mla(attn, 2, rope_dim=2)
+    with torch.no_grad():
+        mla.wkv_a.weight.zero_()
+        mla.wkv_a.weight[0, 0] = mla.wkv_a.weight[1, 1] = 1.0
+    t = torch.linspace(0, 6.0, 40, dtype=torch.float64)
+    x = torch.zeros(1, 40, 8, dtype=torch.float64)
+    x[0, :, 0], x[0, :, 1], x[0, :, 2:] = t.cos(), 3 * t.sin(), 0.3
+    plain, plain_stats = fold_latent_norm(mla, x, balance=False)
+    balanced, stats = fold_latent_norm(mla, x)
+    assert stats["balanced"] and stats["latent_error"] < 1e-6 < 0.1 < plain_stats["latent_error"]
+    torch.testing.assert_close(balanced(x), mla(x), rtol=1e-6, atol=1e-6)
+    assert _rel(plain(x), mla(x)) > 1e-2
+    # Whatever the fold, values are the source's scaled per token (the norm's only effect on them).
+    with torch.no_grad():
+        c = plain.kv_norm(plain.wkv_a(x)[..., :2])
+        ratio = plain.wkv_b(c)[..., -8:] / mla.wkv_b(mla.wkv_a(x)[..., :2])[..., -8:]
+    assert (ratio - ratio[..., :1]).abs().max() < 1e-5  # RMSNorm computes in float32
+
+
+def test_bad_targets_name_the_value():
+    attn = make(n_kv_heads=2)  # head_dim 8, d_model 64
+    for kwargs, match in [
+        ({"kv_lora_rank": 0}, "kv_lora_rank"),
+        ({"kv_lora_rank": 33}, r"kv_lora_rank must be an int in \[1, 32\].*got 33"),
+        ({"kv_lora_rank": True}, "kv_lora_rank"),
+        ({"kv_lora_rank": 8, "rope_dim": 5}, "rope_dim must be even.*5"),
+        ({"kv_lora_rank": 8, "rope_dim": 10}, r"rope_dim must be an int in \[2, 8\].*10"),
+        ({"kv_lora_rank": 8, "rope_dim": 0}, "rope_dim"),
+        ({"kv_lora_rank": 8, "rope_dim": 4, "stride": 4}, r"stride must be an int in \[1, 3\].*got 4"),
+        ({"kv_lora_rank": 8, "weighting": "svd"}, "weighting"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            gqa_to_mla(attn, **kwargs)
+    biased = make(bias=True, rope=False)
+    with pytest.raises(ValueError, match="query bias"):
+        gqa_to_mla(biased, 16)
+    with pytest.raises(ValueError, match="planes"):
+        choose_stride(Transformer(ModelConfig(64, 1, attn.cfg, 32)), 4, "lowest")
