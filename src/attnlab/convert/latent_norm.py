@@ -6,10 +6,12 @@ A DeepSeek checkpoint always normalises the latent: ``c~ = w * c / rms(c)``. A l
 invertible ``A`` the latent ``A c`` with ``wkv_b A^-1`` computes the same keys and values, so the norm costs
 only as much as ``rms(A c)`` varies. ``fold_latent_norm`` therefore
 
-1. picks a diagonal ``A`` (in the latent's principal basis) making ``||A c||^2`` as constant as possible over
-   calibration tokens: ``A^2 = diag(p)``, ``p >= 0`` minimising ``sum_t (sum_i p_i c_ti^2 - 1)^2`` (a small
-   non-negative least-squares problem), kept only if it beats ``A = I`` on the measure below, then scaled so the
-   typical ``rms(A c)`` is 1 (far above the norm's eps);
+1. picks ``A`` making ``||A c||^2`` as constant as possible over calibration tokens: a diagonal one,
+   ``A^2 = diag(p)`` with ``p >= 0`` minimising ``sum_t (sum_i p_i c_ti^2 - 1)^2`` (a small non-negative least
+   squares problem), then, starting from it, a general one (L-BFGS on the same objective, its singular values
+   clipped to a condition number of 100 so that ``wkv_b A^-1`` loses no precision); whichever of ``I``,
+   diagonal and general changes the latent least on calibration tokens is kept, scaled so the typical
+   ``rms(A c)`` is 1 (far above the norm's eps);
 2. sets the norm weight to the constant ``rho`` that maps that typical RMS back, ``rho = argmin sum_t ||A c_t
    (rho / rms(A c_t) - 1)||^2``, and folds ``A^-1`` into ``wkv_b``.
 
@@ -52,25 +54,68 @@ def _nnls(gram: torch.Tensor, rhs: torch.Tensor, tol: float = 1e-12) -> torch.Te
     return p
 
 
-def _error(sq: torch.Tensor, p: torch.Tensor, eps: float) -> tuple[float, float]:
-    """(rho, relative latent error) for squared latent coordinates ``sq`` (N, L) scaled by ``p``."""
-    n = sq @ p  # ||A c_t||^2
-    r = (n / sq.shape[1] + eps).sqrt()
+def _error(latent: torch.Tensor, a: torch.Tensor, eps: float) -> tuple[float, float]:
+    """(rho, relative latent error) of the latent ``A c`` (``latent`` (N, L) rows c, ``a`` (L, L))."""
+    n = (latent @ a.T).square().sum(-1)  # ||A c_t||^2
+    r = (n / latent.shape[1] + eps).sqrt()
     rho = ((n / r).sum() / (n / r.square()).sum()).item()
     err = ((n * (rho / r - 1).square()).sum() / n.sum().clamp_min(1e-300)).sqrt().item()
     return rho, err
 
 
+def _unit_rms(latent: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``a`` scaled so that the mean square of the entries of ``A c`` over tokens is 1."""
+    return a / (latent @ a.T).square().mean().sqrt().clamp_min(1e-300)
+
+
+def _diagonal(latent: torch.Tensor) -> torch.Tensor | None:
+    """diag(sqrt(p)), p >= 0 minimising sum_t (sum_i p_i c_ti^2 - 1)^2; None if every p_i is 0."""
+    sq = latent.square()
+    p = _nnls(sq.T @ sq / len(sq), sq.mean(0))
+    if not bool((p > 0).any()):
+        return None
+    # A coordinate given weight 0 is still read by wkv_b: keep it, at a small weight.
+    return torch.diag(p.clamp_min(p.max().item() * 1e-4).sqrt())
+
+
+def _general(latent: torch.Tensor, start: torch.Tensor, max_cond: float, steps: int) -> torch.Tensor:
+    """Any ``A`` (from ``start``) making ``rms(A c_t)`` nearly 1: L-BFGS on the squared deviation of its
+    square, then singular values clipped to ``max_cond`` so that ``wkv_b A^-1`` stays well conditioned."""
+    a = start.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS(
+        [a], max_iter=steps, line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-15
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((latent @ a.T).square().mean(-1) - 1).square().mean()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    u, s, vh = torch.linalg.svd(a.detach())
+    return (u * s.clamp_min(s.max() / max_cond)) @ vh
+
+
 @torch.no_grad()
 def fold_latent_norm(
-    mla: MultiHeadLatentAttention, calib: torch.Tensor, *, balance: bool = True
+    mla: MultiHeadLatentAttention,
+    calib: torch.Tensor,
+    *,
+    balance: bool = True,
+    max_cond: float = 100.0,
+    general_up_to: int = 512,
+    steps: int = 200,
 ) -> tuple[MultiHeadLatentAttention, dict]:
     """A copy of ``mla`` (``kv_norm=False``) with DeepSeek's latent RMSNorm, and statistics of what it costs.
 
-    ``calib`` (..., d_model): inputs of the layer on calibration data. ``balance``: try the diagonal rescaling
-    of the latent (module docstring); without it ``A = I``. Returns ``(module, stats)`` with stats
-    ``latent_error`` (relative change of the latent over ``calib``), ``rms_spread`` (std / mean of the latent's
-    RMS over tokens) and ``balanced`` (whether the rescaling was kept).
+    ``calib`` (..., d_model): inputs of the layer on calibration data. ``balance``: look for a map ``A`` of the
+    latent that makes its RMS nearly constant (module docstring): diagonal, and for latents of at most
+    ``general_up_to`` values also a general one (``steps`` L-BFGS iterations, condition number at most
+    ``max_cond``); the one with the smallest error on ``calib`` is kept, ``A = I`` included. Returns
+    ``(module, stats)`` with ``latent_error`` (relative change of the latent over ``calib``), ``rms_spread``
+    (std / mean of the latent's RMS over tokens) and ``balance`` ("none", "diagonal" or "general").
     """
     if not isinstance(mla, MultiHeadLatentAttention):
         raise TypeError(f"mla must be a MultiHeadLatentAttention, got {type(mla).__name__}")
@@ -82,24 +127,23 @@ def fold_latent_norm(
     rank = cfg.kv_lora_rank
     x = calib.detach().reshape(-1, cfg.d_model).to(mla.wkv_a.weight.dtype)
     latent = mla.wkv_a(x)[:, :rank].double()  # (N, rank)
-    sq = latent.square()
     eps = RMSNorm(1).eps
-    p = torch.ones(rank, dtype=torch.float64)
-    p = p / (sq @ p).mean() * rank  # typical rms = 1
-    _, err = _error(sq, p, eps)
-    balanced = False
+    candidates = {"none": torch.eye(rank, dtype=torch.float64)}
     if balance:
-        fitted = _nnls(sq.T @ sq / len(sq), sq.mean(0))
-        if bool((fitted > 0).any()):
-            # A latent coordinate given weight 0 is still read by wkv_b: keep it, at a tiny weight.
-            fitted = fitted.clamp_min(fitted.max().item() * 1e-6)
-            fitted = fitted / (sq @ fitted).mean() * rank
-            _, fitted_err = _error(sq, fitted, eps)
-            if fitted_err < err:
-                p, err, balanced = fitted, fitted_err, True
-    rho, err = _error(sq, p, eps)
-    a = p.sqrt()
-    rms = ((sq @ p) / rank + eps).sqrt()
+        diagonal = _diagonal(latent)
+        if diagonal is not None:
+            candidates["diagonal"] = diagonal
+            if rank <= general_up_to:
+                rows = latent[:: max(1, len(latent) // 4096)]  # a fit on at most ~4k tokens bounds its cost
+                candidates["general"] = _general(rows, _unit_rms(rows, diagonal), max_cond, steps)
+    candidates = {k: _unit_rms(latent, a) for k, a in candidates.items()}  # typical rms(A c) = 1
+    kind = "none"
+    for name, cand in candidates.items():  # a more general map only when it is clearly better
+        if _error(latent, cand, eps)[1] < 0.99 * _error(latent, candidates[kind], eps)[1]:
+            kind = name
+    a = candidates[kind]
+    rho, err = _error(latent, a, eps)
+    rms = ((latent @ a.T).square().mean(-1) + eps).sqrt()
 
     out = MultiHeadLatentAttention(cfg.replace(kv_norm=True)).to(
         mla.wkv_a.weight.device, mla.wkv_a.weight.dtype
@@ -107,15 +151,15 @@ def fold_latent_norm(
     out.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight, overwritten below
     out.mode = mla.mode
     dtype = mla.wkv_a.weight.dtype
-    scale = torch.cat((a, torch.ones(cfg.qk_rope_head_dim, dtype=torch.float64))).to(dtype)
-    out.wkv_a.weight.mul_(scale[:, None])
+    w_a = mla.wkv_a.weight.detach().double()
+    out.wkv_a.weight[:rank] = (a @ w_a[:rank]).to(dtype)
     if out.wkv_a.bias is not None:
-        out.wkv_a.bias.mul_(scale)
-    out.wkv_b.weight.div_(a.to(dtype)[None, :])
+        out.wkv_a.bias[:rank] = (a @ mla.wkv_a.bias.detach().double()[:rank]).to(dtype)
+    out.wkv_b.weight.copy_(torch.linalg.solve(a.T, mla.wkv_b.weight.detach().double().T).T.to(dtype))
     out.kv_norm.weight.fill_(rho)
     stats = {
         "latent_error": err,
         "rms_spread": (rms.std() / rms.mean()).item() if len(rms) > 1 else 0.0,
-        "balanced": balanced,
+        "balance": kind,
     }
     return out, stats

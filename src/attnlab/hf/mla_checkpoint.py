@@ -104,6 +104,7 @@ def convert_checkpoint_to_mla(
         "layer_output_error": [round(e["output_error"], 6) for e in errors],
         "layer_score_error": [round(e["score_error"], 6) for e in errors],
         "latent_norm_error": [round(s["latent_error"], 6) for s in norm_stats],
+        "latent_norm_balance": [s["balance"] for s in norm_stats],
         # Logit distances on the calibration batches: conversion alone, the latent norm alone, both.
         "logits_source_vs_mla": logit_distance(model, mla, batches),
         "logits_mla_vs_native": logit_distance(mla, native, batches),
