@@ -107,7 +107,7 @@ def test_norm_selection_finds_the_strong_planes_and_beats_first_and_uniform():
     assert choose_stride(model, 8, "norm", calib=calib) == choose_stride(model, 8, "error", calib=calib) == 3
     assert choose_stride(model, 8, "first") == 1 and choose_stride(model, 8, "uniform") == 5
     errors = {}
-    for planes in (None, "first", "uniform"):  # None: "error" with calibration
+    for planes in (None, "first", "uniform"):  # None: "norm"
         mla = convert_model_to_mla(model, 56, 8, calib=calib, planes=planes)  # full rank: RoPE is the error
         errors[planes] = sum(e["score_error"] for e in layer_errors(model, mla, held_out))
         assert mla.cfg.attention.kv_lora_rank == 56 and mla.cfg.attention.qk_rope_head_dim == 8

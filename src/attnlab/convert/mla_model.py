@@ -8,14 +8,14 @@ Which planes keep RoPE (``planes``), one stride for the whole model because a De
     "first"    stride 1: the ``rope_dim/2`` fastest-turning planes (MHA2MLA's "high-frequency" baseline; the
                slowest planes cannot be kept in DeepSeek's layout, whose rotary frequencies start at 1).
     "uniform"  the largest stride: kept planes spread evenly over the frequency range.
-    "norm"     MHA2MLA's criterion (Ji et al. 2025, arXiv 2502.14837): each plane's contribution to the
+    "norm"     (the default) MHA2MLA's criterion (Ji et al. 2025, arXiv 2502.14837): each plane's contribution to the
                attention scores, ``sum_h rms|q'_{h,f}| * rms|k*_f|`` over calibration inputs (q' and k* the
                queries and shared key after RoRoPE, i.e. the part a rotary plane can carry); every layer's
                scores are normalised to sum to 1, and the stride whose kept planes collect the most wins.
-    "error"    (default with calibration) the same, with each head's share scaled by ``sqrt(1 - |m|^2)``: what
-               the plane would still cost without RoPE once turned by its mean rotation ``m`` (step 2 of
-               ``convert.mla``). A slow plane, which barely turns over the distances a head attends to, costs
-               little even when its norm is large.
+    "error"    the same, with each head's share scaled by ``sqrt(1 - |m|^2)``: what the plane would still
+               cost without RoPE once turned by its mean rotation ``m`` (step 2 of ``convert.mla``), so that a
+               slow plane, which barely turns over the distances a head attends to, counts little even when
+               its norm is large. A heuristic: on a small trained model it chose worse than "norm" once.
     an int     that stride.
 
 Layers are converted in order, each calibrated on the inputs it receives from the already converted layers
@@ -87,10 +87,10 @@ def choose_stride(
     calib: Sequence[Batch] | None = None,
     rorope: bool = True,
 ) -> int:
-    """The stride of the planes that keep RoPE in every layer (module docstring); ``planes`` None: "error"
-    with calibration, else "norm" (on the weights alone)."""
+    """The stride of the planes that keep RoPE in every layer (module docstring); ``planes`` None: "norm"
+    (on the weights alone when no calibration is given)."""
     if planes is None:
-        planes = "error" if calib else "norm"
+        planes = "norm"
     attns = _attentions(model, GroupedQueryAttention)
     cfg = attns[0].cfg
     if not cfg.rope:

@@ -45,15 +45,18 @@ def convert_checkpoint_to_mla(
     rope_dim: int | None = None,
     *,
     calib: str | Path | None = None,
-    planes: str | int = "norm",
+    planes: str | int | None = None,
     rorope: bool = True,
     weighting: str = "readers",
+    mean_phase: bool = True,
     balance: bool = True,
     overwrite: bool = False,
     seed: int = 0,
 ) -> dict:
     """Convert the Llama-family checkpoint in ``src`` to a DeepSeek-V3 MLA checkpoint in ``dst``; returns a
     summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors, logit distances).
+    ``planes``, ``rorope``, ``weighting``, ``mean_phase``: as ``convert.convert_model_to_mla``; ``balance``: as
+    ``convert.fold_latent_norms``.
 
     Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim) raise
     ValueError before anything is written.
@@ -81,7 +84,14 @@ def convert_checkpoint_to_mla(
 
     stride = choose_stride(model, rope_dim, planes, calib=batches, rorope=rorope)
     mla = convert_model_to_mla(
-        model, kv_lora_rank, rope_dim, calib=batches, planes=stride, rorope=rorope, weighting=weighting
+        model,
+        kv_lora_rank,
+        rope_dim,
+        calib=batches,
+        planes=stride,
+        rorope=rorope,
+        weighting=weighting,
+        mean_phase=mean_phase,
     )
     native, norm_stats = fold_latent_norms(mla, batches, balance=balance)
     errors = layer_errors(model, mla, batches)
