@@ -7,6 +7,7 @@ import torch
 from test_convert_gqa import heads, inputs, make, rope_commuting
 
 from attnlab import AttentionConfig, ModelConfig
+from attnlab.attention.rope import apply_rope, rope_cos_sin
 from attnlab.convert import (
     choose_stride,
     convert_model_to_mla,
@@ -16,8 +17,8 @@ from attnlab.convert import (
     layer_errors,
     logit_distance,
 )
-from attnlab.convert.mla import full_rank, rope_planes
-from attnlab.convert.mla_model import attention_scores
+from attnlab.convert.mla import full_rank, mean_phase_queries, mean_rotation, rope_planes
+from attnlab.convert.mla_model import _sequences, attention_distances, attention_scores
 from attnlab.model import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,3 +193,47 @@ def test_bad_targets_name_the_value():
         gqa_to_mla(biased, 16)
     with pytest.raises(ValueError, match="planes"):
         choose_stride(Transformer(ModelConfig(64, 1, attn.cfg, 32)), 4, "lowest")
+
+
+def test_padded_calibration_equals_one_sequence_at_a_time():
+    # Right-padded (ids, mask) batches, as calibration files give them: pads must not count anywhere (inputs,
+    # attention distances, plane scores, layer errors, logit distances).
+    model = _planted_model(stride=2, n_kv=2, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    long, short = torch.randint(0, 64, (12,), generator=gen), torch.randint(0, 64, (7,), generator=gen)
+    ids = torch.stack((long, torch.cat((short, torch.zeros(5, dtype=torch.long)))))
+    mask = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
+    padded, separate = [(ids, mask)], [long[None], short[None]]
+    dist_padded = attention_distances(model.layers[0].attention, _sequences(model, 0, padded))
+    dist_separate = attention_distances(model.layers[0].attention, _sequences(model, 0, separate))
+    torch.testing.assert_close(dist_padded, dist_separate, rtol=1e-5, atol=1e-5)
+    assert choose_stride(model, 8, "error", calib=padded) == choose_stride(model, 8, "error", calib=separate)
+    a = convert_model_to_mla(model, 24, 8, calib=padded)
+    b = convert_model_to_mla(model, 24, 8, calib=separate)
+    x = torch.randint(0, 64, (2, 16), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), b(x), rtol=1e-4, atol=1e-4)
+    errs_a, errs_b = layer_errors(model, a, padded), layer_errors(model, a, separate)
+    for ea, eb in zip(errs_a, errs_b, strict=True):
+        assert ea == pytest.approx(eb, rel=1e-4)
+    assert logit_distance(model, a, padded) == pytest.approx(logit_distance(model, a, separate), rel=1e-4)
+
+
+def test_mean_phase_is_exact_for_heads_that_attend_at_one_distance():
+    # A head whose attention sits at one distance D sees one rotation e^{-i w D} per plane: turning its
+    # query by the conjugate must give the source's rotated score for every pair (t, t - D), unrotated.
+    gen = torch.Generator().manual_seed(8)
+    q, k = (
+        torch.randn(2, 8, generator=gen, dtype=torch.float64),
+        torch.randn(8, generator=gen, dtype=torch.float64),
+    )
+    distances = torch.zeros(2, 10, dtype=torch.float64)
+    distances[0, 3], distances[1, 7] = 1.0, 2.0  # head 0 attends 3 tokens back, head 1 seven
+    turned = mean_phase_queries(q[..., None], mean_rotation(distances, 100.0, 8))[..., 0]
+    for h, back in ((0, 3), (1, 7)):
+        cos, sin = rope_cos_sin(torch.tensor([9, 9 - back]), 8, 100.0, dtype=torch.float64)
+        source = apply_rope(q[h], cos[0], sin[0]) @ apply_rope(k, cos[1], sin[1])
+        torch.testing.assert_close(turned[h] @ k, source, rtol=1e-5, atol=1e-5)
+        assert (
+            abs((q[h] @ k - source).item()) > 1e-2
+        )  # without the turn the score is wrong: the test can fail
