@@ -18,7 +18,8 @@ from attnlab.convert import (
     logit_distance,
 )
 from attnlab.convert.mla import full_rank, mean_phase_queries, mean_rotation, rope_planes
-from attnlab.convert.mla_model import _sequences, attention_distances, attention_scores
+from attnlab.convert.mla_model import attention_distances, attention_scores
+from attnlab.convert.model import calibrate
 from attnlab.model import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -204,8 +205,8 @@ def test_padded_calibration_equals_one_sequence_at_a_time():
     ids = torch.stack((long, torch.cat((short, torch.zeros(5, dtype=torch.long)))))
     mask = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
     padded, separate = [(ids, mask)], [long[None], short[None]]
-    dist_padded = attention_distances(model.layers[0].attention, _sequences(model, 0, padded))
-    dist_separate = attention_distances(model.layers[0].attention, _sequences(model, 0, separate))
+    dist_padded = attention_distances(model.layers[0].attention, next(calibrate(model, padded)))
+    dist_separate = attention_distances(model.layers[0].attention, next(calibrate(model, separate)))
     torch.testing.assert_close(dist_padded, dist_separate, rtol=1e-5, atol=1e-5)
     assert choose_stride(model, 8, "error", calib=padded) == choose_stride(model, 8, "error", calib=separate)
     a = convert_model_to_mla(model, 24, 8, calib=padded)

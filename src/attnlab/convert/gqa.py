@@ -30,10 +30,12 @@ Methods (Ainslie et al. 2023, "GQA", section 2.1, compare the first three):
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from ..attention.gqa import GroupedQueryAttention
+from ..config import AttentionConfig
 
 METHODS = ("mean", "first", "random", "fit", "grouped-fit")
 
@@ -70,12 +72,33 @@ def _store(lin: torch.nn.Linear, heads: torch.Tensor) -> None:
         lin.weight.copy_(w)
 
 
-def second_moment(x: torch.Tensor, bias: bool) -> torch.Tensor:
-    """E[x x^T] (d, d) in float64 over all rows of ``x`` (..., d_model); with ``bias`` x gets a trailing 1."""
-    x = x.detach().reshape(-1, x.shape[-1]).double()
-    if bias:
-        x = torch.cat((x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)), dim=1)
-    return x.T @ x / x.shape[0]
+def second_moment(x: torch.Tensor | Iterable[torch.Tensor], bias: bool) -> torch.Tensor:
+    """E[x x^T] (d, d) in float64 over all rows of ``x`` (..., d_model), or of every tensor of an iterable of
+    them (accumulated one at a time: only the (d, d) sum is kept); with ``bias`` x gets a trailing 1."""
+    total, n = None, 0
+    for chunk in [x] if isinstance(x, torch.Tensor) else x:
+        rows = chunk.detach().reshape(-1, chunk.shape[-1]).double()
+        if bias:
+            rows = torch.cat(
+                (rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)), dim=1
+            )
+        total = rows.T @ rows if total is None else total + rows.T @ rows
+        n += rows.shape[0]
+    if total is None or not n:
+        raise ValueError("calibration inputs are empty: no rows to take a second moment of")
+    return total / n
+
+
+def input_moment(calib: torch.Tensor | Iterable[torch.Tensor], cfg: AttentionConfig) -> torch.Tensor:
+    """``second_moment`` of a module's calibration inputs, each (..., d_model) checked against ``cfg``."""
+
+    def checked(chunks: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for x in chunks:
+            if x.shape[-1] != cfg.d_model:
+                raise ValueError(f"calib must be (..., d_model={cfg.d_model}), got {tuple(x.shape)}")
+            yield x
+
+    return second_moment(checked([calib] if isinstance(calib, torch.Tensor) else calib), cfg.bias)
 
 
 def permute_heads(attn: GroupedQueryAttention, perm: torch.Tensor | list[int]) -> GroupedQueryAttention:
@@ -157,10 +180,10 @@ def _joint_fit_rope(p: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> tuple[
     return b, a
 
 
-def _fit_inputs(attn: GroupedQueryAttention, calib: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-head projections and error weights (per source KV head, summed over the query heads reading it)."""
+def _fit_inputs(attn: GroupedQueryAttention, c: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-head projections and error weights (per source KV head, summed over the query heads reading it);
+    ``c``: second moment of the calibration inputs (``input_moment``)."""
     cfg, hd, n_kv = attn.cfg, attn.head_dim, attn.n_kv_heads
-    c = second_moment(calib, cfg.bias)
     wq = _augmented(attn.wq, cfg.n_heads, hd)
     wo = attn.wo.weight.detach().double().view(cfg.d_model, cfg.n_heads, hd).permute(1, 0, 2)  # (H, d, hd)
     return {
@@ -199,10 +222,16 @@ def _residual(gram: torch.Tensor, group: list[int], hd: int, rope: bool) -> floa
     return torch.linalg.eigvalsh(gram[rows][:, rows])[:-hd].sum().item()
 
 
-def similarity_groups(attn: GroupedQueryAttention, n_kv_heads: int, calib: torch.Tensor) -> list[int]:
+def similarity_groups(
+    attn: GroupedQueryAttention, n_kv_heads: int, calib: torch.Tensor | Iterable[torch.Tensor]
+) -> list[int]:
     """An order of the source KV heads whose consecutive runs (one per new KV head) merge with little loss."""
     r = _check_target(attn, n_kv_heads, "grouped-fit")
-    st, hd, rope = _fit_inputs(attn, calib), attn.head_dim, attn.cfg.rope
+    return _similarity_order(attn, r, input_moment(calib, attn.cfg))
+
+
+def _similarity_order(attn: GroupedQueryAttention, r: int, c: torch.Tensor) -> list[int]:
+    st, hd, rope = _fit_inputs(attn, c), attn.head_dim, attn.cfg.rope
     gk, gv = _gram(st["wk"], st["sq"], st["c"], rope), _gram(st["wv"], st["so"], st["c"], False)
     total_k = gk.diagonal(dim1=-2, dim2=-1).real.sum().item()
     total_v = gv.diagonal().sum().item()
@@ -226,12 +255,13 @@ def mha_to_gqa(
     n_kv_heads: int,
     method: str = "mean",
     *,
-    calib: torch.Tensor | None = None,
+    calib: torch.Tensor | Iterable[torch.Tensor] | None = None,
     seed: int = 0,
 ) -> GroupedQueryAttention:
     """A new module with ``n_kv_heads`` KV heads converted from ``attn`` (MHA or GQA); ``attn`` is not modified.
 
-    ``calib`` (..., d_model): inputs of this module on calibration data, required by "fit".
+    ``calib``: inputs of this module on calibration data, required by "fit" and "grouped-fit": one tensor
+    (..., d_model) or an iterable of them (e.g. batch by batch: only their second moment is kept).
     ``n_kv_heads`` equal to the source's returns an exact copy for every method (nothing is merged).
     """
     r = _check_target(attn, n_kv_heads, method)
@@ -242,8 +272,7 @@ def mha_to_gqa(
             raise ValueError(
                 f"method={method!r} needs calib: the module's inputs on calibration data (..., d_model)"
             )
-        if calib.shape[-1] != attn.cfg.d_model:
-            raise ValueError(f"calib must be (..., d_model={attn.cfg.d_model}), got {tuple(calib.shape)}")
+        c = input_moment(calib, attn.cfg)
     weight = attn.wq.weight
     new = GroupedQueryAttention(attn.cfg.replace(n_kv_heads=n_kv_heads)).to(weight.device, weight.dtype)
     new.load_state_dict(
@@ -266,18 +295,18 @@ def mha_to_gqa(
                 if lin.bias is not None:
                     lin.bias.zero_()
     elif method == "fit":
-        _fit(attn, new, r, calib)
+        _fit(attn, new, r, c)
     else:
-        moved = permute_heads(attn, similarity_groups(attn, n_kv_heads, calib))
-        _fit(moved, new, r, calib)
+        moved = permute_heads(attn, _similarity_order(attn, r, c))
+        _fit(moved, new, r, c)
     return new
 
 
-def _fit(attn: GroupedQueryAttention, new: GroupedQueryAttention, r: int, calib: torch.Tensor) -> None:
+def _fit(attn: GroupedQueryAttention, new: GroupedQueryAttention, r: int, c: torch.Tensor) -> None:
     """Fill ``new`` (wq, wk, wv, wo) by ``joint_fit`` per group; see the module docstring."""
     cfg, hd = attn.cfg, attn.head_dim
     rep = cfg.n_rep  # query heads per source KV head
-    st = _fit_inputs(attn, calib)
+    st = _fit_inputs(attn, c)
     c, wq, wk, wv, wo, sq, so = (st[k] for k in ("c", "wq", "wk", "wv", "wo", "sq", "so"))
     new_q, new_o = wq.clone(), wo.clone()
     new_k = torch.empty(new.n_kv_heads, hd, wk.shape[-1], dtype=wk.dtype)

@@ -41,12 +41,14 @@ linear in the input, as in the source; ``convert.latent_norm`` adds DeepSeek's l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
 from ..config import AttentionConfig, MLAConfig
-from .gqa import _augmented, _sqrt_and_inv_sqrt, joint_fit, second_moment
+from .gqa import _augmented, _sqrt_and_inv_sqrt, input_moment, joint_fit
 
 WEIGHTINGS = ("readers", "inputs")
 
@@ -161,7 +163,7 @@ def gqa_to_mla(
     *,
     rope_dim: int | None = None,
     stride: int = 1,
-    calib: torch.Tensor | None = None,
+    calib: torch.Tensor | Iterable[torch.Tensor] | None = None,
     rorope: bool = True,
     weighting: str = "readers",
     distances: torch.Tensor | None = None,
@@ -169,8 +171,9 @@ def gqa_to_mla(
     """An MLA module (DeepSeek layout, ``kv_norm=False``) approximating ``attn``; see the module docstring.
 
     ``rope_dim``: qk_rope_head_dim (default: head_dim with RoPE, else 2). ``stride``: source planes
-    ``0, stride, 2 stride, ...`` keep RoPE. ``calib`` (..., d_model): inputs of ``attn`` on calibration data;
-    weights the virtual heads and the factorisation (without it every input direction counts alike).
+    ``0, stride, 2 stride, ...`` keep RoPE. ``calib``: inputs of ``attn`` on calibration data, one tensor
+    (..., d_model) or an iterable of them (only their second moment is kept); weights the virtual heads and the
+    factorisation (without it every input direction counts alike).
     ``attn`` is not modified.
     """
     if not isinstance(attn, GroupedQueryAttention):
@@ -183,10 +186,8 @@ def gqa_to_mla(
     rope_dim = check_target(cfg, kv_lora_rank, rope_dim, stride)
     nope = _nope_dim(cfg, rope_dim)
     rows = n_kv * (nope + hd)
-    if calib is not None and calib.shape[-1] != cfg.d_model:
-        raise ValueError(f"calib must be (..., d_model={cfg.d_model}), got {tuple(calib.shape)}")
     d_in = cfg.d_model + (1 if cfg.bias else 0)
-    c = second_moment(calib, cfg.bias) if calib is not None else torch.eye(d_in, dtype=torch.float64)
+    c = input_moment(calib, cfg) if calib is not None else torch.eye(d_in, dtype=torch.float64)
     # Dampen (as GPTQ does): directions the calibration never visits keep a small weight, so that a latent of
     # full rank is exact for every input, not only on the calibration span.
     c = c + 1e-6 * c.diagonal().mean() * torch.eye(d_in, dtype=c.dtype)

@@ -20,12 +20,13 @@ Which planes keep RoPE (``planes``), one stride for the whole model because a De
 
 Layers are converted in order, each calibrated on the inputs it receives from the already converted layers
 below it (as ``convert_model`` does), so a layer's factorisation also absorbs the error of the earlier ones.
+Every function here that reads calibration inputs layer by layer does it in one pass (``convert.model.calibrate``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -33,10 +34,10 @@ from torch import nn
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
 from ..attention.rope import apply_rope, rope_cos_sin
-from .gqa import _augmented, second_moment
+from .gqa import _augmented, input_moment
 from .latent_norm import fold_latent_norm
 from .mla import check_rope_dim, gqa_to_mla, max_stride, mean_rotation, shared_rotary_keys
-from .model import Batch, attention_inputs
+from .model import Batch, Progress, calibrate
 
 PLANES = ("error", "norm", "first", "uniform")
 
@@ -53,7 +54,7 @@ def _attentions(model: nn.Module, kind: type) -> list:
 
 def plane_scores(
     attn: GroupedQueryAttention,
-    calib: torch.Tensor | None,
+    calib: torch.Tensor | Iterable[torch.Tensor] | None,
     rorope: bool = True,
     distances: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -62,7 +63,7 @@ def plane_scores(
     of the rotations it sees around their mean ``m`` (``convert.mla.mean_rotation``)."""
     cfg, hd = attn.cfg, attn.head_dim
     d_in = cfg.d_model + (1 if cfg.bias else 0)
-    c = second_moment(calib, cfg.bias) if calib is not None else torch.eye(d_in, dtype=torch.float64)
+    c = input_moment(calib, cfg) if calib is not None else torch.eye(d_in, dtype=torch.float64)
     k_star, a = shared_rotary_keys(attn, c, rorope)
     wq = _augmented(attn.wq, cfg.n_heads, hd)
     q = torch.einsum("hji,hjd->hid", a[torch.arange(cfg.n_heads) // cfg.n_rep], wq)  # queries after RoRoPE
@@ -113,13 +114,9 @@ def choose_stride(
     if planes == "error" and not calib:
         raise ValueError("planes='error' needs calib: the attention distances come from calibration text")
     total = torch.zeros(cfg.head_dim // 2, dtype=torch.float64)
-    for i, attn in enumerate(attns):
-        x, distances = None, None
-        if calib:
-            seqs = _sequences(model, i, calib)
-            x = torch.cat([xs[mask] for xs, mask in seqs])
-            distances = attention_distances(attn, seqs) if planes == "error" else None
-        scores = plane_scores(attn, x, rorope, distances)
+    for i, inputs in enumerate(calibrate(model, calib) if calib else [None] * len(attns)):
+        distances = attention_distances(attns[i], inputs) if inputs and planes == "error" else None
+        scores = plane_scores(attns[i], inputs.rows() if inputs else None, rorope, distances)
         total += scores / scores.sum().clamp_min(1e-300)
     n_planes = rope_dim // 2
     kept = [total[torch.arange(n_planes) * s].sum().item() for s in range(1, high + 1)]
@@ -137,83 +134,70 @@ def convert_model_to_mla(
     rorope: bool = True,
     weighting: str = "readers",
     mean_phase: bool = True,
+    progress: Progress | None = None,
 ) -> nn.Module:
     """A copy of ``model`` whose attention layers are MLA (``gqa_to_mla``, ``kv_norm=False``); ``model`` is not
     modified. ``rope_dim`` defaults to head_dim (every plane kept) with RoPE, else 2. ``mean_phase`` (with
     calibration): planes that lose RoPE are turned by the mean rotation each head sees (``mean_phase_queries``)
-    instead of none."""
+    instead of none. ``progress(done, total)`` is called after each layer."""
     attns = _attentions(model, GroupedQueryAttention)
     cfg = attns[0].cfg
     if rope_dim is None:
         rope_dim = cfg.head_dim if cfg.rope else 2
     stride = choose_stride(model, rope_dim, planes, calib=calib, rorope=rorope)
     out = copy.deepcopy(model).eval()
-    for i, layer in enumerate(out.layers):
-        x, distances = None, None
-        if calib:
-            seqs = _sequences(out, i, calib)
-            x = torch.cat([xs[mask] for xs, mask in seqs])
-            distances = attention_distances(layer.attention, seqs) if mean_phase and cfg.rope else None
+    n = len(out.layers)
+    for i, inputs in enumerate(calibrate(out, calib) if calib else [None] * n):
+        layer = out.layers[i]
+        distances = (
+            attention_distances(layer.attention, inputs) if inputs and mean_phase and cfg.rope else None
+        )
         layer.attention = gqa_to_mla(
             layer.attention,
             kv_lora_rank,
             rope_dim=rope_dim,
             stride=stride,
-            calib=x,
+            calib=inputs.rows() if inputs else None,
             rorope=rorope,
             weighting=weighting,
             distances=distances,
         )
+        if progress is not None:
+            progress(i + 1, n)
     out.cfg = out.cfg.with_attention(out.layers[0].attention.cfg)
     return out
 
 
 @torch.no_grad()
 def fold_latent_norms(
-    model: nn.Module, calib: Sequence[Batch], *, balance: bool = True
+    model: nn.Module, calib: Sequence[Batch], *, balance: bool = True, progress: Progress | None = None
 ) -> tuple[nn.Module, list[dict]]:
     """A copy of an MLA model (``kv_norm=False``) with DeepSeek's latent norm in every layer
     (``fold_latent_norm``), each layer calibrated on the inputs the already folded layers give it; and the
-    per-layer statistics."""
+    per-layer statistics. The fit needs every input row of one layer at a time (N x d_model values)."""
     if not calib:
         raise ValueError("fold_latent_norms needs calib: a non-empty list of token batches (B, T)")
     _attentions(model, MultiHeadLatentAttention)
     out = copy.deepcopy(model).eval()
     stats = []
-    for i, layer in enumerate(out.layers):
+    for i, inputs in enumerate(calibrate(out, calib)):
+        layer = out.layers[i]
         layer.attention, layer_stats = fold_latent_norm(
-            layer.attention, attention_inputs(out, i, calib), balance=balance
+            layer.attention, torch.cat(list(inputs.rows())), balance=balance
         )
         stats.append(layer_stats)
+        if progress is not None:
+            progress(i + 1, len(out.layers))
     out.cfg = out.cfg.with_attention(out.layers[0].attention.cfg)
     return out, stats
 
 
-def _sequences(
-    model: nn.Module, index: int, batches: Sequence[Batch]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per batch, the (B, T, d_model) inputs of ``layers[index].attention`` and the (B, T) bool mask of real
-    tokens (causal decoders with right padding: a real token never attends to a pad)."""
-    seen: list[torch.Tensor] = []
-    handle = model.layers[index].attention.register_forward_pre_hook(lambda _m, a: seen.append(a[0].detach()))
-    out = []
-    try:
-        for batch in batches:
-            ids, mask = batch if isinstance(batch, tuple) else (batch, torch.ones_like(batch))
-            seen.clear()
-            model(ids)
-            out.append((seen[-1], mask.bool()))
-    finally:
-        handle.remove()
-    return out
-
-
 @torch.no_grad()
-def attention_distances(attn: nn.Module, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """(n_heads, T) attention mass each head puts on keys 0, 1, ..., T-1 tokens back, summed over the real
-    query tokens of ``seqs`` (``_sequences``'s (inputs, mask) pairs)."""
-    t_max = max(x.shape[1] for x, _ in seqs)
-    total = None
+def attention_distances(attn: nn.Module, seqs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(n_heads, T) attention mass each head puts on keys 0, 1, ..., T-1 tokens back (T the longest batch),
+    summed over the real query tokens of ``seqs``: (inputs (B, T, d_model), mask (B, T) bool) pairs, as
+    ``convert.model.LayerInputs`` gives them."""
+    total = torch.zeros(attn.cfg.n_heads, 0, dtype=torch.float64)
     for x, mask in seqs:
         scores = attention_scores(attn, x)  # (B, H, T, T)
         t = x.shape[1]
@@ -221,8 +205,8 @@ def attention_distances(attn: nn.Module, seqs: list[tuple[torch.Tensor, torch.Te
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
         probs = probs * mask[:, None, :, None]  # padded queries count for nothing
         hist = torch.stack([probs.diagonal(-d, -2, -1).sum((0, 2)) for d in range(t)], dim=1)  # (H, T)
-        hist = torch.nn.functional.pad(hist.double(), (0, t_max - t))
-        total = hist if total is None else total + hist
+        total = torch.nn.functional.pad(total, (0, max(0, t - total.shape[1])))
+        total[:, :t] += hist.double()
     return total
 
 
@@ -237,11 +221,11 @@ def layer_errors(source: nn.Module, converted: nn.Module, batches: Sequence[Batc
     if len(converted.layers) != len(src_attns):
         raise ValueError(f"converted has {len(converted.layers)} layers, the source {len(src_attns)}")
     report = []
-    for i, src in enumerate(src_attns):
-        dst = converted.layers[i].attention
+    for i, inputs in enumerate(calibrate(source, batches)):
+        src, dst = src_attns[i], converted.layers[i].attention
         num = {"output": 0.0, "score": 0.0}
         den = {"output": 0.0, "score": 0.0}
-        for x, mask in _sequences(source, i, batches):
+        for x, mask in inputs:
             y, y_new = src(x), dst(x)
             num["output"] += (y_new - y)[mask].double().square().sum().item()
             den["output"] += y[mask].double().square().sum().item()

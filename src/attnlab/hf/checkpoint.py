@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..convert.gqa import METHODS
-from ..convert.model import DATA_AWARE, convert_model
+from ..convert.model import DATA_AWARE, Progress, convert_model
 from . import bert, io, llama
 
 
@@ -73,11 +73,12 @@ def convert_checkpoint(
     calib: str | Path | None = None,
     overwrite: bool = False,
     seed: int = 0,
+    progress: Progress | None = None,
 ) -> dict:
     """Convert the checkpoint in ``src`` to ``n_kv_heads`` KV heads, written atomically to ``dst``.
 
     Returns a summary: architecture, heads before/after, KV cache values per token before/after, tensors
-    rewritten and copied.
+    rewritten and copied. ``progress(done, total)`` is called after each layer is converted.
     """
     src, dst = Path(src), Path(dst)
     if method not in METHODS:
@@ -104,7 +105,7 @@ def convert_checkpoint(
         raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
     batches = calibration_batches(src, calib) if calib is not None and method in DATA_AWARE else None
     model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
-    converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed)
+    converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
 
     tensors, files = io.read_tensors(src)
     touched = ("k_proj", "v_proj", "key", "value") + (
@@ -165,9 +166,19 @@ def run_convert(
     import json
 
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    summary = convert_checkpoint(src, dst, n_kv_heads, method, calib=calib, overwrite=overwrite)
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn(f"converting layers ({method})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=not err.is_terminal,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("layers", total=None)
+        summary = convert_checkpoint(
+            src, dst, n_kv_heads, method, calib=calib, overwrite=overwrite,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )  # fmt: skip
     if as_json:
         print(json.dumps(summary, indent=2))
         return summary
