@@ -3,7 +3,8 @@
 A cache owns its position (``len(cache)``, the number of tokens it holds). An attention module's forward
 calls ``update`` once per call: the new tokens are written at ``len(cache)`` and the live prefix is returned,
 so a step costs time proportional to the live length, not to ``max_seq_len``. All sequences of a batch share
-one length in ``KVCache``; ``PagedKVCache`` is the cache for ragged batches.
+one length in ``KVCache`` and ``LatentCache``, and every call must pass the batch the cache was made for;
+``PagedKVCache`` is the cache for ragged batches. A call with no new tokens (T = 0) changes nothing.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ class _Cache:
 
     def _reserve(self, batch: int, n_new: int, dtype: torch.dtype, name: str) -> tuple[int, int]:
         owner = type(self).__name__
-        if batch > self.batch_size:
+        if batch != self.batch_size:
+            # A smaller batch would leave the other rows' slots unwritten, and a later full batch would attend
+            # to them as if they held tokens: a cache's batch is fixed when it is made.
             raise ValueError(
-                f"{owner}: batch of {batch} is larger than the cache's batch_size={self.batch_size}"
+                f"{owner}: batch of {batch} but the cache was made for batch_size={self.batch_size}; a cache's "
+                "batch is fixed (make a new cache, or use PagedKVCache for sequences that come and go)"
             )
         if dtype != self.dtype:
             raise TypeError(f"{owner}: {name} has dtype {dtype}, the cache holds {self.dtype}")
@@ -54,8 +58,8 @@ class KVCache(_Cache):
     """Keys and values for MHA/GQA/MQA.
 
     Layout: ``k`` and ``v`` are (batch_size, n_kv_heads, max_seq_len, head_dim); token ``t`` of sequence ``b``
-    for KV head ``h`` lives at ``k[b, h, t]``. Keys are stored after RoPE. A batch smaller than
-    ``batch_size`` uses the first rows.
+    for KV head ``h`` lives at ``k[b, h, t]``. Keys are stored after RoPE. Every update passes all
+    ``batch_size`` rows.
     """
 
     def __init__(
@@ -99,9 +103,9 @@ class KVCache(_Cache):
         if v.dtype != k.dtype:  # the write below would cast v silently
             raise TypeError(f"KVCache: k has dtype {k.dtype} but v has {v.dtype}")
         start, end = self._reserve(b, t, k.dtype, "k")
-        self.k[:b, :, start:end] = k
-        self.v[:b, :, start:end] = v
-        return self.k[:b, :, :end], self.v[:b, :, :end]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class LatentCache(_Cache):
@@ -150,8 +154,8 @@ class LatentCache(_Cache):
                 f"LatentCache holds rows of kv_lora_rank + qk_rope_head_dim = {self.kv.shape[-1]}; got {d}"
             )
         start, end = self._reserve(b, t, kv.dtype, "kv")
-        self.kv[:b, start:end] = kv
-        return self.kv[:b, :end]
+        self.kv[:, start:end] = kv
+        return self.kv[:, :end]
 
 
 class OutOfBlocksError(ValueError):

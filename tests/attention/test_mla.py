@@ -271,7 +271,7 @@ def test_cache_misuse_leaves_the_cache_unchanged():
     before = cache.kv.clone()
     with pytest.raises(ValueError, match=r"overflow: 3 tokens held \+ 3 new > max_seq_len=5"):
         mla(torch.randn(2, 3, 32), cache=cache)
-    with pytest.raises(ValueError, match=r"batch of 4 is larger than the cache's batch_size=2"):
+    with pytest.raises(ValueError, match=r"batch of 4 but the cache was made for batch_size=2"):
         mla(torch.randn(4, 1, 32), cache=cache)
     with pytest.raises(ValueError, match=r"attn_mask of shape \(1, 3\) does not broadcast.*\(2, 4, 1, 4\)"):
         mla(torch.randn(2, 1, 32), attn_mask=torch.ones(1, 3, dtype=torch.bool), cache=cache)

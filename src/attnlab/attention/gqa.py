@@ -28,6 +28,19 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
         raise TypeError(f"{owner}: x has dtype {x.dtype} but the weights are {weight.dtype}")
 
 
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, heads * head_dim) -> (B, heads, T, head_dim); heads from the width (a sharded module has fewer),
+    spelled out so that empty inputs (B = 0 or T = 0), which ``view(B, T, -1, D)`` cannot infer, work too."""
+    b, t, width = x.shape
+    return x.view(b, t, width // head_dim, head_dim).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, D) -> (B, T, heads * D), the inverse of ``split_heads``."""
+    b, h, t, d = y.shape
+    return y.transpose(1, 2).reshape(b, t, h * d)
+
+
 def positions_for(cache_len: int, t: int, device: torch.device) -> torch.Tensor:
     """Positions of ``t`` new tokens that follow ``cache_len`` cached ones."""
     return torch.arange(cache_len, cache_len + t, device=device)
@@ -99,9 +112,9 @@ class GroupedQueryAttention(nn.Module):
         """
         check_input("GroupedQueryAttention", x, self.cfg.d_model, self.wq.weight)
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = split_heads(self.wq(x), self.head_dim)  # (B, n_heads, T, head_dim)
+        k = split_heads(self.wk(x), self.head_dim)  # (B, n_kv_heads, T, head_dim)
+        v = split_heads(self.wv(x), self.head_dim)
         if isinstance(cache, PagedKVCache):
             return self._forward_paged(q, k, v, attn_mask, is_causal, cache)
         start = len(cache) if cache is not None else 0
@@ -121,7 +134,7 @@ class GroupedQueryAttention(nn.Module):
             backend=self.cfg.backend,
             dropout_p=self.cfg.dropout if self.training else 0.0,
         )
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(merge_heads(y))
 
     def _forward_paged(self, q, k, v, attn_mask, is_causal, cache: PagedKVCache) -> torch.Tensor:
         """The rows of a ragged batch each continue from their own length in a ``PagedKVCache``."""
@@ -133,8 +146,8 @@ class GroupedQueryAttention(nn.Module):
         if self.cfg.rope:
             positions = cache.positions(t, q.device)  # (B, T): each row from its own length
             cos, sin = rope_cos_sin(positions.reshape(-1), self.head_dim, self.cfg.rope_theta)
-            cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
+            cos, sin = cos.view(b, 1, t, cos.shape[-1]), sin.view(b, 1, t, sin.shape[-1])
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.update(k, v)
         y = paged_decode(q, cache, scale=1.0 / math.sqrt(self.head_dim), is_causal=is_causal)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(merge_heads(y))

@@ -9,7 +9,8 @@ Query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``.
 (B, n_heads, T_q, T_k). ``is_causal`` aligns the causal mask to the bottom right: query ``i`` sits at position
 ``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs. (SDPA's own
 ``is_causal`` aligns to the top left, so it is only used when ``T_q == T_k``.) When both are given, a key is
-attended only if both allow it. A query row with no key to attend yields zeros, not NaN.
+attended only if both allow it. A query row with no key to attend yields zeros, not NaN, whatever the
+masked-out keys and values hold (inf and NaN included); keys that no query attends never reach an output.
 
 Backends:
     "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read.
@@ -47,16 +48,42 @@ def attend(
         scale = q.shape[-1] ** -0.5
     if backend == "auto":
         backend = choose_backend(q, k, attn_mask, dropout_p)
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+    out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+    if attn_mask is not None and not bool(torch.isfinite(out).all()):
+        # Masked-out slots may hold anything (padding, an unused cache slot: inf, NaN), but 0 * inf is NaN in
+        # any matmul. Zero the keys and values that no query attends to, and compute again; this costs nothing
+        # when the output is finite, which is always the case when the attended values are.
+        k, v = _zero_unattended(k, v, attn_mask)
+        out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+    return out
+
+
+def _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p):
     if backend == "sdpa":
         return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
     mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
     if backend == "reference":
         return _reference(q, k, v, mask, scale, dropout_p)
-    if backend == "grouped":
-        if q.shape[2] == 1 and dropout_p == 0.0:  # decode: the cache-as-left-operand split-K kernel
-            return grouped_decode(q, k, v, scale=scale, mask=mask)
-        return _grouped(q, k, v, mask, scale, dropout_p)
-    raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+    if q.shape[2] == 1 and dropout_p == 0.0:  # decode: the cache-as-left-operand split-K kernel
+        return grouped_decode(q, k, v, scale=scale, mask=mask)
+    return _grouped(q, k, v, mask, scale, dropout_p)
+
+
+def _zero_unattended(
+    k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``, ``v`` with zeros at the keys that no query of any head reading them attends to."""
+    b, n_kv, t_k = k.shape[0], k.shape[1], k.shape[2]
+    m = attn_mask.reshape(
+        (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+    )  # (b | 1, H | 1, T_q | 1, T_k)
+    used = m.any(dim=2)  # (b | 1, H | 1, T_k)
+    if used.shape[1] != 1:  # query heads -> the KV head they read (consecutive heads share one)
+        used = used.unflatten(1, (n_kv, used.shape[1] // n_kv)).any(dim=2)
+    used = used.expand(b, n_kv, t_k)[..., None]
+    return k.masked_fill(~used, 0.0), v.masked_fill(~used, 0.0)
 
 
 def choose_backend(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float) -> str:
@@ -122,7 +149,8 @@ def check_mask(owner: str, attn_mask: torch.Tensor | None, target: tuple[int, in
 
 
 def _zero_dead_rows(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Rows whose mask attends to nothing get zeros (softmax over an empty set is undefined)."""
+    """Rows whose mask attends to nothing get zeros (softmax over an empty set is undefined), whatever the
+    masked-out keys and values hold."""
     if mask is None:
         return out
     alive = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
@@ -143,7 +171,7 @@ def _reference(q, k, v, mask, scale, dropout_p):
         probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # NaN rows -> 0
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return (probs @ v.float()).to(q.dtype)
+    return _zero_dead_rows((probs @ v.float()).to(q.dtype), mask)  # 0 * inf in a masked slot is NaN
 
 
 def _grouped(q, k, v, mask, scale, dropout_p):
@@ -165,7 +193,8 @@ def _grouped(q, k, v, mask, scale, dropout_p):
         probs = probs.nan_to_num(0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
+    out = torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
+    return _zero_dead_rows(out, mask)  # 0 * inf in a masked slot is NaN
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):

@@ -24,7 +24,7 @@ from torch import nn
 from ..cache import LatentCache, PagedKVCache
 from ..config import MLAConfig
 from .decode import paged_decode
-from .gqa import check_input, positions_for
+from .gqa import check_input, merge_heads, positions_for, split_heads
 from .kernels import attend, check_mask
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin
@@ -114,7 +114,7 @@ class MultiHeadLatentAttention(nn.Module):
                 f"MultiHeadLatentAttention.mode must be 'naive' or 'absorbed', got {self.mode!r}"
             )
         b, t, _ = x.shape
-        q = self._queries(x).view(b, t, -1, cfg.qk_head_dim).transpose(1, 2)  # (B, H, T, qk_head_dim)
+        q = split_heads(self._queries(x), cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c, k_rope = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
 
@@ -138,7 +138,7 @@ class MultiHeadLatentAttention(nn.Module):
             y = self._absorbed(q_nope, q_rope, rows, common)
         else:
             y = self._naive(q_nope, q_rope, rows, common)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # y: (B, H, T, v_head_dim)
+        return self.wo(merge_heads(y))  # y: (B, H, T, v_head_dim)
 
     def _split_wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views."""
@@ -148,9 +148,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _naive(self, q_nope, q_rope, rows, common):
         cfg = self.cfg
-        b, s, _ = rows.shape
         latent, k_rope = rows.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(latent).view(b, s, cfg.n_heads, -1).transpose(1, 2)  # (B, H, S, nope + v)
+        kv = split_heads(self.wkv_b(latent), cfg.qk_nope_head_dim + cfg.v_head_dim)  # (B, H, S, nope + v)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rope[:, None].expand(-1, cfg.n_heads, -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
@@ -176,11 +175,11 @@ class MultiHeadLatentAttention(nn.Module):
             )
         positions = cache.positions(t, q_nope.device).reshape(-1)  # (B * T,)
         cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-        cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
+        cos, sin = cos.view(b, t, cos.shape[-1]), sin.view(b, t, sin.shape[-1])
         q_rope = apply_rope(q_rope, cos[:, None], sin[:, None])
         cache.update(torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)[:, None], None)
         w_uk, w_uv = self._split_wkv_b()
         q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1)
         y = paged_decode(q, cache, scale=cfg.softmax_scale, is_causal=is_causal)  # (B, H, T, kv_lora_rank)
         y = torch.einsum("bhtr,hvr->bhtv", y, w_uv)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(merge_heads(y))
