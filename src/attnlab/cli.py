@@ -1,18 +1,44 @@
 """The ``attnlab`` command: a thin layer over the library.
 
 Every subcommand prints a table by default and JSON with ``--json``. User errors (bad presets, configs,
-sizes, paths) exit with code 2 and one line on stderr, never a traceback.
+sizes, files, a full disk, a missing package) exit with code 2 and one line on stderr, never a traceback:
+wrap every command in ``user_errors``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
+import typer.core
+
+
+class _Group(typer.core.TyperGroup):
+    """The ``attnlab`` groups: flags (``--json``, ``--overwrite``, ``--help``) show no ``<bool>`` value in help."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _without_flag_metavars(super().get_params(ctx))
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and not isinstance(command, typer.core.TyperGroup):
+            _without_flag_metavars(command.get_params(ctx))
+        return command
+
+
+def _without_flag_metavars(params: list[Any]) -> list[Any]:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""  # a flag takes no value; typer would show its type as "<bool>"
+    return params
+
 
 app = typer.Typer(
     name="attnlab",
@@ -20,6 +46,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_Group,
 )
 
 
@@ -28,19 +55,68 @@ def _root() -> None:
     """MHA, MQA, GQA and MLA: what they cost, how fast they decode, and converting checkpoints."""
 
 
+def _missing_package(err: ImportError) -> str:
+    """The one line for a missing package: which one, and the exact ``pip install`` that adds it."""
+    found = re.search(r"No module named '([^']+)'", str(err))
+    module = (err.name or (found.group(1) if found else "")).split(".")[0]
+    if not module:
+        return f"a package this command needs cannot be imported: {err}"
+    requirement = module.replace("_", "-")
+    try:  # the version range attnlab declares for it, when it is one of attnlab's dependencies
+        for spec in importlib.metadata.requires("attnlab") or []:
+            if re.match(rf"{re.escape(requirement)}\b", spec, re.IGNORECASE) and "extra ==" not in spec:
+                requirement = spec.split(";")[0].strip()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return f"this command needs the Python package {module!r}, which is not installed: pip install '{requirement}'"
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, KeyError) and err.args:
+        return str(err.args[0])
+    if isinstance(err, ImportError):
+        return _missing_package(err)
+    if isinstance(err, OSError) and err.strerror:  # from the OS: say what failed, on which path
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}{err.strerror}"
+    if isinstance(err, (MemoryError, RuntimeError)):
+        return f"out of memory: {err} (try smaller sizes)"
+    return str(err)
+
+
+def _is_allocation_failure(err: RuntimeError) -> bool:
+    """torch's failure to allocate a tensor (CPU allocator, CUDA out of memory): a size the user chose."""
+    return type(err).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(err)
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn ValueError/TypeError/FileNotFoundError/FileExistsError into one stderr line and exit code 2."""
+    """Turn the errors a user can cause into one stderr line and exit code 2: bad values and files
+    (ValueError, TypeError, KeyError), the filesystem (every OSError: missing, exists, disk full, permission,
+    busy), memory (sizes that cannot be allocated) and missing packages (with the pip line that installs them).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ValueError, TypeError, FileNotFoundError, FileExistsError, KeyError) as err:
-            message = err.args[0] if isinstance(err, KeyError) and err.args else err
-            print(f"attnlab: error: {message}", file=sys.stderr)
-            raise typer.Exit(code=2) from None
+        except (ValueError, TypeError, KeyError, OSError, MemoryError) as err:
+            _fail(err)
+        except ImportError as err:
+            if (err.name or "").startswith("attnlab"):  # our own module missing: a bug, not the install
+                raise
+            _fail(err)
+        except RuntimeError as err:
+            if not _is_allocation_failure(err):
+                raise
+            _fail(err)
 
     return wrapper
+
+
+def _fail(err: BaseException) -> None:
+    message = " ".join(_message(err).split())  # one line, whatever the exception's text holds
+    print(f"attnlab: error: {message}", file=sys.stderr)
+    raise typer.Exit(code=2) from None
 
 
 @app.command()
@@ -82,7 +158,9 @@ def convert(
     run_convert(src, dst, kv_heads, method, calib=calib, overwrite=overwrite, as_json=as_json)
 
 
-bench_app = typer.Typer(help="Time decode steps against baselines and the roofline.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Time decode steps against baselines and the roofline.", no_args_is_help=True, cls=_Group
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -118,5 +196,11 @@ def bench_decode(
     )  # fmt: skip
 
 
+def _terminate(signum: int, _frame: Any) -> None:
+    # SIGTERM (kill, timeout, a job scheduler) unwinds like Ctrl-C, so an atomic write removes its temporary.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     app()

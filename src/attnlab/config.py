@@ -9,6 +9,7 @@ a value the caller gives is never replaced.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +84,8 @@ class AttentionConfig:
         if self.rope and self.head_dim % 2:
             raise ValueError(f"AttentionConfig.head_dim={self.head_dim} must be even when rope=True")
         _check_float(owner, "rope_theta", self.rope_theta)
-        if self.rope_theta <= 0:
-            raise ValueError(f"AttentionConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not 0 < self.rope_theta < math.inf:  # also refuses NaN
+            raise ValueError(f"AttentionConfig.rope_theta must be a finite number > 0, got {self.rope_theta}")
         _check_float(owner, "dropout", self.dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AttentionConfig.dropout must be in [0, 1), got {self.dropout}")
@@ -145,8 +146,8 @@ class MLAConfig:
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         _check_float(owner, "rope_theta", self.rope_theta)
-        if self.rope_theta <= 0:
-            raise ValueError(f"MLAConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not 0 < self.rope_theta < math.inf:  # also refuses NaN
+            raise ValueError(f"MLAConfig.rope_theta must be a finite number > 0, got {self.rope_theta}")
         _check_float(owner, "dropout", self.dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"MLAConfig.dropout must be in [0, 1), got {self.dropout}")

@@ -40,7 +40,7 @@ from ..attention.mla import MultiHeadLatentAttention
 from ..cache import KVCache, PagedKVCache
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from ..cost import attention_flops, kv_cache_bytes
-from ..cost.hardware import Hardware, measure_local
+from ..cost.hardware import Hardware, available_memory_bytes, measure_local
 from . import baselines
 from .timing import interleaved
 
@@ -399,8 +399,37 @@ def machine(hw: Hardware) -> dict[str, Any]:
     )
 
 
+def estimated_bytes(grid: DecodeGrid) -> int:
+    """Peak memory of the largest row of ``grid``, roughly (rows run one at a time; each frees what it made).
+
+    Attention rows hold the cache at 2x and 4x the context, the float32 draws that filled it, and the baselines'
+    repeated float32 K/V; MLA rows add Hugging Face's decompressed per-head K/V (and its copy per step).
+    """
+    b, s, n_kv = max(grid.batches), max(grid.contexts), max(grid.kv_heads)
+    elem = max(torch.finfo(DTYPES[d]).bits // 8 for d in grid.dtypes)
+    kv = b * n_kv * s * grid.head_dim  # elements of K (or V) at the largest shape
+    repeated = b * grid.n_heads * s * grid.head_dim
+    attention = 12 * kv * elem + 8 * kv + 8 * repeated + 2 * repeated * elem
+    mla = grid.mla_cfg
+    per_head = b * s * mla.n_heads * (mla.qk_head_dim + mla.v_head_dim)
+    mla_bytes = (b * s * mla.cache_dim * 4 + 3 * per_head * elem) if grid.mla else 0
+    return max(attention, mla_bytes)
+
+
+def check_memory(grid: DecodeGrid) -> None:
+    """A grid too large for this machine is an error before anything is allocated or timed."""
+    need, have = estimated_bytes(grid), available_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(
+            f"bench decode: context {max(grid.contexts)} x batch {max(grid.batches)} x {max(grid.kv_heads)} KV "
+            f"heads needs about {need / 2**30:,.1f} GiB for its caches and baselines; this machine has "
+            f"{have / 2**30:,.1f} GiB available: lower --context, --batch or --kv-heads"
+        )
+
+
 def run_decode(grid: DecodeGrid, progress=None) -> dict[str, Any]:
     """Run ``grid``; returns {"machine": ..., "grid": ..., "rows": [...]} (JSON-ready)."""
+    check_memory(grid)
     hw = measure_local(fresh=grid.fresh_hardware)
     rows: list[dict] = []
 

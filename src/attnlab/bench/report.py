@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +77,10 @@ def table_rows(result: dict[str, Any], kind: str) -> tuple[list[str], list[list[
 
 def print_tables(result: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 200)  # piped: do not squeeze to 80 columns
+    from ..console import Grid, print_grid
+
+    console = Console()
     hw = result["machine"]["hardware"]
     console.print(
         f"machine: {hw['name']}: read bandwidth {hw['bandwidth'] / 1e9:.1f} GB/s, matmul peak "
@@ -88,14 +88,8 @@ def print_tables(result: dict[str, Any]) -> None:
     )
     for kind in TITLES:
         header, cells = table_rows(result, kind)
-        if not cells:
-            continue
-        table = Table(title=TITLES[kind])
-        for name in header:
-            table.add_column(name)
-        for row in cells:
-            table.add_row(*row)
-        console.print(table)
+        if cells:
+            print_grid(Grid(TITLES[kind], header, cells, right=tuple(range(1, len(header)))), console)
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike) -> Path:

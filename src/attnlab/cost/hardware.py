@@ -119,14 +119,23 @@ def _session_key() -> dict[str, object]:
     return {"boot_id": boot_id, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def _memory_bytes() -> int:
+def _meminfo(field: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024  # the file says kB and means KiB
-    except OSError:
+    except (OSError, ValueError):
         pass
-    return 0
+    return None
+
+
+def _memory_bytes() -> int:
+    return _meminfo("MemTotal") or 0
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel could give this process now (``MemAvailable``), or None where unknown."""
+    return _meminfo("MemAvailable")
 
 
 def _best_time(fn, repeats: int) -> float:

@@ -7,6 +7,7 @@ missing, of the wrong type, or inconsistent with the others raises ``ValueError`
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,9 @@ from typing import Any
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 
 _MISSING = object()
+# No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is
+# a typo, and products of such values would overflow the floats of the roofline.
+MAX_FIELD = 2**31
 
 
 class _Fields:
@@ -32,9 +36,9 @@ class _Fields:
         value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{self.model_type} config.json: field {key!r} must be an int, got {value!r}")
-        if value < minimum:
+        if not minimum <= value <= MAX_FIELD:
             raise ValueError(
-                f"{self.model_type} config.json: field {key!r} must be >= {minimum}, got {value}"
+                f"{self.model_type} config.json: field {key!r} must be in [{minimum}, {MAX_FIELD}], got {value}"
             )
         return value
 
@@ -45,7 +49,13 @@ class _Fields:
         value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{self.model_type} config.json: field {key!r} must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int past the float range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"{self.model_type} config.json: field {key!r} must be finite, got {value!r}")
+        return number
 
     def bool(self, key: str, default: Any = _MISSING) -> bool:
         value = self._get(key, default)
@@ -67,13 +77,19 @@ class _Fields:
 
 
 def _heads(
-    f: _Fields, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None, kv_key: str
+    f: _Fields,
+    d_model: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int | None,
+    kv_key: str,
+    head_dim_key: str = "head_dim",
 ) -> None:
     if n_heads % n_kv_heads:
         f.fail(f"{kv_key}={n_kv_heads} does not divide num_attention_heads={n_heads}")
     if head_dim is None and d_model % n_heads:
         f.fail(
-            f"hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and head_dim is not given"
+            f"hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and {head_dim_key} is not given"
         )
 
 
@@ -115,8 +131,9 @@ def _chatglm(f: _Fields) -> ModelConfig:
     if not f.bool("rmsnorm", True):
         f.fail("rmsnorm=false (LayerNorm ChatGLM) is not supported")
     n_kv = f.int("multi_query_group_num") if f.bool("multi_query_attention", False) else n_heads
-    head_dim = f.int("kv_channels", d // n_heads)
-    _heads(f, d, n_heads, n_kv, head_dim, "multi_query_group_num")
+    head_dim = f.opt_int("kv_channels")  # absent: hidden_size / num_attention_heads, which must divide
+    _heads(f, d, n_heads, n_kv, head_dim, "multi_query_group_num", "kv_channels")
+    head_dim = head_dim or d // n_heads
     attention = AttentionConfig(
         d_model=d,
         n_heads=n_heads,
@@ -255,8 +272,8 @@ def from_hf_config(path_or_dict: str | Path | dict[str, Any], *, name: str | Non
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")

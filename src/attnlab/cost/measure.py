@@ -17,7 +17,7 @@ import torch
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
 from ..config import AttentionConfig
 from .flops import attention_flops
-from .hardware import Hardware, measure_local
+from .hardware import Hardware, _memory_bytes, measure_local
 from .memory import dtype_bits, dtype_name, kv_cache_bytes
 from .params import param_count
 from .sweep import Variant
@@ -71,6 +71,19 @@ def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, m
     return min(times)  # best of, like the bandwidth and matmul figures it is compared with
 
 
+def check_fits(chosen: list[Variant], batch: int, seq_len: int, dtype: str) -> None:
+    """Refuse, before measuring anything, a layer that this machine could not hold (3x: weights, cache, work)."""
+    memory = _memory_bytes()
+    for v in chosen:
+        cfg = v.model.attention
+        nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
+        if memory and 3 * nbytes > memory:
+            raise ValueError(
+                f"one {v.label} layer at batch {batch} x {seq_len} tokens needs {nbytes / 2**30:.1f} GiB; "
+                f"too large to time on this machine ({memory / 2**30:.1f} GiB)"
+            )
+
+
 def measure_variants(
     chosen: list[Variant],
     *,
@@ -79,20 +92,21 @@ def measure_variants(
     dtype: str = "bf16",
     min_seconds: float = 0.5,
     progress: Callable[[str], None] | None = None,
+    hw: Hardware | None = None,
 ) -> tuple[Hardware, list[LayerTiming]]:
-    """Time one layer per variant on this machine next to its ``local`` roofline prediction."""
+    """Time one layer per variant on this machine next to its ``local`` roofline prediction.
+
+    ``hw``: this machine as measured by the caller in the same run; None measures it now.
+    """
     dtype = dtype_name(dtype)
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"--measure runs in fp32, bf16 or fp16; got dtype {dtype!r}")
-    hw = measure_local(fresh=True)  # timings are read against the machine as it is now, not earlier this boot
+    check_fits(chosen, batch, seq_len, dtype)
+    if hw is None:  # timings are read against the machine as it is now, not earlier this boot
+        hw = measure_local(fresh=True)
     out = []
     for v in chosen:
         flops, nbytes, predicted = predict_layer(v, batch, seq_len, dtype, hw)
-        if 3 * nbytes > hw.memory_bytes:
-            raise ValueError(
-                f"one {v.label} layer at batch {batch} x {seq_len} tokens needs {nbytes / 2**30:.1f} GiB; "
-                f"too large to time on this machine ({hw.memory_bytes / 2**30:.1f} GiB)"
-            )
         if progress is not None:
             progress(v.label)
         measured = _time_step(v, batch, seq_len, _TORCH_DTYPES[dtype], min_seconds)

@@ -10,10 +10,12 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from .hardware import HARDWARE_NAMES, get_hardware
-from .measure import LayerTiming, measure_variants
+from ..atomic import check_figure_path
+from ..console import Grid, print_grid
+from .hardware import HARDWARE_NAMES, get_hardware, measure_local
+from .measure import LayerTiming, check_fits, measure_variants
+from .memory import dtype_name
 from .presets import load_model
 from .sweep import Comparison, compare, plot_comparison, variants
 
@@ -36,20 +38,24 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def compare_table(c: Comparison) -> Table:
+def compare_table(c: Comparison) -> Grid:
     title = (
         f"{c.model}: batch {c.batch} x {c.seq_len} tokens, {c.dtype}, {c.hardware}"
         + (f" x{c.n_devices}" if c.n_devices > 1 else "")
         + f" (weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})"
     )
-    table = Table(title=title)
-    for name in (
-        "variant", "KV heads", "attn params", "KV bytes/token", "KV cache",
-        "prefill FLOPs", "decode step", "bound", "max batch",
-    ):  # fmt: skip
-        table.add_column(name, justify="left" if name == "variant" else "right")
+    header = "variant|KV heads|attn params|KV bytes/token|KV cache|prefill FLOPs|decode step|bound|max batch"
+    grid = Grid(
+        title,
+        header.split("|"),
+        right=tuple(range(1, 9)),
+        caption=(
+            "* native. attn params: all layers. prefill FLOPs: whole model, causal. decode step: roofline of one "
+            "token per sequence at this context. MLA KV heads: one latent, (x) = equivalent GQA groups."
+        ),
+    )
     for r in c.rows:
-        table.add_row(
+        grid.add_row(
             r.label + (" *" if r.native else ""),
             str(r.n_kv_heads) if r.variant != "mla" else f"latent ({r.equivalent_gqa_groups:g})",
             _si(r.attention_params, "").strip(),
@@ -60,21 +66,23 @@ def compare_table(c: Comparison) -> Table:
             r.decode_bound,
             str(r.max_batch),
         )
-    table.caption = (
-        "* native. attn params: all layers. prefill FLOPs: whole model, causal. decode step: roofline of one "
-        "token per sequence at this context. MLA KV heads: one latent, (x) = equivalent GQA groups."
+    return grid
+
+
+def measure_table(timings: list[LayerTiming], hw_source: str) -> Grid:
+    grid = Grid(
+        f"one attention layer, one decode step, on this machine ({hw_source})",
+        ["variant", "FLOPs", "bytes", "predicted (local)", "measured", "measured / predicted"],
+        right=(1, 2, 3, 4, 5),
     )
-    return table
-
-
-def measure_table(timings: list[LayerTiming], hw_source: str) -> Table:
-    table = Table(title=f"one attention layer, one decode step, on this machine ({hw_source})")
-    for name in ("variant", "FLOPs", "bytes", "predicted (local)", "measured", "measured / predicted"):
-        table.add_column(name, justify="left" if name == "variant" else "right")
     for t in timings:
-        table.add_row(t.label, _si(t.flops, ""), _bytes(t.bytes), _seconds(t.predicted_seconds),
-                      _seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
-    return table
+        grid.add_row(t.label, _si(t.flops, ""), _bytes(t.bytes), _seconds(t.predicted_seconds),
+                     _seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
+    return grid
+
+
+# Sizes past these are typing errors, not models (and overflow a float in the roofline).
+MAX_SIZE = 2**40
 
 
 def run_compare(
@@ -93,21 +101,28 @@ def run_compare(
     for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--devices", devices)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+        if value > MAX_SIZE:
+            raise ValueError(f"{name} must be <= 2**40 = {MAX_SIZE:,}, got {value}")
     if hardware not in HARDWARE_NAMES:
         raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE_NAMES)}")
+    if plot is not None:
+        check_figure_path(plot)
     model_cfg = load_model(model)
     out = Console()
-    if not out.is_terminal:
-        out = Console(width=160)  # piped or captured: do not squeeze the table into 80 columns
     err = Console(stderr=True)
-    if hardware == "local" and not as_json:
-        err.print("measuring this machine (once per boot) ...")
+    local = None  # this machine, measured once per run: the compare table and the timings share it
+    if measure:
+        check_fits(variants(model_cfg), batch, seq_len, dtype_name(dtype))
+    if hardware == "local" or measure:
+        if not as_json:
+            err.print("measuring this machine ...")
+        local = measure_local(fresh=measure)
     comparison = compare(
         model_cfg,
         batch=batch,
         seq_len=seq_len,
         dtype=dtype,
-        hardware=get_hardware(hardware),
+        hardware=local if hardware == "local" else get_hardware(hardware),
         n_devices=devices,
     )
     if plot is not None:
@@ -126,7 +141,7 @@ def run_compare(
                 bar.update(task, description=label, completed=[v.label for v in chosen].index(label))
 
             hw, timings = measure_variants(
-                chosen, batch=batch, seq_len=seq_len, dtype=comparison.dtype, progress=step
+                chosen, batch=batch, seq_len=seq_len, dtype=comparison.dtype, progress=step, hw=local
             )
             bar.update(task, completed=len(chosen))
         hw_source = f"bandwidth {_si(hw.bandwidth, 'B/s')}, {comparison.dtype} matmul {_si(hw.peak_flops[comparison.dtype], 'FLOP/s')}"
@@ -143,9 +158,9 @@ def run_compare(
             doc["local_hardware"] = hw_source
         print(json.dumps(doc, indent=1))
         return
-    out.print(compare_table(comparison))
+    print_grid(compare_table(comparison), out)
     out.print(comparison.verdict())
     if plot is not None:
         out.print(f"plot written to {plot}")
     if measure:
-        out.print(measure_table(timings, hw_source))
+        print_grid(measure_table(timings, hw_source), out)

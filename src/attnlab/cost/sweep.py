@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import save_figure
+from ..atomic import check_figure_path, save_figure
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from .hardware import Hardware, get_hardware
 from .memory import dtype_name, kv_cache_bytes, kv_elements_per_token
@@ -231,11 +231,7 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"--plot must name a .png file, got {str(path)!r}")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist")
+    path = check_figure_path(path)
     fig, (ax_kv, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
     contexts = [2**k for k in range(9, 18)]
     for v in variants(model_cfg):

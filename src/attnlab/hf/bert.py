@@ -188,7 +188,11 @@ def load_bert(src: str | Path, n_kv_heads: int | None = None) -> tuple[BertEncod
             f"{src}: tensors do not match config; missing {sorted(expected - set(state))[:4]}, "
             f"extra {sorted(set(state) - expected)[:4]}"
         )
-    model.load_state_dict(state, assign=True)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape contradicts config.json
+        detail = " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
     return model.eval(), extra
 
 

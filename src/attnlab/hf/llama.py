@@ -202,7 +202,11 @@ def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.T
         raise ValueError(
             f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
         )
-    model.load_state_dict(state, assign=True)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape contradicts config.json
+        detail = " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model.eval()
