@@ -279,6 +279,9 @@ def check_figure_path(path: PathLike) -> Path:
         raise ValueError(f"--plot writes a PNG image: give a file name ending in .png, got {str(path)!r}")
     if path.is_dir():
         raise ValueError(f"--plot {str(path)!r} is a directory; give a file name ending in .png")
+    parent = next((p for p in path.parents if p.exists()), None)  # the closest existing ancestor
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--plot {str(path)!r}: {str(parent)!r} is a file, not a directory")
     return path
 
 

@@ -19,9 +19,34 @@ from typing import Any
 import typer
 import typer.core
 
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click import exceptions as _usage
+except ImportError:
+    from click import exceptions as _usage
+
 
 class _Group(typer.core.TyperGroup):
-    """The ``attnlab`` groups: flags (``--json``, ``--overwrite``, ``--help``) show no ``<bool>`` value in help."""
+    """The ``attnlab`` groups: flags (``--json``, ``--overwrite``, ``--help``) show no ``<bool>`` value in help, and
+    usage errors (an unknown option, ``--kv-heads x``) are one stderr line with exit code 2 like every other user
+    error, not a boxed panel."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)  # Exit(n) comes back as n
+        except _usage.NoArgsIsHelpError as err:
+            err.show()  # the help text itself
+            sys.exit(err.exit_code)
+        except _usage.ClickException as err:
+            where = getattr(getattr(err, "ctx", None), "command_path", "attnlab")
+            message = " ".join(err.format_message().split())
+            print(f"attnlab: error: {message} (see '{where} --help')", file=sys.stderr)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            print("attnlab: aborted", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _without_flag_metavars(super().get_params(ctx))

@@ -114,7 +114,7 @@ def run_compare(
     if measure:
         check_fits(variants(model_cfg), batch, seq_len, dtype_name(dtype))
     if hardware == "local" or measure:
-        if not as_json:
+        if err.is_terminal and not as_json:  # a person waiting; scripts get stderr for errors only
             err.print("measuring this machine ...")
         local = measure_local(fresh=measure)
     comparison = compare(
