@@ -183,6 +183,84 @@ def convert(
     run_convert(src, dst, kv_heads, method, calib=calib, overwrite=overwrite, as_json=as_json)
 
 
+@app.command()
+@user_errors
+def uptrain(
+    src: Path = typer.Argument(
+        ..., help="Causal-LM checkpoint to train (Llama / Mistral / Qwen2); never modified."
+    ),
+    dst: Path = typer.Argument(
+        ..., help="Output checkpoint, like SRC; appears (atomically) when the run ends."
+    ),
+    data: Path = typer.Option(..., "--data", help="A text file or a directory of .txt files."),
+    eval_data: Path | None = typer.Option(
+        None, "--eval-data", help="Held-out text; default: whole files of --data (--held-out of them)."
+    ),
+    held_out: float = typer.Option(0.1, "--held-out", help="Fraction of --data's files held out."),
+    steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per rank per micro-step."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per sequence (<= max_position_embeddings)."),
+    lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate (AdamW)."),
+    min_lr: float = typer.Option(0.1, "--min-lr", help="Final learning rate as a fraction of --lr."),
+    warmup: int | None = typer.Option(None, "--warmup", help="Linear warmup steps (default 5% of --steps)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-steps per optimizer step."),
+    weight_decay: float = typer.Option(0.1, "--weight-decay", help="AdamW weight decay (matrices only)."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Gradient norm clip (0: none)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the data order (and of torch)."),
+    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps (0: never)."),
+    keep: int = typer.Option(3, "--keep", help="Checkpoints kept in the run directory."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end only)."),
+    eval_windows: int = typer.Option(0, "--eval-windows", help="Held-out windows scored (0: all)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's last checkpoint."),
+    teacher: Path | None = typer.Option(
+        None, "--teacher", help="Checkpoint to distil from (same vocabulary)."
+    ),
+    distill_weight: float = typer.Option(0.5, "--distill-weight", help="Weight of the KL term, in [0, 1]."),
+    temperature: float = typer.Option(2.0, "--temperature", help="Distillation temperature."),
+    train: str = typer.Option("all", "--train", help="What is trained: all or attention."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 autocast (fp32 master weights)."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Shard with FSDP2 (under torchrun) instead of DDP."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Checkpoints and log until DST is written."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST / start the run directory over."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Uptrain a (converted) checkpoint on text: AdamW, warmup + cosine, checkpoints and exact --resume.
+
+    Runs as is on one process, or under `torchrun --nproc-per-node N -m attnlab uptrain ...` (DDP, --fsdp).
+    """
+    from .train.command import run_uptrain
+    from .train.options import UptrainOptions
+
+    opts = UptrainOptions(
+        src=src, dst=dst, data=data, eval_data=eval_data, held_out=held_out, steps=steps, batch_size=batch_size,
+        seq_len=seq_len, lr=lr, min_lr=min_lr, warmup=warmup, grad_accum=grad_accum, weight_decay=weight_decay,
+        grad_clip=grad_clip, seed=seed, save_every=save_every, keep=keep, eval_every=eval_every,
+        eval_windows=eval_windows, resume=resume, teacher=teacher, distill_weight=distill_weight,
+        temperature=temperature, train=train, dtype=dtype, fsdp=fsdp, overwrite=overwrite, run_dir=run_dir,
+    )  # fmt: skip
+    run_uptrain(opts, as_json=as_json)
+
+
+@app.command("eval")
+@user_errors
+def eval_(
+    ckpt: Path = typer.Argument(..., help="Causal-LM checkpoint directory (with its tokenizer.json)."),
+    data: Path = typer.Option(..., "--data", help="A text file or a directory of .txt files (all scored)."),
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", help="Window length (default min(1024, max positions))."
+    ),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass."),
+    max_windows: int = typer.Option(
+        0, "--max-windows", help="Score this many windows spread evenly (0: all)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Loss, perplexity and bits per byte of a checkpoint on a text (the same function uptrain uses)."""
+    from .train.command import run_eval
+
+    run_eval(ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, as_json=as_json)
+
+
 bench_app = typer.Typer(
     help="Time decode steps against baselines and the roofline.", no_args_is_help=True, cls=_Group
 )

@@ -171,15 +171,22 @@ def state_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: st
 
 def state_to_hf(model: Transformer, layout: str = "half_split") -> dict[str, torch.Tensor]:
     """Hugging Face tensors of an attnlab model (``lm_head`` omitted when embeddings are tied)."""
+    return state_dict_to_hf(model.state_dict(), model.cfg, layout)
+
+
+def state_dict_to_hf(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, layout: str = "half_split"
+) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of an attnlab state dict (e.g. gathered from a sharded model) of config ``cfg``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
     out = {}
-    for name, value in model.state_dict().items():
-        if name == "output.weight" and model.cfg.tie_embeddings:
+    for name, value in state.items():
+        if name == "output.weight" and cfg.tie_embeddings:
             continue
         value = value.detach()
         if layout == "interleaved" and _is_rotary(name):
-            value = _permute_rope_rows(value, model.cfg.attention.head_dim, inverse=True)
+            value = _permute_rope_rows(value, cfg.attention.head_dim, inverse=True)
         out[attnlab_to_hf_key(name)] = value.clone()
     return out
 

@@ -1,0 +1,201 @@
+"""Text corpora for training and evaluation: files, a held-out split, tokenisation, packing, sampling order.
+
+- A corpus is a text file or a directory of ``.txt`` files (searched recursively, sorted by path).
+- Held-out text is made of whole files, never lines of a file that is also trained on (a play's lines share
+  names and phrasing, so a line-level split would leak).
+- Text is tokenised with a checkpoint's own ``tokenizer.json`` (the ``tokenizers`` library, no special tokens
+  added); files are joined into one stream with the checkpoint's end-of-sequence token between them, and the
+  stream is cut into consecutive windows of ``seq_len + 1`` tokens that overlap by one token (inputs are the
+  first ``seq_len``, targets the last ``seq_len``), so every token after the first is predicted exactly once.
+- Each token carries the number of UTF-8 bytes of text it adds (separators add none), so a loss can be
+  reported in bits per byte, which does not depend on the tokenizer.
+- The training order is a pure function of (seed, position): sample number ``p`` is window
+  ``permutation(seed, epoch)[p % n]`` with ``epoch = p // n``. Resuming, or changing how a global batch is
+  split over ranks, therefore never changes which windows a step sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """Tokens of a corpus: ``tokens`` (N,) int64 and ``nbytes`` (N,) int64, the UTF-8 bytes each token adds."""
+
+    tokens: torch.Tensor
+    nbytes: torch.Tensor
+    files: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def n_windows(self, seq_len: int) -> int:
+        """Windows of ``seq_len`` predictions the stream holds (consecutive, overlapping by one token)."""
+        return max(0, (len(self) - 1) // seq_len)
+
+    def windows(self, index: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs (B, seq_len), targets (B, seq_len) and the targets' bytes (B, seq_len) of windows ``index``."""
+        starts = index.to(torch.int64)[:, None] * seq_len + torch.arange(seq_len + 1)  # (B, seq_len + 1)
+        chunk = self.tokens[starts]
+        return chunk[:, :-1], chunk[:, 1:], self.nbytes[starts[:, 1:]]
+
+
+def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
+    """The text files of a corpus: ``path`` itself, or the ``.txt`` files under the directory ``path``."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {path} not found")
+    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+    if not files:
+        raise ValueError(f"{flag} {path} is a directory without .txt files")
+    return files
+
+
+def split_held_out(files: list[Path], fraction: float = 0.1) -> tuple[list[Path], list[Path]]:
+    """(train, held-out) by whole files: ``round(fraction * n)`` files (at least one when there are two or
+    more), spread evenly over the sorted list. One file cannot be split: it is all training text."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
+    n = len(files)
+    k = 0 if n < 2 or fraction == 0.0 else min(n - 1, max(1, round(fraction * n)))
+    picked = {int((i + 0.5) * n / k) for i in range(k)} if k else set()
+    return [f for i, f in enumerate(files) if i not in picked], [
+        f for i, f in enumerate(files) if i in picked
+    ]
+
+
+def load_tokenizer(checkpoint: str | Path):
+    """The ``tokenizers.Tokenizer`` saved with a checkpoint (its ``tokenizer.json``)."""
+    from tokenizers import Tokenizer
+
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"no tokenizer.json in {checkpoint}: the text is tokenised with the checkpoint's own"
+        )
+    return Tokenizer.from_file(str(path))
+
+
+def train_byte_bpe(texts: list[str], vocab_size: int, end_token: str = "<|endoftext|>"):
+    """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2's scheme: every byte is a base symbol, so any text
+    encodes) trained on ``texts``; ``end_token`` is its first token (id 0), used as end of sequence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[end_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def separator_id(checkpoint: str | Path) -> int | None:
+    """The end-of-sequence token put between files: config.json's ``eos_token_id`` (the first of a list)."""
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) and 0 <= eos < cfg.get("vocab_size", eos + 1) else None
+
+
+def _token_bytes(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
+    """Bytes each token adds: the growth of the furthest byte covered so far (so overlapping offsets, as a
+    multi-byte character split over byte-level tokens gives, are counted once); the sum is the text's bytes."""
+    byte_at = np.zeros(len(text) + 1, dtype=np.int64)  # byte offset of each character position
+    np.cumsum([len(c.encode("utf-8")) for c in text], out=byte_at[1:])
+    ends = np.maximum.accumulate(np.array([e for _, e in offsets] or [0], dtype=np.int64))
+    covered = byte_at[ends]
+    out = np.diff(covered, prepend=0)[: len(offsets)]
+    if len(offsets):
+        out[-1] += byte_at[-1] - covered[-1]  # text after the last token (stripped whitespace)
+    return out
+
+
+_CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
+
+
+def tokenize_files(checkpoint: str | Path, files: list[Path]) -> TokenStream:
+    """Tokenise ``files`` with ``checkpoint``'s tokenizer into one stream (memoised on the tokenizer's and the
+    files' contents, so that a study running many trainings on one corpus tokenises it once)."""
+    checkpoint = Path(checkpoint)
+    tok = load_tokenizer(checkpoint)
+    sep = separator_id(checkpoint)
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    key = (
+        hashlib.sha256((checkpoint / "tokenizer.json").read_bytes()).hexdigest(),
+        sep,
+        tuple(hashlib.sha256(t.encode()).hexdigest() for t in texts),
+    )
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    tok.no_padding()
+    tok.no_truncation()
+    ids, nbytes = [], []
+    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+        if ids and sep is not None:
+            ids.append(np.array([sep], dtype=np.int64))
+            nbytes.append(np.zeros(1, dtype=np.int64))
+        ids.append(np.asarray(enc.ids, dtype=np.int64))
+        nbytes.append(_token_bytes(text, enc.offsets))
+    stream = TokenStream(
+        tokens=torch.from_numpy(np.concatenate(ids)) if ids else torch.zeros(0, dtype=torch.int64),
+        nbytes=torch.from_numpy(np.concatenate(nbytes)) if ids else torch.zeros(0, dtype=torch.int64),
+        files=tuple(str(f) for f in files),
+    )
+    _CACHE[key] = stream
+    if len(_CACHE) > 4:
+        _CACHE.popitem(last=False)
+    return stream
+
+
+def load_stream(checkpoint: str | Path, path: str | Path, seq_len: int, flag: str = "--data") -> TokenStream:
+    """The stream of every text file at ``path``, checked to hold at least one window of ``seq_len``."""
+    return checked_stream(tokenize_files(checkpoint, text_files(path, flag)), seq_len, f"{flag} {path}")
+
+
+def checked_stream(stream: TokenStream, seq_len: int, what: str) -> TokenStream:
+    if stream.n_windows(seq_len) < 1:
+        raise ValueError(
+            f"{what} has {len(stream)} tokens: fewer than one window of --seq-len {seq_len} + 1 tokens"
+        )
+    return stream
+
+
+def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng([seed, epoch]).permutation(n))
+
+
+_PERMS: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+
+
+def sample_windows(n_windows: int, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Window indices of the samples at global ``positions`` of the training order (a pure function)."""
+    if n_windows < 1:
+        raise ValueError(f"n_windows must be >= 1, got {n_windows}")
+    epochs, within = positions // n_windows, positions % n_windows
+    out = torch.empty_like(positions)
+    for epoch in epochs.unique().tolist():
+        key = (n_windows, seed, epoch)
+        if key not in _PERMS:
+            _PERMS[key] = _permutation(n_windows, seed, epoch)
+            if len(_PERMS) > 4:
+                _PERMS.popitem(last=False)
+        chosen = epochs == epoch
+        out[chosen] = _PERMS[key][within[chosen]]
+    return out

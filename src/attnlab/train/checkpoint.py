@@ -1,0 +1,178 @@
+"""Training checkpoints: one directory per checkpoint, written atomically, holding everything needed to continue.
+
+Until a run finishes, nothing is written to DST; its state lives in the run directory (``DST.run`` beside DST,
+or ``--run-dir``)::
+
+    DST.run/
+      log.jsonl                  one JSON line per optimizer step (rank 0)
+      step-00000200/             a complete checkpoint (renamed into place only once fully written)
+        model.safetensors        the whole model, float32, attnlab names (trained and frozen parameters)
+        optimizer.safetensors    AdamW moments and step counts, "<parameter name>::<state name>"
+        optimizer.json           parameter groups: hyper-parameters and the parameter names in each
+        rng.json                 per rank: torch (and CUDA), numpy and python RNG states
+        state.json               step, samples consumed, world size, the options of the run
+      .step-00000300.tmp-XXXX/   a checkpoint being written, or left by a kill: never read, removed on resume
+
+When DST is written (atomically, see ``attnlab.hf.causal_lm.save_causal_lm``) the run directory is deleted. A
+killed run leaves a run directory and no DST; ``--resume`` continues from its newest complete checkpoint.
+
+Model and optimizer states go through ``torch.distributed.checkpoint.state_dict`` in their full (unsharded)
+form, so one code path serves one process, DDP and FSDP2, and a checkpoint can be resumed on another number of
+ranks. Only rank 0 reads and writes files; the others receive what they need by broadcast. Nothing here is
+pickled: tensors are safetensors, the rest JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..hf.io import atomic_dir
+from .distributed import Env, barrier, broadcast_object, gather_objects
+
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+_STEP_DIR = re.compile(r"step-(\d{8})")
+
+
+def _options(env: Env, *, loading: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if loading:
+        return StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as JSON-able values."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def _flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, scalars = {}, {}
+    for name, entries in state["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}::{key}"] = value.detach().contiguous()
+            else:
+                scalars[f"{name}::{key}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[str, dict[str, Any]] = {}
+    for flat, value in [*tensors.items(), *meta["scalars"].items()]:
+        name, _, key = flat.rpartition("::")
+        state.setdefault(name, {})[key] = value
+    groups = [
+        {k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in group.items()}
+        for group in meta["param_groups"]
+    ]  # JSON turned tuples (AdamW's betas) into lists
+    return {"state": state, "param_groups": groups}
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied embeddings): give each its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for name, value in state.items():
+        value = value.detach().contiguous()
+        ptr = value.untyped_storage().data_ptr()
+        out[name] = value.clone() if ptr in seen else value
+        seen.add(ptr)
+    return out
+
+
+def checkpoints(run: Path) -> list[Path]:
+    """The complete checkpoints in a run directory, oldest first."""
+    if not run.is_dir():
+        return []
+    found = [
+        p
+        for p in run.iterdir()
+        if p.is_dir() and _STEP_DIR.fullmatch(p.name) and (p / "state.json").is_file()
+    ]
+    return sorted(found, key=lambda p: p.name)
+
+
+def save_checkpoint(
+    run: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, env: Env, meta: dict, keep: int
+) -> Path:
+    """Write checkpoint ``step`` (a collective: every rank calls it) and keep only the newest ``keep``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_state = get_model_state_dict(model, options=_options(env, loading=False))
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_options(env, loading=False))
+    rngs = gather_objects(rng_state(), env)
+    path = run / f"step-{step:08d}"
+    if env.is_main:
+        tensors, optim_meta = _flatten_optimizer(optim_state)
+        with atomic_dir(path, overwrite=True) as tmp:
+            save_file(_unshared(model_state), str(tmp / MODEL))
+            save_file(tensors, str(tmp / OPTIMIZER))
+            (tmp / "optimizer.json").write_text(json.dumps(optim_meta, indent=1) + "\n")
+            (tmp / "rng.json").write_text(json.dumps(rngs) + "\n")
+            (tmp / "state.json").write_text(json.dumps(meta | {"step": step}, indent=2) + "\n")
+        for old in checkpoints(run)[:-keep]:
+            shutil.rmtree(old)
+    barrier(env)
+    return path
+
+
+def remove_partial(run: Path) -> None:
+    """Delete checkpoints that were being written when a run died (hidden ``.step-*.tmp-*`` directories)."""
+    if run.is_dir():
+        for path in run.glob(".step-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_state(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: Env) -> dict:
+    """Restore model, optimizer and this rank's RNG from checkpoint ``path``; returns its state.json."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model_state: dict = {}
+    optim_state: dict = {}
+    if env.is_main:
+        model_state = load_file(str(path / MODEL))
+        optim_state = _unflatten_optimizer(
+            load_file(str(path / OPTIMIZER)), json.loads((path / "optimizer.json").read_text())
+        )
+    options = _options(env, loading=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    state, rngs = broadcast_object(
+        (read_state(path), json.loads((path / "rng.json").read_text())) if env.is_main else None, env
+    )
+    set_rng_state(rngs[env.rank % len(rngs)])
+    return state

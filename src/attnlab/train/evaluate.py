@@ -1,0 +1,111 @@
+"""Evaluation: the one function that scores a causal LM on text, used by ``attnlab eval``, by ``attnlab
+uptrain`` during training, by the GQA study and by the tests (which check it against transformers' own loss).
+
+Scored are the stream's consecutive windows (``attnlab.data.TokenStream.windows``): each window predicts
+``seq_len`` tokens, every token after the first is predicted once, with up to ``seq_len - 1`` tokens of context.
+Reported: mean next-token loss in nats, perplexity ``exp(loss)``, and bits per byte ``sum(loss) / ln 2 /
+bytes``, where bytes are the UTF-8 bytes of the text the scored tokens spell (comparable across tokenizers).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import TokenStream, load_stream
+from .distributed import ONE_PROCESS, Env, all_reduce_sum
+
+
+def eval_windows(stream: TokenStream, seq_len: int, max_windows: int = 0) -> torch.Tensor:
+    """The windows scored: all of them, or ``max_windows`` spread evenly over the stream (every part of a
+    multi-file corpus is represented, and the choice does not depend on anything but the sizes)."""
+    n = stream.n_windows(seq_len)
+    if n < 1:
+        raise ValueError(f"the text has {len(stream)} tokens: fewer than one window of {seq_len} + 1")
+    if max_windows and max_windows < n:
+        return torch.linspace(0, n - 1, max_windows).round().long().unique()
+    return torch.arange(n)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    stream: TokenStream,
+    seq_len: int,
+    *,
+    batch_size: int = 8,
+    max_windows: int = 0,
+    env: Env = ONE_PROCESS,
+) -> dict:
+    """Loss, perplexity and bits per byte of ``model`` (tokens (B, T) -> logits (B, T, vocab)) on ``stream``.
+
+    Under torchrun each rank scores a share of the windows and the sums are reduced; every rank runs the same
+    number of forward passes (a sharded model needs all of them), padding its share with zero-weight windows.
+    """
+    index = eval_windows(stream, seq_len, max_windows)
+    share = -(-len(index) // env.world_size)
+    mine = index[env.rank :: env.world_size]
+    weight = torch.cat((torch.ones(len(mine)), torch.zeros(share - len(mine))))
+    mine = torch.cat((mine, index[: share - len(mine)]))
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    try:
+        for start in range(0, share, batch_size):
+            x, y, nbytes = stream.windows(mine[start : start + batch_size], seq_len)
+            w = weight[start : start + batch_size, None].double()
+            logits = model(x.to(env.device))
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.to(env.device).flatten(), reduction="none")
+            nll = nll.view_as(y).double().cpu()
+            sums += torch.stack(((nll * w).sum(), (w * torch.ones_like(nll)).sum(), (nbytes * w).sum()))
+    finally:
+        model.train(was_training)
+    nats, tokens, nbytes_total = all_reduce_sum(sums.to(env.device), env).cpu().tolist()
+    loss = nats / tokens
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": nats / math.log(2) / nbytes_total if nbytes_total else float("nan"),
+        "tokens": int(tokens),
+        "bytes": int(nbytes_total),
+        "windows": len(index),
+        "seq_len": seq_len,
+    }
+
+
+def evaluate_checkpoint(
+    ckpt: str | Path,
+    data: str | Path,
+    *,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    max_windows: int = 0,
+) -> dict:
+    """``attnlab eval``: load a causal-LM checkpoint, tokenise ``data`` with its tokenizer, ``evaluate``."""
+    from ..hf.causal_lm import family_of, load_causal_lm
+
+    ckpt = Path(ckpt)
+    model_type = family_of(ckpt)
+    model = load_causal_lm(ckpt).float()
+    max_len = model.cfg.max_seq_len
+    seq_len = seq_len if seq_len is not None else min(max_len, 1024)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= max_len:
+        raise ValueError(
+            f"--seq-len must be in [1, {max_len}] (the model's max_position_embeddings), got {seq_len}"
+        )
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if max_windows < 0:
+        raise ValueError(f"--max-windows must be >= 0, got {max_windows}")
+    stream = load_stream(ckpt, data, seq_len)
+    result = evaluate(model, stream, seq_len, batch_size=batch_size, max_windows=max_windows)
+    return {
+        "checkpoint": str(ckpt),
+        "model_type": model_type,
+        "data": str(data),
+        "files": len(stream.files),
+    } | result

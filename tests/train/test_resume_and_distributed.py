@@ -1,0 +1,148 @@
+"""Runs that are killed, and runs on two processes: a SIGKILLed run resumes to the same weights bit for bit;
+``torchrun --nproc-per-node 2`` (DDP, and FSDP2 killed and resumed) follows the one-process loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnlab.train import UptrainOptions, uptrain
+
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+FAST = ["--seq-len", 32, "--lr", 3e-3, "--warmup", 2]
+STEPS = 24
+
+
+def attnlab(*args) -> list[str]:
+    return [sys.executable, "-m", "attnlab", *map(str, args)]
+
+
+def torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "attnlab", *map(str, args)]  # fmt: skip
+
+
+def logged_steps(log: Path) -> int:
+    try:
+        lines = log.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (FileNotFoundError, json.JSONDecodeError, IndexError):  # a line being written
+        return 0
+
+
+def wait_for_step(proc: subprocess.Popen, log: Path, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while logged_steps(log) < step:
+        assert proc.poll() is None, f"the run ended before step {step}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"no step {step} after {timeout} s"
+        time.sleep(0.005)
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (torchrun starts its workers in their own sessions)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_llama, corpus) -> Path:
+    """The reference: 24 uninterrupted steps on one process with the global batch of 4."""
+    dst = tmp_path_factory.mktemp("one") / "dst"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    uptrain(
+        UptrainOptions(
+            src=tiny_llama, dst=dst, data=corpus, steps=STEPS, batch_size=4, seq_len=32, lr=3e-3, warmup=2
+        ),
+        progress=False,
+    )
+    torch.set_num_threads(before)
+    return dst
+
+
+def test_sigkill_mid_run_then_resume_matches_the_uninterrupted_run_bit_for_bit(
+    tmp_path, tiny_llama, corpus, one_process
+):
+    args = ["--data", corpus, "--steps", STEPS, "--save-every", 4, "--batch-size", 4, *FAST]
+    dst, run = tmp_path / "dst", tmp_path / "dst.run"
+    proc = subprocess.Popen(
+        attnlab("uptrain", tiny_llama, dst, *args), env=ENV, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(proc, run / "log.jsonl", 9)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not dst.exists()  # a killed run leaves no DST, only its run directory
+    assert (run / "step-00000008" / "state.json").is_file() and logged_steps(run / "log.jsonl") >= 9
+
+    resumed = subprocess.run(
+        attnlab("uptrain", tiny_llama, dst, *args, "--resume", "--json"), env=ENV, capture_output=True
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    assert json.loads(resumed.stdout)["resumed_from_step"] >= 8
+    assert (dst / "model.safetensors").read_bytes() == (one_process / "model.safetensors").read_bytes()
+    log = [json.loads(x) for x in (dst / "uptrain_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))  # no step lost, none logged twice
+    assert losses(dst / "uptrain_log.jsonl") == losses(one_process / "uptrain_log.jsonl")
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert losses(a / "uptrain_log.jsonl") == pytest.approx(
+        losses(b / "uptrain_log.jsonl"), rel=1e-5, abs=1e-6
+    )
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5)
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(
+    tmp_path, tiny_llama, corpus, one_process
+):
+    dst = tmp_path / "ddp"
+    args = ["--data", corpus, "--steps", STEPS, "--batch-size", 2, *FAST, "--json"]
+    done = subprocess.run(
+        torchrun("uptrain", tiny_llama, dst, *args), env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)  # rank 0 alone prints
+    assert summary["world_size"] == 2 and summary["global_batch"] == 4 and not summary["fsdp"]
+    assert_same_run(dst, one_process)
+
+
+def test_fsdp2_killed_and_resumed_matches_one_process(tmp_path, tiny_llama, corpus, one_process):
+    dst, run = tmp_path / "fsdp", tmp_path / "fsdp.run"
+    args = ["--data", corpus, "--steps", STEPS, "--batch-size", 2, "--save-every", 4, "--fsdp", *FAST]
+    proc = subprocess.Popen(
+        torchrun("uptrain", tiny_llama, dst, *args), env=ENV, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(proc, run / "log.jsonl", 9)
+    for worker in children(proc.pid):
+        os.kill(worker, signal.SIGKILL)
+    assert proc.wait(timeout=60) != 0
+    assert not dst.exists() and (run / "step-00000008").is_dir()  # gathered from the shards by rank 0
+
+    done = subprocess.run(torchrun("uptrain", tiny_llama, dst, *args, "--resume", "--json"), env=ENV,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["fsdp"] and summary["resumed_from_step"] >= 8
+    assert_same_run(dst, one_process)

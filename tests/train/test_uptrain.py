@@ -1,0 +1,245 @@
+"""``attnlab uptrain`` in one process: it learns, writes a checkpoint like SRC that transformers loads, keeps
+SRC untouched, and refuses bad arguments with one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from train_helpers import make_llama, run_cli, snapshot
+
+from attnlab.data import tokenize_files
+from attnlab.hf import load_causal_lm
+from attnlab.train import UptrainOptions, build_optimizer, distill_loss, learning_rate, uptrain
+from attnlab.train import checkpoint as ckpt_mod
+from attnlab.train.distributed import ONE_PROCESS
+
+FAST = ["--batch-size", 4, "--seq-len", 32, "--lr", 3e-3, "--warmup", 2]
+
+
+def weights(path):
+    return load_file(path / "model.safetensors")
+
+
+def test_uptrain_lowers_the_loss_and_writes_a_checkpoint_like_src(tmp_path, tiny_llama, corpus):
+    before = snapshot(tiny_llama)
+    dst = tmp_path / "dst"
+    result = run_cli(
+        "uptrain", tiny_llama, dst, "--data", corpus, "--steps", 12, "--eval-every", 6, *FAST, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["eval"]["loss"] < summary["eval_before"]["loss"] - 0.3  # it learned (random init: ~5.8)
+    assert summary["train_files"] == 2 and summary["eval_files"] == 1  # one whole play held out
+    assert snapshot(tiny_llama) == before
+    assert not (tmp_path / "dst.run").exists()  # the run directory goes once DST is written
+
+    # DST is the same kind of checkpoint as SRC: same config and tokenizer, plus the log and the summary.
+    assert (dst / "config.json").read_text() == (tiny_llama / "config.json").read_text()
+    assert (dst / "tokenizer.json").read_bytes() == (tiny_llama / "tokenizer.json").read_bytes()
+    assert {p.name for p in dst.iterdir()} == {p.name for p in tiny_llama.iterdir()} | {
+        "uptrain.json",
+        "uptrain_log.jsonl",
+    }
+    log = [json.loads(line) for line in (dst / "uptrain_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13)) and "eval" in log[5]
+
+    # transformers loads it and computes what attnlab computes; the weights moved.
+    x = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, load_causal_lm(dst)(x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(hf(x).logits, load_causal_lm(tiny_llama)(x), atol=1e-3)
+
+    # attnlab eval on the held-out play gives the loss uptrain reported; convert takes DST as a source.
+    held_out = corpus / "macbeth.txt"
+    scored = run_cli("eval", dst, "--data", held_out, "--seq-len", 32, "--json")
+    assert math.isclose(json.loads(scored.stdout)["loss"], summary["eval"]["loss"], rel_tol=1e-6)
+    converted = run_cli("convert", dst, tmp_path / "gqa", "--kv-heads", 2)
+    assert converted.exit_code == 0, converted.output
+
+
+def test_train_attention_only_keeps_the_rest_bit_for_bit_and_the_dtype(tmp_path, tokenizer, corpus):
+    src = make_llama(tmp_path / "src", tokenizer, dtype="bfloat16", tie_word_embeddings=True)
+    dst = tmp_path / "dst"
+    result = run_cli("uptrain", src, dst, "--data", corpus, "--steps", 3, "--train", "attention", *FAST)
+    assert result.exit_code == 0, result.output
+    old, new = weights(src), weights(dst)
+    assert set(old) == set(new) and "lm_head.weight" not in new  # tied embeddings stay tied
+    for key in old:
+        assert new[key].dtype == old[key].dtype == torch.bfloat16
+        assert torch.equal(old[key], new[key]) == (".self_attn." not in key), key
+
+
+def test_grad_accumulation_equals_the_bigger_batch(tmp_path, tiny_llama, corpus):
+    common = dict(src=tiny_llama, data=corpus, steps=3, seq_len=32, lr=3e-3, save_every=0)
+    uptrain(UptrainOptions(dst=tmp_path / "a", batch_size=4, **common), progress=False)
+    uptrain(UptrainOptions(dst=tmp_path / "b", batch_size=2, grad_accum=2, **common), progress=False)
+    loss = [
+        [json.loads(x)["loss"] for x in (tmp_path / d / "uptrain_log.jsonl").read_text().splitlines()]
+        for d in "ab"
+    ]
+    assert loss[0] == pytest.approx(loss[1], rel=1e-5)
+    for key, value in weights(tmp_path / "a").items():
+        torch.testing.assert_close(weights(tmp_path / "b")[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_distillation_from_the_unconverted_teacher(tmp_path, tokenizer, corpus):
+    # A teacher with peaked predictions (5x the usual init), and its 1-KV-head conversion as the student.
+    teacher = make_llama(tmp_path / "teacher", tokenizer, initializer_range=0.1)
+    gqa = tmp_path / "gqa"
+    assert run_cli("convert", teacher, gqa, "--kv-heads", 1).exit_code == 0
+    result = run_cli(
+        "uptrain", gqa, tmp_path / "dst", "--data", corpus, "--steps", 6, "--teacher", teacher,
+        "--distill-weight", 1.0, "--temperature", 1.5, "--train", "attention", *FAST, "--lr", 1e-2,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    log = [json.loads(x) for x in (tmp_path / "dst" / "uptrain_log.jsonl").read_text().splitlines()]
+    for r in log:
+        assert r["distill"] > 0 and r["ce"] > 0 and r["loss"] == r["distill"]  # weight 1: only the KL term
+    # On held-out text, the student moved towards the teacher.
+    x, _, _ = tokenize_files(teacher, [corpus / "macbeth.txt"]).windows(torch.arange(8), 32)
+    with torch.no_grad():
+        target = load_causal_lm(teacher)(x)
+        before = distill_loss(load_causal_lm(gqa)(x), target, 1.5)
+        after = distill_loss(load_causal_lm(tmp_path / "dst")(x), target, 1.5)
+    assert after < 0.8 * before, (before, after)
+
+
+def test_distill_loss_is_temperature_scaled_kl():
+    s, t = torch.randn(2, 3, 11), torch.randn(2, 3, 11)
+    p = torch.softmax(t / 2.0, -1)
+    kl = (p * (p.log() - torch.log_softmax(s / 2.0, -1))).sum(-1).mean()
+    torch.testing.assert_close(distill_loss(s, t, 2.0), 4.0 * kl)
+    assert distill_loss(t, t, 2.0).abs() < 1e-6
+
+
+def test_learning_rate_warmup_then_cosine():
+    opts = UptrainOptions(src="s", dst="d", data="x", steps=100, lr=1.0, min_lr=0.1, warmup=10)
+    lrs = [learning_rate(s, opts) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
+    assert lrs[-1] == pytest.approx(0.1) and lrs[54] == pytest.approx(0.55, abs=0.01)
+    assert UptrainOptions(src="s", dst="d", data="x", steps=100).warmup_steps == 5
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("steps", 0, "--steps must be >= 1, got 0"),
+        ("batch_size", 2.5, "--batch-size must be an int"),
+        ("lr", 0.0, "--lr must be in (0.0, inf]"),
+        ("distill_weight", 1.5, "--distill-weight must be in [0.0, 1.0]"),
+        ("train", "mlp", "--train must be one of all, attention; got 'mlp'"),
+        ("dtype", "fp16", "--dtype must be one of fp32, bf16; got 'fp16'"),
+        ("warmup", 200, "--warmup must be in [0, --steps=100], got 200"),
+    ],
+)
+def test_options_name_the_field_and_value(field, value, message):
+    with pytest.raises((ValueError, TypeError)) as err:
+        UptrainOptions(**({"src": "s", "dst": "d", "data": "x", "steps": 100} | {field: value}))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing_data", "--data"),
+        ("empty_data", "fewer than one window"),
+        ("empty_dir", "without .txt files"),
+        ("seq_len", "--seq-len 65 exceeds the model's max_position_embeddings 64"),
+        ("family", "unsupported model_type 'gpt2'"),
+        ("teacher_vocab", "vocab_size 400 but SRC has 320"),
+        ("dst_exists", "DST exists"),
+        ("bad_option", "--grad-accum must be >= 1, got 0"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line_and_src_untouched(
+    tmp_path, tiny_llama, tokenizer, corpus, case, message
+):
+    src, dst, data = tiny_llama, tmp_path / "dst", corpus
+    args = []
+    if case == "missing_data":
+        data = tmp_path / "nowhere"
+    elif case == "empty_data":
+        data = tmp_path / "empty.txt"
+        data.write_text("")
+    elif case == "empty_dir":
+        data = tmp_path / "texts"
+        data.mkdir()
+    elif case == "seq_len":
+        args = ["--seq-len", 65]
+    elif case == "family":
+        src = make_llama(tmp_path / "src", tokenizer)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    elif case == "teacher_vocab":
+        args = ["--teacher", make_llama(tmp_path / "teacher", tokenizer, vocab_size=400)]
+    elif case == "dst_exists":
+        dst.mkdir()
+        (dst / "keep.txt").write_text("mine")
+    elif case == "bad_option":
+        args = ["--grad-accum", 0]
+    before = snapshot(src)
+    result = run_cli("uptrain", src, dst, "--data", data, "--steps", 2, "--seq-len", 32, *args)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("attnlab: error:") and message in lines[0], lines[0]
+    assert snapshot(src) == before
+    assert not (tmp_path / "dst.run").exists()
+    assert (dst / "keep.txt").read_text() == "mine" if case == "dst_exists" else not dst.exists()
+
+
+def test_crash_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(
+    tmp_path, tiny_llama, corpus, monkeypatch
+):
+    common = dict(src=tiny_llama, data=corpus, steps=6, batch_size=4, seq_len=32, lr=3e-3, save_every=2)
+    uptrain(UptrainOptions(dst=tmp_path / "whole", **common), progress=False)
+
+    real_save, calls = ckpt_mod.save_file, []
+
+    def crashing_save(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 4:  # checkpoint 2 (step 4): its model is written, then the optimizer write dies
+            raise OSError("disk full")
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", crashing_save)
+    opts = UptrainOptions(dst=tmp_path / "dst", **common)
+    with pytest.raises(OSError, match="disk full"):
+        uptrain(opts, progress=False)
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
+    run = tmp_path / "dst.run"
+    assert [p.name for p in run.iterdir() if p.name != "log.jsonl"] == ["step-00000002"]  # no half checkpoint
+    assert not (tmp_path / "dst").exists()
+    # The surviving checkpoint loads into a fresh model and optimizer.
+    model = load_causal_lm(tiny_llama).float()
+    state = ckpt_mod.load_checkpoint(run / "step-00000002", model, build_optimizer(model, opts), ONE_PROCESS)
+    assert state["step"] == 2 and state["samples"] == 8
+    # What a SIGKILL mid-save leaves: a hidden temporary directory. It is never read and resume cleans it up.
+    (run / ".step-00000004.tmp-dead").mkdir()
+    (run / ".step-00000004.tmp-dead" / "model.safetensors").write_bytes(b"partial")
+
+    refused = run_cli(
+        "uptrain", tiny_llama, tmp_path / "dst", "--data", corpus, "--steps", 6, "--seq-len", 32
+    )
+    assert refused.exit_code == 2 and "pass --resume" in refused.output
+    changed = run_cli(
+        "uptrain", tiny_llama, tmp_path / "dst", "--data", corpus, "--steps", 6, "--save-every", 2,
+        "--batch-size", 4, "--seq-len", 32, "--lr", 1e-3, "--resume",
+    )  # fmt: skip
+    assert changed.exit_code == 2 and "--lr was 0.003 in the interrupted run, now 0.001" in changed.output
+
+    summary = uptrain(opts.replace(resume=True), progress=False)
+    assert summary["resumed_from_step"] == 2
+    assert not run.exists()
+    whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "dst")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert (tmp_path / "whole" / "uptrain_log.jsonl").read_text().count("\n") == 6
+    steps = [json.loads(x)["step"] for x in (tmp_path / "dst" / "uptrain_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the steps redone after the crash are logged once
