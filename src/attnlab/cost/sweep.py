@@ -318,7 +318,8 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
                 label="MLA (at its equivalent GQA groups)")  # fmt: skip
     ax_lat.set(xscale="log", xlabel="KV heads", ylabel="decode step (ms)")
     ax_lat.set_xscale("log", base=2)
-    ax_lat.set_title(f"decode at {comparison.seq_len} tokens on {comparison.hardware}")
+    on = comparison.hardware + (f" x{comparison.tp} (tensor parallel)" if comparison.tp > 1 else "")
+    ax_lat.set_title(f"decode at {comparison.seq_len} tokens on {on}")
     ax_lat.legend(fontsize=8)
     fig.suptitle(f"{comparison.model}: attention variants")
     fig.tight_layout()
