@@ -38,7 +38,8 @@ class Env:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
+        """Whether collectives run: under torchrun (``setup`` made a mesh), never for ``ONE_PROCESS``."""
+        return self.mesh is not None
 
 
 ONE_PROCESS = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
