@@ -42,7 +42,8 @@ class Env:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
+        """Whether collectives run: under torchrun (``setup`` made a mesh), never for ``ONE_PROCESS``."""
+        return self.mesh is not None
 
     @property
     def dp_size(self) -> int:

@@ -36,14 +36,13 @@ from .evaluate import evaluate
 from .options import SAME_ON_RESUME, UptrainOptions
 
 
-def learning_rate(step: int, opts: UptrainOptions) -> float:
-    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr`` at the last step."""
-    warmup = opts.warmup_steps
+def learning_rate(step: int, *, lr: float, steps: int, warmup: int, min_lr: float) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``lr * min_lr`` at the last step."""
     if step < warmup:
-        return opts.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, opts.steps - 1 - warmup)
-    floor = opts.lr * opts.min_lr
-    return floor + 0.5 * (opts.lr - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    floor = lr * min_lr
+    return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def select_trainable(model: nn.Module, which: str) -> list[str]:
@@ -241,7 +240,9 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
     with log:
         while step < opts.steps:
             tick = time.perf_counter()
-            lr = learning_rate(step, opts)
+            lr = learning_rate(
+                step, lr=opts.lr, steps=opts.steps, warmup=opts.warmup_steps, min_lr=opts.min_lr
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             sums = torch.zeros(
