@@ -19,12 +19,21 @@ MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 
 
-def _check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
+def check_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` if it is an int >= ``minimum``; else a TypeError or ValueError naming ``name`` and the value.
+
+    The one integer validator of the package (configs, caches, the cost model's sizes).
+    """
     # bool is an int subclass; n_heads=True is a bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
+    check_int(f"{owner}.{name}", value, minimum=minimum)
 
 
 def _check_float(owner: str, name: str, value: Any) -> None:

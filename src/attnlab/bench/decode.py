@@ -10,9 +10,9 @@ so speedups are ratios measured side by side. Rows by ``kind``:
                weights, same cache contents.
     mla        ``MultiHeadLatentAttention`` naive vs absorbed vs Hugging Face ``DeepseekV3Attention`` (DeepSeek-V2-Lite
                attention dims by default).
-    paged      ``grouped_decode`` over a contiguous cache vs ``paged_decode`` over a ``PagedKVCache`` holding the
-               same keys/values (rows prefilled, then grown in lockstep), and over one whose allocator scatters
-               every block (the worst case: one run, hence one chunk, per block).
+    paged      ``attend`` (grouped) over a contiguous cache vs over the views of a ``PagedKVCache`` holding the
+               same keys/values (rows prefilled, then grown in lockstep), and over one whose blocks are placed
+               scattered (``placement="scattered"``: the worst case, one run, hence one chunk, per block).
     e2e        tokens/s of decode steps of a small ``attnlab.model.Transformer`` per attention variant, batch 1
                (contiguous caches) and a ragged batch of 4 (paged caches; MLA pages its latent rows).
 
@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention.decode import grouped_decode, paged_decode
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.kernels import attend
 from ..attention.mla import MultiHeadLatentAttention
@@ -179,7 +178,7 @@ def layer_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, 
     x = torch.randn(b, 1, h * d, generator=gen).to(dt)
 
     def reset() -> None:
-        cache.pos = context
+        cache.crop(context)
         hf_crop()
 
     contenders = {"ours": lambda: attn(x, cache=cache), "hf_llama_sdpa": lambda: hf_step(x)}
@@ -216,17 +215,13 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
     hf_step, hf_crop = baselines.deepseek_attention(mla, rows)
     x = torch.randn(b, 1, cfg.d_model, generator=gen).to(dt)
 
-    def run(mode: str):
-        mla.mode = mode
-        return mla(x, cache=cache)
-
     def reset() -> None:
-        cache.pos = context
+        cache.crop(context)
         hf_crop()
 
     contenders = {
-        "absorbed": lambda: run("absorbed"),
-        "naive": lambda: run("naive"),
+        "absorbed": lambda: mla(x, cache=cache, mode="absorbed"),
+        "naive": lambda: mla(x, cache=cache, mode="naive"),
         "hf_deepseek_v3": lambda: hf_step(x),
     }
     with torch.inference_mode():
@@ -235,7 +230,6 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
         err = max(_max_err(ours, contenders["naive"]()), _max_err(ours, contenders["hf_deepseek_v3"]()))
         reset()
         times = interleaved(contenders, repeats=grid.repeats, reset=reset)
-    mla.mode = "absorbed"
     fl = attention_flops(cfg.replace(mode="absorbed"), b, 1, context)
     elem = torch.finfo(dt).bits // 8
     weights = sum(p.numel() for p in mla.parameters()) * elem
@@ -254,19 +248,10 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
     )
 
 
-class _ScatteredPagedKVCache(PagedKVCache):
-    """The worst allocator (highest free block first): every block of a row is a run of its own."""
-
-    def _take(self, table: list[int], wanted: int) -> int:
-        block = max(self._free)
-        self._free.remove(block)
-        return block
-
-
-def _paged_copy(cls, k, v, bs: int, n_blocks: int) -> PagedKVCache:
+def _paged_copy(placement: str, k, v, bs: int, n_blocks: int) -> PagedKVCache:
     """``k``, ``v`` (B, n_kv, S, D) in a paged cache: most of each row prefilled, the tail grown in lockstep."""
     b, n_kv, s, d = k.shape
-    paged = cls(n_blocks, bs, n_kv, d, batch_size=b, dtype=k.dtype)
+    paged = PagedKVCache(n_blocks, bs, n_kv, d, batch_size=b, dtype=k.dtype, placement=placement)
     head = max(0, s - 4 * bs)
     for row in range(b):
         paged.select([row]).update(k[row : row + 1, :, :head], v[row : row + 1, :, :head])
@@ -283,14 +268,15 @@ def paged_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, 
     cache = _filled_kv_cache(b, n_kv, d, context, context, dt, gen)
     k, v = cache.k, cache.v
     n_blocks = b * math.ceil(context / bs) + 2  # almost no slack: rows must share the pool tightly
-    paged = _paged_copy(PagedKVCache, k, v, bs, n_blocks)
-    scattered = _paged_copy(_ScatteredPagedKVCache, k, v, bs, n_blocks)
+    paged = _paged_copy("contiguous", k, v, bs, n_blocks)
+    scattered = _paged_copy("scattered", k, v, bs, n_blocks)
     q = torch.randn(b, h, 1, d, generator=gen).to(dt)
     scale = d**-0.5
+    paged_kv, scattered_kv = paged.views(), scattered.views()
     contenders = {
-        "paged": lambda: paged_decode(q, paged, scale=scale),
-        "contiguous": lambda: grouped_decode(q, k, v, scale=scale),
-        "paged_scattered": lambda: paged_decode(q, scattered, scale=scale),
+        "paged": lambda: attend(q, *paged_kv, scale=scale, backend="grouped"),
+        "contiguous": lambda: attend(q, k, v, scale=scale, backend="grouped"),
+        "paged_scattered": lambda: attend(q, *scattered_kv, scale=scale, backend="grouped"),
     }
     with torch.inference_mode():
         ref = contenders["contiguous"]()

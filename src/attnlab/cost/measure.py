@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ..cache import KVCache
 from ..config import AttentionConfig
 from .flops import attention_flops
 from .hardware import Hardware, _memory_bytes, measure_local
@@ -56,11 +57,17 @@ def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, m
     layer = layer.to_empty(device="cpu").to(dtype)
     layer.init_weights()
     cache = layer.new_cache(batch, seq_len)
+    held = seq_len - 1  # cached tokens, zeros: their values do not change the work
+    if isinstance(cache, KVCache):
+        blank = torch.zeros(batch, cache.n_kv_heads, held, cache.head_dim, dtype=dtype)
+        cache.update(blank, blank)
+    else:
+        cache.update(torch.zeros(batch, held, cache.kv.shape[-1], dtype=dtype))
     x = torch.randn(batch, 1, cfg.d_model, dtype=dtype)
     times: list[float] = []
     with torch.inference_mode():
         for i in range(200):
-            cache.pos = seq_len - 1  # the cached tokens' values do not change the work
+            cache.crop(held)  # drop the previous step's token
             start = time.perf_counter()
             layer(x, cache=cache)
             elapsed = time.perf_counter() - start
