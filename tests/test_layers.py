@@ -30,7 +30,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model": {"config", "cache", "attention"},
     "cost": {"config", "hf_config"},
     "convert": {"config", "cache", "attention", "model"},
-    "parallel": {"config", "cache", "attention", "model"},  # planned in DESIGN.md (tensor parallelism)
+    "parallel": {"config", "cache", "attention", "model", "cost"},
     "hf": BASE | {"cache", "attention", "model", "convert"},
     "data": BASE - {"hf_config"},
     "train": BASE | {"cache", "attention", "model", "convert", "parallel", "hf", "data"},

@@ -73,12 +73,12 @@ class GroupedQueryAttention(nn.Module):
 
     @property
     def n_heads(self) -> int:
-        """Query heads this module holds (all of ``cfg.n_heads`` unless its weights were sharded)."""
+        """Query heads this module computes: all of them, or this rank's share once sharded by ``apply_tp``."""
         return local_weight(self.wq).shape[0] // self.head_dim
 
     @property
     def n_kv_heads(self) -> int:
-        """KV heads this module holds, hence caches."""
+        """KV heads this module computes and caches (this rank's, once sharded)."""
         return local_weight(self.wk).shape[0] // self.head_dim
 
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:

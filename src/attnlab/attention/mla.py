@@ -61,6 +61,11 @@ class MultiHeadLatentAttention(nn.Module):
     def mode(self, value: str) -> None:
         self.cfg = self.cfg.replace(mode=_check_mode(value))
 
+    @property
+    def n_heads(self) -> int:
+        """Query heads this module computes: all of them, or this rank's share once sharded by ``apply_tp``."""
+        return local_weight(self.wo).shape[1] // self.cfg.v_head_dim
+
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -165,7 +170,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(merge_heads(y))  # y: (B, H, T, v_head_dim)
 
     def _split_wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views."""
+        """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views; H is this
+        rank's heads when ``wkv_b`` is sharded."""
         cfg = self.cfg
         w = local_weight(self.wkv_b).view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
