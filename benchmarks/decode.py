@@ -137,9 +137,9 @@ def _mb(n: float) -> str:
 
 def limits(result: dict) -> str:
     """The "what limits" section: every figure in it is read off ``result`` (or the code it describes)."""
+    from attnlab.bench.machine import _read_bandwidth
     from attnlab.config import AttentionConfig
     from attnlab.cost import kv_cache_bytes, param_count
-    from attnlab.cost.hardware import _read_bandwidth
 
     rows = result["rows"]
     att = _sel(rows, kind="attention")
@@ -184,7 +184,7 @@ def limits(result: dict) -> str:
     )
     l3 = result["machine"].get("l3_bytes")
     out.append(
-        f"- **The roofline inputs.** Bandwidth is `attnlab.cost.hardware.measure_local`'s streaming read of one "
+        f"- **The roofline inputs.** Bandwidth is `attnlab.bench.machine.measure_local`'s streaming read of one "
         f"{buffer // 2**20} MiB buffer, measured at the start of this run (so under this run's load); the peak is its"
         " best square matmul. A KV cache that fits in the last-level cache"
         + (f" ({l3 / 2**20:.0f} MiB here)" if l3 else "")

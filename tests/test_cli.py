@@ -13,11 +13,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from attnlab.bench.compare import compare_table
 from attnlab.cli import app
 from attnlab.console import Grid, column_widths, print_grid
 from attnlab.cost import compare, get_preset
 from attnlab.cost.hardware import Hardware
-from attnlab.cost.report import compare_table
 
 runner = CliRunner()
 COMMANDS = [["compare"], ["convert"], ["bench", "decode"], ["bench"], []]
@@ -90,8 +90,8 @@ def test_compare_local_measures_the_machine_once(monkeypatch):
         calls.append(fresh)
         return fake
 
-    monkeypatch.setattr("attnlab.cost.report.measure_local", measure_local)
-    monkeypatch.setattr("attnlab.cost.measure.measure_local", measure_local)
+    monkeypatch.setattr("attnlab.bench.compare.measure_local", measure_local)
+    monkeypatch.setattr("attnlab.bench.layer.measure_local", measure_local)
     args = [
         "compare",
         "--model",
@@ -127,19 +127,19 @@ def test_allocation_failures_and_missing_packages_are_one_line(monkeypatch):
             "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 9 TB"
         )
 
-    monkeypatch.setattr("attnlab.cost.report.run_compare", oom)
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", oom)
     one_line_error(runner.invoke(app, ["compare"]), "out of memory")
 
     def missing(**kwargs):
         raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
 
-    monkeypatch.setattr("attnlab.cost.report.run_compare", missing)
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", missing)
     one_line_error(runner.invoke(app, ["compare"]), "pip install 'matplotlib>=3.7'")
 
     def bug(**kwargs):
         raise RuntimeError("a bug")  # not the user's doing: it must stay visible, not become a polite exit 2
 
-    monkeypatch.setattr("attnlab.cost.report.run_compare", bug)
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", bug)
     assert runner.invoke(app, ["compare"]).exit_code == 1
 
 

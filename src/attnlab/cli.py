@@ -161,7 +161,7 @@ def compare(
     measure: bool = typer.Option(False, "--measure", help="Also time one layer per variant on this machine."),
 ) -> None:
     """What MHA, every GQA, MQA and MLA would cost for a model: KV cache, FLOPs, decode latency, max batch."""
-    from .cost.report import run_compare
+    from .bench.compare import run_compare
 
     run_compare(
         model=model, seq_len=seq_len, batch=batch, dtype=dtype, hardware=hardware, tp=tp, devices=devices,

@@ -255,9 +255,10 @@ def test_bad_input_names_field_and_value():
         mla(torch.randn(1, 4, 30))
     with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the weights are torch.float32"):
         mla(torch.randn(1, 4, 32, dtype=torch.float64))
-    mla.mode = "fast"
     with pytest.raises(ValueError, match=r"mode must be 'naive' or 'absorbed', got 'fast'"):
-        mla(torch.randn(1, 4, 32))
+        mla.mode = "fast"  # refused where it is set (the mode lives in mla.cfg, which is validated)
+    with pytest.raises(ValueError, match=r"mode must be 'naive' or 'absorbed', got 'fast'"):
+        mla(torch.randn(1, 4, 32), mode="fast")
     with pytest.raises(TypeError, match=r"cfg must be an MLAConfig, got AttentionConfig"):
         from attnlab import AttentionConfig
 

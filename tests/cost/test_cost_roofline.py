@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from attnlab.bench import machine as hw_mod
+from attnlab.bench.machine import get_hardware, measure_local
 from attnlab.cost import decode_step_bytes, kv_cache_bytes, model_flops
-from attnlab.cost import hardware as hw_mod
-from attnlab.cost.hardware import HARDWARE, Hardware, get_hardware, measure_local
+from attnlab.cost.hardware import HARDWARE, Hardware
 from attnlab.cost.presets import get_preset
 from attnlab.cost.roofline import roofline, weight_bytes
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MLAConfig, ModelConfig
+from ..config import MLAConfig, ModelConfig, check_int
 from .flops import model_flops
 from .hardware import Hardware, get_hardware
 from .memory import decode_step_bytes, dtype_bits, dtype_name, kv_cache_bytes, weight_bytes_read
@@ -93,6 +93,12 @@ def _peak(hw: Hardware, dtype: str) -> float:
     return hw.peak_flops[compute]
 
 
+def step_seconds(hw: Hardware, flops: float, n_bytes: float, dtype: str | torch.dtype) -> float:
+    """The roofline time of ``flops`` and ``n_bytes`` of memory traffic on one ``hw`` device, nothing to communicate
+    (``PhaseCost.seconds``); what a benchmark compares a measured step with."""
+    return PhaseCost(flops, n_bytes, flops / _peak(hw, dtype_name(dtype)), n_bytes / hw.bandwidth).seconds
+
+
 def _phase(model_cfg: ModelConfig, fn, peak: float, bandwidth: float, comm) -> PhaseCost:
     """The phase cost of ``model_cfg``; for MLA the faster of its two modes."""
     extra = {"comm_bytes": comm.allreduce_bytes + comm.allgather_bytes, "comm_seconds": comm.seconds}
@@ -123,8 +129,7 @@ def roofline(
         raise TypeError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     for name, value in (("batch", batch), ("seq_len", seq_len), ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value)
     dtype = dtype_name(dtype)
     kv_dtype = dtype if kv_dtype is None else dtype_name(kv_dtype)
     peak, bandwidth, memory = _peak(hw, dtype), hw.bandwidth, hw.memory_bytes

@@ -1,4 +1,5 @@
-"""One model under every attention variant, side by side: what ``attnlab compare`` prints.
+"""One model under every attention variant, side by side: what ``attnlab compare`` prints (``attnlab.bench.compare``
+prints it, draws it and times it; here only the figures).
 
 The variants keep the model's width, query heads and everything outside attention, and change only how
 keys and values are kept:
@@ -17,11 +18,9 @@ named in ``skipped``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from ..atomic import check_figure_path, save_figure
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from .hardware import Hardware, get_hardware
 from .memory import dtype_name, kv_cache_bytes, kv_elements_per_token
@@ -270,57 +269,3 @@ def compare(
         link_bandwidth=comm.link_bandwidth if tp > 1 else None,
         collectives_per_step=comm.collectives,
     )
-
-
-def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | Path) -> Path:
-    """Two panels: KV cache vs context length per variant; decode latency vs KV heads (the shape of Fig. 6 of
-    the GQA paper, Ainslie et al., arXiv 2305.13245). Written atomically as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = check_figure_path(path)
-    fig, (ax_kv, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
-    contexts = [2**k for k in range(9, 18)]
-    for v in variants(model_cfg):
-        if v.label in comparison.skipped:
-            continue
-        local = rank_config(v.model, comparison.tp)  # what one rank caches
-        sizes = [kv_cache_bytes(local, comparison.batch, s, comparison.dtype) / 2**30 for s in contexts]
-        ax_kv.plot(
-            contexts,
-            sizes,
-            marker="o",
-            ms=3,
-            lw=2.5 if v.native else 1.2,
-            label=v.label + (" (native)" if v.native else ""),
-        )
-    free = (comparison.memory_bytes - comparison.weight_bytes) / 2**30
-    if free > 0:
-        ax_kv.axhline(free, color="gray", ls="--", lw=1, label=f"{comparison.hardware} memory after weights")
-    ax_kv.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV cache (GiB)")
-    per_rank = f", per rank of tp={comparison.tp}" if comparison.tp > 1 else ""
-    ax_kv.set_title(f"KV cache, batch {comparison.batch}, {comparison.dtype}{per_rank}")
-    ax_kv.legend(fontsize=7)
-    gqa = [r for r in comparison.rows if r.variant != "mla"]
-    ax_lat.plot(
-        [r.n_kv_heads for r in gqa],
-        [r.decode_step_seconds * 1e3 for r in gqa],
-        marker="o",
-        label="MHA / GQA / MQA",
-    )
-    for r in comparison.rows:
-        if r.native:
-            ax_lat.plot([r.equivalent_gqa_groups], [r.decode_step_seconds * 1e3], "k*", ms=12, label="native")
-    mla = [r for r in comparison.rows if r.variant == "mla"]
-    ax_lat.plot([r.equivalent_gqa_groups for r in mla], [r.decode_step_seconds * 1e3 for r in mla], "s", color="C3",
-                label="MLA (at its equivalent GQA groups)")  # fmt: skip
-    ax_lat.set(xscale="log", xlabel="KV heads", ylabel="decode step (ms)")
-    ax_lat.set_xscale("log", base=2)
-    on = comparison.hardware + (f" x{comparison.tp} (tensor parallel)" if comparison.tp > 1 else "")
-    ax_lat.set_title(f"decode at {comparison.seq_len} tokens on {on}")
-    ax_lat.legend(fontsize=8)
-    fig.suptitle(f"{comparison.model}: attention variants")
-    fig.tight_layout()
-    return save_figure(fig, path)
