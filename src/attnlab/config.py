@@ -275,3 +275,38 @@ class ModelConfig:
                 f"attention.d_model={attention.d_model} does not match the model's d_model={self.d_model}"
             )
         return dataclasses.replace(self, attention=attention)
+
+
+# ---- tensor parallelism by heads (the rules ``attnlab.parallel`` shards by and ``attnlab.cost`` prices) ----------
+
+
+def check_tp(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int) -> None:
+    """ValueError unless ``cfg``'s heads can be split over ``tp`` ranks: tp divides n_heads and, for MHA / GQA /
+    MQA, divides n_kv_heads or is a multiple of it."""
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise TypeError(f"tp must be an int, got {tp!r}")
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    attn = cfg.attention if isinstance(cfg, ModelConfig) else cfg
+    if not isinstance(attn, (AttentionConfig, MLAConfig)):
+        raise TypeError(f"cfg must be an AttentionConfig, MLAConfig or ModelConfig, got {type(cfg).__name__}")
+    if attn.n_heads % tp:
+        raise ValueError(f"tp={tp} must divide n_heads={attn.n_heads}: each rank computes whole query heads")
+    if isinstance(attn, AttentionConfig) and attn.n_kv_heads % tp and tp % attn.n_kv_heads:
+        raise ValueError(
+            f"tp={tp} must divide n_kv_heads={attn.n_kv_heads} (each rank holds n_kv_heads / tp KV heads) or be a "
+            f"multiple of it (each KV head replicated on tp / n_kv_heads ranks)"
+        )
+
+
+def kv_heads_per_rank(cfg: AttentionConfig | MLAConfig, tp: int) -> int:
+    """KV heads a rank holds and caches: n_kv_heads / tp, or 1 (a replicated head; for MLA, the latent)."""
+    check_tp(cfg, tp)
+    return max(cfg.n_kv_heads // tp, 1) if isinstance(cfg, AttentionConfig) else 1
+
+
+def kv_replicas(cfg: AttentionConfig | MLAConfig, tp: int) -> int:
+    """Ranks that hold and cache each KV head: 1 when KV heads are split, tp / n_kv_heads when replicated, tp for
+    MLA's latent."""
+    check_tp(cfg, tp)
+    return max(tp // cfg.n_kv_heads, 1) if isinstance(cfg, AttentionConfig) else tp

@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 
 from .attention.gqa import GroupedQueryAttention
 from .attention.mla import MultiHeadLatentAttention
-from .cost.parallel import check_tp, kv_heads_per_rank, kv_replicas
+from .config import check_tp, kv_heads_per_rank, kv_replicas
 from .model import FeedForward, Transformer
 
 __all__ = ["apply_tp", "attention_plan", "check_tp", "kv_heads_per_rank", "kv_replicas", "mlp_plan"]
