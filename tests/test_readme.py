@@ -155,6 +155,10 @@ def small_attnlab(args: list[str], ws: dict[str, Path], n: int) -> list[str]:
         else:
             args += ["--context", "32"]
         args += ["--repeats", "1", "--cached-hardware", "--no-layer", "--no-mla"]
+    if "--to" in args and args[args.index("--to") + 1] == "mla":  # the workspace's heads are 4 wide
+        args[args.index("--kv-lora-rank") + 1] = "8"
+        if "--rope-dim" in args:
+            args[args.index("--rope-dim") + 1] = "2"
     if "--measure" in args:  # one timed layer per variant: a 4-head model has 4 variants
         args += ["--model", str(ws["tiny"]), "--seq-len", "128"]
     return args
