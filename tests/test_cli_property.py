@@ -204,7 +204,7 @@ def draw_compare(draw, work: Path, checkpoints: dict[str, Path]) -> tuple[list[s
     sizes = st.one_of(
         st.integers(-2, 5000), st.sampled_from([2**40, 2**41, 10**30]), st.sampled_from(["x", "1e3"])
     )
-    for flag in ("--seq-len", "--batch", "--devices"):
+    for flag in ("--seq-len", "--batch", "--devices", "--tp"):
         if draw(st.booleans()):
             args += [flag, str(draw(sizes))]
     if draw(st.booleans()):

@@ -132,11 +132,16 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "src")
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
 
-    Tokenizer(WordLevel({"[UNK]": 0, "the": 1, "king": 2}, unk_token="[UNK]")).save(
-        str(root / "src" / "tokenizer.json")
-    )
+    tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "the": 1, "king": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(root / "src" / "tokenizer.json"))
     (root / "lines.txt").write_text("the king\nthe the king\n")
+    for name, n_files in (("corpus", 3), ("heldout", 1)):  # text for uptrain / eval: whole files are held out
+        (root / name).mkdir()
+        for i in range(n_files):
+            (root / name / f"part{i}.txt").write_text("the king " * (40 + 7 * i))
     (root / "config.json").write_text(json.dumps(HF_CONFIGS["llama-3-8b"]))
     tiny = dict(HF_CONFIGS["llama-2-7b"], hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
     (root / "tiny.json").write_text(json.dumps(tiny))
@@ -147,8 +152,19 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
 def small_attnlab(args: list[str], ws: dict[str, Path], n: int) -> list[str]:
     """The README's attnlab command with its placeholders filled in and its long runs shrunk."""
     fill = {"SRC_DIR": str(ws["src"]), "DST_DIR": str(ws["root"] / f"dst{n}"), "lines.txt": str(ws["calib"]),
-            "path/to/config.json": str(ws["config"])}  # fmt: skip
+            "path/to/config.json": str(ws["config"]), "GQA_DIR": str(ws["root"] / "gqa"),
+            "UP_DIR": str(ws["root"] / "up"), "corpus/": str(ws["root"] / "corpus"),
+            "heldout/": str(ws["root"] / "heldout")}  # fmt: skip
     args = [fill.get(a, a) for a in args]
+    if args[0] == "uptrain":  # two steps on 16-token windows of the tiny model (its defaults are a real run)
+        for flag, small in (
+            ("--steps", "2"),
+            ("--seq-len", "16"),
+            ("--batch-size", "2"),
+            ("--save-every", "0"),
+        ):
+            args += [flag, small] if flag not in args else []
+            args[args.index(flag) + 1] = small
     if args[:2] == ["bench", "decode"]:  # the README's sizes take minutes; the flags are what is checked
         if "--context" in args:
             args[args.index("--context") + 1] = "32"
@@ -192,6 +208,14 @@ def plan(command: str, ws: dict[str, Path]) -> tuple[list[dict], object]:
         return [
             job("attnlab", args=small_attnlab(words[1:], ws, readme_commands().index(command)))
         ], lambda r: True
+    if words[:2] == ["torchrun", "--standalone"]:  # the same uptraining under two processes, run small
+        i = words.index("-m")
+        launch = [sys.executable, "-m", "torch.distributed.run", *words[1:i], "-m", "attnlab"]
+        args = small_attnlab(words[i + 2 :], ws, readme_commands().index(command))
+        args[2] = str(ws["root"] / "up_torchrun")  # its own destination: the one-process run wrote UP_DIR
+        code = (f"import subprocess, sys\np = subprocess.run({launch + args!r}, capture_output=True, text=True, "
+                "timeout=600)\nprint(p.stdout)\nprint(p.stderr[-4000:], file=sys.stderr)\nsys.exit(p.returncode)")  # fmt: skip
+        return [job("code", code)], lambda r: (ws["root"] / args[2]).is_dir()
     script = str(ROOT / words[1]) if words[0] == "python" else ""
     if words[1:] == ["benchmarks/decode.py"]:
         return [job("script", script, ["--help"])], lambda r: "--from-json" in r[0]["stdout"]

@@ -152,7 +152,10 @@ def compare(
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weights and KV dtype: fp32, bf16, fp16, fp8, ..."),
     hardware: str = typer.Option("h100", "--hardware", help="h100, h200, a100-80gb, l40s, rtx4090 or local."),
-    devices: int = typer.Option(1, "--devices", help="Devices sharing the model (ideal tensor parallel)."),
+    tp: int = typer.Option(
+        1, "--tp", help="Tensor-parallel GPUs splitting every layer by heads: per-GPU figures."
+    ),
+    devices: int | None = typer.Option(None, "--devices", help="Another name for --tp (what it was called)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write KV cache and latency plots to this PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
     measure: bool = typer.Option(False, "--measure", help="Also time one layer per variant on this machine."),
@@ -161,7 +164,7 @@ def compare(
     from .cost.report import run_compare
 
     run_compare(
-        model=model, seq_len=seq_len, batch=batch, dtype=dtype, hardware=hardware, devices=devices,
+        model=model, seq_len=seq_len, batch=batch, dtype=dtype, hardware=hardware, tp=tp, devices=devices,
         plot=plot, as_json=as_json, measure=measure,
     )  # fmt: skip
 
@@ -242,13 +245,18 @@ def uptrain(
     train: str = typer.Option("all", "--train", help="What is trained: all or attention."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 autocast (fp32 master weights)."),
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard with FSDP2 (under torchrun) instead of DDP."),
+    tp: int = typer.Option(
+        1,
+        "--tp",
+        help="Split each layer's heads over N ranks (torchrun); data parallel over the rest (FSDP2).",
+    ),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Checkpoints and log until DST is written."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST / start the run directory over."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Uptrain a (converted) checkpoint on text: AdamW, warmup + cosine, checkpoints and exact --resume.
 
-    Runs as is on one process, or under `torchrun --nproc-per-node N -m attnlab uptrain ...` (DDP, --fsdp).
+    Runs as is on one process, or under `torchrun --nproc-per-node N -m attnlab uptrain ...` (DDP, --fsdp, --tp).
     """
     from .train.command import run_uptrain
     from .train.options import UptrainOptions
@@ -258,7 +266,7 @@ def uptrain(
         seq_len=seq_len, lr=lr, min_lr=min_lr, warmup=warmup, grad_accum=grad_accum, weight_decay=weight_decay,
         grad_clip=grad_clip, seed=seed, save_every=save_every, keep=keep, eval_every=eval_every,
         eval_windows=eval_windows, resume=resume, teacher=teacher, distill_weight=distill_weight,
-        temperature=temperature, train=train, dtype=dtype, fsdp=fsdp, overwrite=overwrite, run_dir=run_dir,
+        temperature=temperature, train=train, dtype=dtype, fsdp=fsdp, tp=tp, overwrite=overwrite, run_dir=run_dir,
     )  # fmt: skip
     run_uptrain(opts, as_json=as_json)
 

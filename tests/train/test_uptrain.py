@@ -120,8 +120,7 @@ def test_distill_loss_is_temperature_scaled_kl():
 
 
 def test_learning_rate_warmup_then_cosine():
-    opts = UptrainOptions(src="s", dst="d", data="x", steps=100, lr=1.0, min_lr=0.1, warmup=10)
-    lrs = [learning_rate(s, opts) for s in range(100)]
+    lrs = [learning_rate(s, lr=1.0, steps=100, warmup=10, min_lr=0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
     assert lrs[-1] == pytest.approx(0.1) and lrs[54] == pytest.approx(0.55, abs=0.01)

@@ -41,6 +41,13 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, t, h * d)
 
 
+def local_weight(linear: nn.Linear) -> torch.Tensor:
+    """The part of ``linear.weight`` this process holds (a DTensor's local shard once ``attnlab.parallel.apply_tp``
+    has split it by heads; a plain weight as it is). Head counts are read from it."""
+    w = linear.weight
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
 def positions_for(cache_len: int, t: int, device: torch.device) -> torch.Tensor:
     """Positions of ``t`` new tokens that follow ``cache_len`` cached ones."""
     return torch.arange(cache_len, cache_len + t, device=device)
@@ -52,11 +59,21 @@ class GroupedQueryAttention(nn.Module):
         if not isinstance(cfg, AttentionConfig):
             raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.has_out_bias)
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads this module computes: all of them, or this rank's share once sharded by ``apply_tp``."""
+        return local_weight(self.wq).shape[0] // self.head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        """KV heads this module computes and caches (this rank's, once sharded)."""
+        return local_weight(self.wk).shape[0] // self.head_dim
 
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
         """Normal(0, std) projections (the output projection may get a depth-scaled ``out_std``), zero biases."""
@@ -118,7 +135,7 @@ class GroupedQueryAttention(nn.Module):
         if isinstance(cache, PagedKVCache):
             return self._forward_paged(q, k, v, attn_mask, is_causal, cache)
         start = len(cache) if cache is not None else 0
-        check_mask("GroupedQueryAttention", attn_mask, (b, self.n_heads, t, start + t))
+        check_mask("GroupedQueryAttention", attn_mask, (b, q.shape[1], t, start + t))
         if self.cfg.rope:
             cos, sin = rope_cos_sin(positions_for(start, t, x.device), self.head_dim, self.cfg.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

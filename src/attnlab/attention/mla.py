@@ -24,7 +24,7 @@ from torch import nn
 from ..cache import LatentCache, PagedKVCache
 from ..config import MLAConfig
 from .decode import paged_decode
-from .gqa import check_input, merge_heads, positions_for, split_heads
+from .gqa import check_input, local_weight, merge_heads, positions_for, split_heads
 from .kernels import attend, check_mask
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin
@@ -48,6 +48,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank) if cfg.kv_norm else nn.Identity()
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads this module computes: all of them, or this rank's share once sharded by ``apply_tp``."""
+        return local_weight(self.wo).shape[1] // self.cfg.v_head_dim
 
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
         for module in self.modules():
@@ -121,7 +126,7 @@ class MultiHeadLatentAttention(nn.Module):
         if isinstance(cache, PagedKVCache):
             return self._forward_paged(q_nope, q_rope, c, k_rope, attn_mask, is_causal, cache)
         start = len(cache) if cache is not None else 0
-        check_mask("MultiHeadLatentAttention", attn_mask, (b, cfg.n_heads, t, start + t))
+        check_mask("MultiHeadLatentAttention", attn_mask, (b, q.shape[1], t, start + t))
         cos, sin = rope_cos_sin(positions_for(start, t, x.device), cfg.qk_rope_head_dim, cfg.rope_theta)
         q_rope = apply_rope(q_rope, cos, sin)
         row = torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)  # (B, T, cache_dim)
@@ -141,9 +146,10 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(merge_heads(y))  # y: (B, H, T, v_head_dim)
 
     def _split_wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views."""
+        """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views; H is this
+        rank's heads when ``wkv_b`` is sharded."""
         cfg = self.cfg
-        w = self.wkv_b.weight.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = local_weight(self.wkv_b).view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     def _naive(self, q_nope, q_rope, rows, common):
@@ -151,7 +157,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = rows.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = split_heads(self.wkv_b(latent), cfg.qk_nope_head_dim + cfg.v_head_dim)  # (B, H, S, nope + v)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None].expand(-1, cfg.n_heads, -1, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None].expand(-1, kv.shape[1], -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         return attend(q, k, v, **common)
 

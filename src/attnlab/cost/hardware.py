@@ -1,7 +1,15 @@
 """Accelerators the roofline runs on: peak dense FLOP/s per dtype, memory bandwidth and capacity, with sources.
 
 Datasheet peaks for tensor cores are quoted "with sparsity"; the figures here are the dense ones (half).
-Memory sizes are the datasheet's decimal gigabytes. ``local`` is this machine, measured once per boot
+Memory sizes are the datasheet's decimal gigabytes.
+
+Interconnect (what tensor parallelism's all-reduces cross): ``link_bandwidth`` is one GPU's bandwidth to the other
+GPUs of its node in one direction, ``network_bandwidth`` the same to GPUs in other nodes, ``gpus_per_node`` how
+many share the fast link. Datasheets quote NVLink and PCIe as the sum of both directions (NVLink 4: 18 links x
+50 GB/s = 900 GB/s per H100); a ring all-reduce sends and receives at once, so each direction's half is what
+bounds it. NVLink GPUs here sit on 8-GPU HGX boards with one InfiniBand port per GPU (DGX H100 / H200: ConnectX-7
+400 Gb/s, DGX A100: ConnectX-6 200 Gb/s, per their user guides); a PCIe card reaches the other cards and its NIC
+through its own PCIe link, which bounds both. ``local`` is this machine, measured once per boot
 (streaming read bandwidth and matmul rates with PyTorch on the CPU) and cached in
 ``~/.cache/attnlab/local_hardware.json``.
 """
@@ -30,6 +38,12 @@ class Hardware:
     bandwidth: float  # bytes/s
     memory_bytes: int
     source: str
+    link_bandwidth: float | None = (
+        None  # bytes/s, one direction, to a GPU of the same node; None: not modelled
+    )
+    gpus_per_node: int = 1
+    network_bandwidth: float | None = None  # bytes/s, one direction, to a GPU of another node
+    link_source: str = ""
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -45,6 +59,11 @@ HARDWARE: dict[str, Hardware] = {
         3.35e12,
         80 * 10**9,
         "NVIDIA H100 Tensor Core GPU datasheet, SXM5 80GB (dense = half the sparsity figures)",
+        link_bandwidth=450e9,
+        gpus_per_node=8,
+        network_bandwidth=50e9,
+        link_source="H100 SXM5 datasheet: NVLink 900 GB/s (both directions); DGX H100 user guide: 8 GPUs on "
+        "NVSwitch, one ConnectX-7 400 Gb/s InfiniBand port per GPU",
     ),
     "h200": Hardware(
         "h200",
@@ -58,6 +77,11 @@ HARDWARE: dict[str, Hardware] = {
         4.8e12,
         141 * 10**9,
         "NVIDIA H200 Tensor Core GPU datasheet, SXM 141GB (dense = half the sparsity figures)",
+        link_bandwidth=450e9,
+        gpus_per_node=8,
+        network_bandwidth=50e9,
+        link_source="H200 SXM datasheet: NVLink 900 GB/s (both directions); DGX H200 user guide: 8 GPUs on "
+        "NVSwitch, one ConnectX-7 400 Gb/s InfiniBand port per GPU",
     ),
     "a100-80gb": Hardware(
         "a100-80gb",
@@ -65,6 +89,11 @@ HARDWARE: dict[str, Hardware] = {
         2.039e12,
         80 * 10**9,
         "NVIDIA A100 Tensor Core GPU datasheet, SXM 80GB",
+        link_bandwidth=300e9,
+        gpus_per_node=8,
+        network_bandwidth=25e9,
+        link_source="A100 SXM datasheet: NVLink 600 GB/s (both directions); DGX A100 user guide: 8 GPUs on "
+        "NVSwitch, one ConnectX-6 200 Gb/s InfiniBand port per GPU",
     ),
     "l40s": Hardware(
         "l40s",
@@ -78,6 +107,11 @@ HARDWARE: dict[str, Hardware] = {
         864e9,
         48 * 10**9,
         "NVIDIA L40S datasheet (dense = half the sparsity figures)",
+        link_bandwidth=32e9,
+        gpus_per_node=8,
+        network_bandwidth=32e9,
+        link_source="L40S datasheet: no NVLink, PCIe Gen4 x16 64 GB/s (both directions); 8 cards per server "
+        "assumed; the NIC is reached through the same PCIe link",
     ),
     "rtx4090": Hardware(
         "rtx4090",
@@ -91,6 +125,11 @@ HARDWARE: dict[str, Hardware] = {
         1008e9,
         24 * 10**9,
         "NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (tensor FLOPs with FP32 accumulate)",
+        link_bandwidth=32e9,
+        gpus_per_node=8,
+        network_bandwidth=32e9,
+        link_source="Ada whitepaper: PCIe 4.0 x16, no NVLink; PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes = 32 GB/s per "
+        "direction; 8 cards per server assumed; the NIC is reached through the same PCIe link",
     ),
 }
 HARDWARE_NAMES = (*HARDWARE, "local")

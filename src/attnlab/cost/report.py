@@ -39,33 +39,49 @@ def _seconds(s: float) -> str:
 
 
 def compare_table(c: Comparison) -> Grid:
+    tp = c.tp > 1
     title = (
         f"{c.model}: batch {c.batch} x {c.seq_len} tokens, {c.dtype}, {c.hardware}"
-        + (f" x{c.n_devices}" if c.n_devices > 1 else "")
-        + f" (weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})"
-    )
+        + (f", tp {c.tp} (per rank: weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})" if tp else
+           f" (weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})")
+    )  # fmt: skip
     header = "variant|KV heads|attn params|KV bytes/token|KV cache|prefill FLOPs|decode step|bound|max batch"
-    grid = Grid(
-        title,
-        header.split("|"),
-        right=tuple(range(1, 9)),
-        caption=(
-            "* native. attn params: all layers. prefill FLOPs: whole model, causal. decode step: roofline of one "
-            "token per sequence at this context. MLA KV heads: one latent, (x) = equivalent GQA groups."
-        ),
+    if tp:
+        header = (
+            "variant|KV heads|per rank|KV bytes/token|per rank|KV cache/rank|prefill FLOPs/rank|decode step|bound|"
+            "max batch"
+        )
+    caption = (
+        "* native. attn params: all layers. prefill FLOPs: whole model, causal. decode step: roofline of one "
+        "token per sequence at this context. MLA KV heads: one latent, (x) = equivalent GQA groups."
     )
+    if tp:
+        caption = (
+            f"* native. One of {c.tp} ranks: per rank 'n xr' = n KV heads cached on each rank, each on r ranks "
+            f"(MLA: the whole latent on every rank). decode step: roofline of one rank plus its all-reduces at "
+            f"{_si(c.link_bandwidth or 0, 'B/s')} per direction."
+            + (f" Not splittable over tp={c.tp}: {', '.join(c.skipped)}." if c.skipped else "")
+        )
+    grid = Grid(title, header.split("|"), right=tuple(range(1, header.count("|") + 1)), caption=caption)
     for r in c.rows:
-        grid.add_row(
-            r.label + (" *" if r.native else ""),
-            str(r.n_kv_heads) if r.variant != "mla" else f"latent ({r.equivalent_gqa_groups:g})",
-            _si(r.attention_params, "").strip(),
-            f"{r.kv_cache_bytes_per_token:,}",
-            _bytes(r.kv_cache_bytes),
+        heads = str(r.n_kv_heads) if r.variant != "mla" else f"latent ({r.equivalent_gqa_groups:g})"
+        cells = [r.label + (" *" if r.native else ""), heads]
+        if tp:
+            cells += [f"{r.kv_heads_per_rank} x{r.kv_replicas}", f"{r.kv_cache_bytes_per_token:,}",
+                      f"{r.kv_cache_bytes_per_token_per_rank:,}", _bytes(r.kv_cache_bytes_per_rank)]  # fmt: skip
+        else:
+            cells += [
+                _si(r.attention_params, "").strip(),
+                f"{r.kv_cache_bytes_per_token:,}",
+                _bytes(r.kv_cache_bytes),
+            ]
+        cells += [
             _si(r.prefill_flops, "FLOP"),
             _seconds(r.decode_step_seconds),
             r.decode_bound,
             str(r.max_batch),
-        )
+        ]
+        grid.add_row(*cells)
     return grid
 
 
@@ -92,19 +108,34 @@ def run_compare(
     batch: int,
     dtype: str,
     hardware: str,
-    devices: int = 1,
+    tp: int = 1,
+    devices: int | None = None,
     plot: Path | None = None,
     as_json: bool = False,
     measure: bool = False,
 ) -> None:
-    """Everything ``attnlab compare`` does; errors are ValueError/TypeError/FileNotFoundError."""
-    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--devices", devices)):
+    """Everything ``attnlab compare`` does; errors are ValueError/TypeError/FileNotFoundError.
+
+    ``--devices`` is ``--tp`` under the name it had when it split everything evenly over the devices; it now means
+    the same honest per-rank model (data-parallel replicas would not change any per-device figure here).
+    """
+    if devices is not None:
+        if tp != 1 and tp != devices:
+            raise ValueError(
+                f"--devices {devices} and --tp {tp} disagree: --devices is another name for --tp"
+            )
+        tp = devices
+    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--tp", tp)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
         if value > MAX_SIZE:
             raise ValueError(f"{name} must be <= 2**40 = {MAX_SIZE:,}, got {value}")
     if hardware not in HARDWARE_NAMES:
         raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE_NAMES)}")
+    if tp > 1 and (hardware == "local" or measure):
+        raise ValueError(
+            "--tp models GPUs and their interconnect; --hardware local and --measure are one process on this machine"
+        )
     if plot is not None:
         check_figure_path(plot)
     model_cfg = load_model(model)
@@ -123,7 +154,7 @@ def run_compare(
         seq_len=seq_len,
         dtype=dtype,
         hardware=local if hardware == "local" else get_hardware(hardware),
-        n_devices=devices,
+        tp=tp,
     )
     if plot is not None:
         plot_comparison(comparison, model_cfg, plot)
