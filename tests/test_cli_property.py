@@ -158,10 +158,25 @@ def draw_convert(draw, work: Path, checkpoints: dict[str, Path]) -> tuple[list[s
     (work / "existing").mkdir()
     (work / "existing" / "keep.txt").write_text("keep")
     (work / "afile").write_text("a file")
-    args += [dst, "--kv-heads", draw(st.one_of(st.integers(-1, 9), st.sampled_from(["x", "1.5", ""])))]
-    method = draw(st.sampled_from(["mean", "first", "random", "fit", "grouped-fit", "median", None]))
-    if method is not None:
-        args += ["--method", method]
+    args.append(dst)
+    to = draw(st.sampled_from([None, None, "gqa", "mla", "mla", "mqa"]))
+    if to is not None:
+        args += ["--to", to]
+    if to != "mla" or draw(st.integers(0, 4)) == 0:  # --to mla with GQA's options must be refused
+        args += ["--kv-heads", draw(st.one_of(st.integers(-1, 9), st.sampled_from(["x", "1.5", ""])))]
+        method = draw(st.sampled_from(["mean", "first", "random", "fit", "grouped-fit", "median", None]))
+        if method is not None:
+            args += ["--method", method]
+    if to == "mla" or draw(st.integers(0, 6)) == 0:
+        if draw(st.integers(0, 5)):
+            args += ["--kv-lora-rank", draw(st.one_of(st.integers(-1, 40), st.sampled_from(["x", "8.0"])))]
+        if draw(st.booleans()):
+            args += ["--rope-dim", draw(st.one_of(st.integers(-1, 10), st.sampled_from(["x"])))]
+        if draw(st.integers(0, 3)) == 0:
+            args += [
+                "--planes",
+                draw(st.sampled_from(["norm", "error", "first", "uniform", "2", "0", "low"])),
+            ]
     calib = draw(
         st.sampled_from([None, "calib.txt", "calib.txt", "missing.txt", "binary.txt", "empty.txt", "src"])
     )

@@ -4,7 +4,7 @@ their JSON.
 The commands are read from the README's code blocks, so they cannot drift from what is tested. Each one runs in a
 subprocess (one for all) whose imports are limited to what the quickstart line installs (attnlab and the closure of its core
 requirements: an import of anything else, such as the test extras, fails as it would there). Long commands run
-small: the same command line with sizes shrunk (``--context 32``), or, for the two study scripts, the same script
+small: the same command line with sizes shrunk (``--context 32``), or, for the study scripts, the same script
 with ``--help`` / tiny options plus a regeneration from the saved JSON that must reproduce the committed page.
 A README command of a kind this file does not know how to run fails the test.
 """
@@ -171,6 +171,10 @@ def small_attnlab(args: list[str], ws: dict[str, Path], n: int) -> list[str]:
         else:
             args += ["--context", "32"]
         args += ["--repeats", "1", "--cached-hardware", "--no-layer", "--no-mla"]
+    if "--to" in args and args[args.index("--to") + 1] == "mla":  # the workspace's heads are 4 wide
+        args[args.index("--kv-lora-rank") + 1] = "8"
+        if "--rope-dim" in args:
+            args[args.index("--rope-dim") + 1] = "2"
     if "--measure" in args:  # one timed layer per variant: a 4-head model has 4 variants
         args += ["--model", str(ws["tiny"]), "--seq-len", "128"]
     return args
@@ -213,18 +217,26 @@ def plan(command: str, ws: dict[str, Path]) -> tuple[list[dict], object]:
                 "timeout=600)\nprint(p.stdout)\nprint(p.stderr[-4000:], file=sys.stderr)\nsys.exit(p.returncode)")  # fmt: skip
         return [job("code", code)], lambda r: (ws["root"] / args[2]).is_dir()
     script = str(ROOT / words[1]) if words[0] == "python" else ""
-    if words[1:] == ["benchmarks/decode.py"]:
-        return [job("script", script, ["--help"])], lambda r: "--from-json" in r[0]["stdout"]
-    if words[1:] == ["benchmarks/decode.py", "--from-json"]:  # reproduces the committed page from the JSON
-        args = ["--from-json", "--doc", str(out / "performance.md"), "--png", str(out / "decode.png")]
+
+    def regenerates(flag: str, page: str, png: str) -> tuple[list[dict], object]:
+        """The script redrawing its page from the saved JSON: it must reproduce the committed page."""
+        args = [flag, "--doc", str(out / page), "--png", str(out / png)]
         return [
             job("script", script, args)
-        ], lambda r: (out / "performance.md").read_text() == (ROOT / "docs" / "performance.md").read_text()
-    files = ["--doc", str(out / "conversion.md"), "--png", str(out / "conversion_minilm.png")]
+        ], lambda r: (out / page).read_text() == (ROOT / "docs" / page).read_text()
+
+    # The studies take minutes to half an hour: their options are what is checked, and their pages' regeneration.
+    if words[1:] == ["benchmarks/decode.py"]:
+        return [job("script", script, ["--help"])], lambda r: "--from-json" in r[0]["stdout"]
+    if words[1:] == ["benchmarks/decode.py", "--from-json"]:
+        return regenerates("--from-json", "performance.md", "decode.png")
+    if words[1:] == ["benchmarks/mla_study.py"]:
+        return [job("script", script, ["--help"])], lambda r: "--replot" in r[0]["stdout"]
+    if words[1:] == ["benchmarks/mla_study.py", "--replot"]:
+        return regenerates("--replot", "conversion.md", "conversion_mla.png")
     if words[1:] == ["benchmarks/convert_minilm.py", "--replot"]:
-        return [
-            job("script", script, ["--replot", *files])
-        ], lambda r: (out / "conversion.md").read_text() == (ROOT / "docs" / "conversion.md").read_text()
+        return regenerates("--replot", "conversion.md", "conversion_minilm.png")
+    files = ["--doc", str(out / "conversion.md"), "--png", str(out / "conversion_minilm.png")]
     if words[1:] == ["benchmarks/convert_minilm.py"]:
         tiny = ["--kv-heads", "12,4", "--methods", "mean,random", "--n-eval", "16", "--n-calib", "32", "--json",
                 str(out / "r.json"), *files]  # fmt: skip

@@ -174,23 +174,45 @@ def compare(
 def convert(
     src: Path = typer.Argument(..., help="Source checkpoint directory (config.json + safetensors)."),
     dst: Path = typer.Argument(..., help="Destination directory (written atomically; must not exist)."),
-    kv_heads: int = typer.Option(..., "--kv-heads", help="KV heads after conversion; divides the source's."),
-    method: str = typer.Option("mean", "--method", help="mean, first, random, fit, grouped-fit (+ --calib)."),
-    calib: Path | None = typer.Option(None, "--calib", help="Calibration text file, for --method fit."),
+    to: str = typer.Option(
+        "gqa", "--to", help="gqa: fewer KV heads, same architecture; mla: DeepSeek-V3 MLA."
+    ),
+    kv_heads: int | None = typer.Option(
+        None, "--kv-heads", help="gqa: KV heads after; divides the source's."
+    ),
+    method: str | None = typer.Option(
+        None, "--method", help="gqa: mean (default), first, random, fit, grouped-fit (+ --calib)."
+    ),
+    kv_lora_rank: int | None = typer.Option(
+        None, "--kv-lora-rank", help="mla: latent values cached per token and layer."
+    ),
+    rope_dim: int | None = typer.Option(
+        None, "--rope-dim", help="mla: rotary key width, even, <= head_dim (default head_dim)."
+    ),
+    planes: str | None = typer.Option(
+        None, "--planes", help="mla: planes kept rotary: norm (default), error, first, uniform, or a stride."
+    ),
+    calib: Path | None = typer.Option(
+        None, "--calib", help="Calibration text file (gqa: for fit / grouped-fit; mla: recommended)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
-    """Convert a Llama / Mistral / Qwen2 / BERT checkpoint to fewer KV heads (GQA / MQA)."""
-    from .hf.checkpoint import run_convert
+    """Convert a Llama / Mistral / Qwen2 / BERT checkpoint to fewer KV heads (GQA / MQA), or a Llama / Mistral /
+    Qwen2 one to a native DeepSeek-V3 MLA checkpoint (--to mla)."""
+    from .hf.command import run_convert
 
-    run_convert(src, dst, kv_heads, method, calib=calib, overwrite=overwrite, as_json=as_json)
+    run_convert(
+        src, dst, to=to, kv_heads=kv_heads, method=method, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+        planes=planes, calib=calib, overwrite=overwrite, as_json=as_json,
+    )  # fmt: skip
 
 
 @app.command()
 @user_errors
 def uptrain(
     src: Path = typer.Argument(
-        ..., help="Causal-LM checkpoint to train (Llama / Mistral / Qwen2); never modified."
+        ..., help="Causal-LM checkpoint to train (Llama / Mistral / Qwen2 / DeepSeek-V3); never modified."
     ),
     dst: Path = typer.Argument(
         ..., help="Output checkpoint, like SRC; appears (atomically) when the run ends."

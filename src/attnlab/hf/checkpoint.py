@@ -1,4 +1,4 @@
-"""On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert`` calls this.
+"""On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert --to gqa`` (the default).
 
 Llama / Mistral / Qwen2: the result is the same architecture with ``num_key_value_heads`` lowered. The converted
 ``k_proj``/``v_proj`` weights (and biases) are written; every other tensor and file is copied bit for bit, except
@@ -13,7 +13,6 @@ left out of the statistics.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -73,7 +72,7 @@ def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
         )
 
 
-def _check_finite(model: torch.nn.Module) -> None:
+def check_finite(model: torch.nn.Module) -> None:
     """A NaN or inf weight would be averaged into every head of its group (or break the fit): refuse it."""
     for name, p in model.named_parameters():
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):
@@ -121,7 +120,7 @@ def convert_checkpoint(
         )
     attn = model.cfg.attention
     _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
-    _check_finite(model)
+    check_finite(model)
     batches = calibration_batches(src, calib) if calib is not None else None
     model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
     converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
@@ -171,49 +170,3 @@ def convert_checkpoint(
         # weight files of the source (other formats, other safetensors) that would contradict the new weights
         "files_left_out": left_out,
     }
-
-
-def run_convert(
-    src: str | Path,
-    dst: str | Path,
-    n_kv_heads: int,
-    method: str,
-    *,
-    calib: str | Path | None = None,
-    overwrite: bool = False,
-    as_json: bool = False,
-) -> dict:
-    """``attnlab convert``: convert, then print the summary as a table (or JSON)."""
-    import json
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..console import Grid, print_grid
-
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn(f"converting layers ({method})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=not err.is_terminal,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("layers", total=None)
-        summary = convert_checkpoint(
-            src, dst, n_kv_heads, method, calib=calib, overwrite=overwrite,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )  # fmt: skip
-    if summary["files_left_out"]:
-        print(
-            "attnlab: left out of the destination (weights of the source model, which the converted ones "
-            f"replace): {', '.join(summary['files_left_out'])}",
-            file=sys.stderr,
-        )
-    if as_json:
-        print(json.dumps(summary, indent=2))
-        return summary
-    grid = Grid(
-        f"attnlab convert: {summary['model_type']} -> {n_kv_heads} KV heads ({method})", ["field", "value"]
-    )
-    for key, value in summary.items():
-        grid.add_row(key, ", ".join(value) if isinstance(value, list) else str(value))
-    print_grid(grid)
-    return summary

@@ -145,13 +145,20 @@ def state_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
 
 def state_to_hf(model: Transformer, rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 tensors of an attnlab MLA model (``lm_head`` omitted when embeddings are tied)."""
+    return state_dict_to_hf(model.state_dict(), model.cfg, rope_interleave)
+
+
+def state_dict_to_hf(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 tensors of an attnlab MLA state dict (e.g. gathered from a sharded model) of config ``cfg``."""
     out = {}
-    for name, value in model.state_dict().items():
-        if name == "output.weight" and model.cfg.tie_embeddings:
+    for name, value in state.items():
+        if name == "output.weight" and cfg.tie_embeddings:
             continue
         value = value.detach()
         if rope_interleave:
-            value = permute_rotary_rows(name, value, model.cfg.attention, False)
+            value = permute_rotary_rows(name, value, cfg.attention, False)
         out[attnlab_to_hf_key(name, _LAYER)] = value.clone()
     return out
 
