@@ -575,6 +575,9 @@ def run_history(previous_json: Path, result: dict) -> list[dict]:
         prev = json.loads(previous_json.read_text())
         if all(prev["scale"].get(f) == result["scale"][f] for f in fields):
             history = prev.get("runs") or [run_record(prev)]
+    # An earlier run counts only for its jobs that this one took from the cache.
+    reused = set(result["cached"])
+    history = [r | {"computed": [n for n in r["computed"] if n in reused]} for r in history]
     return [r for r in [*history, run_record(result)] if r["computed"]]
 
 
@@ -594,14 +597,15 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=None, help="Worker processes (default 2).")
     parser.add_argument("--pretrain-only", action="store_true", help="Only pretrain (and cache) the models.")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="The results JSON (read by --replot).")
+    parser.add_argument("--docs", type=Path, default=None, help="Directory for results.md and its plots.")
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
     if args.workers is not None:
         scale = dataclasses.replace(scale, workers=args.workers)
     cache = CACHE / ("quick" if args.quick else "full")
     # --quick is for development: its JSON, plots and page stay in the cache, out of the repository.
-    docs = cache / "report" if args.quick else ROOT / "docs"
+    docs = args.docs or (cache / "report" if args.quick else ROOT / "docs")
     out = args.json or (
         cache / "gqa_study_quick.json" if args.quick else ROOT / "benchmarks" / "results" / "gqa_study.json"
     )

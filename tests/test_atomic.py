@@ -1,6 +1,13 @@
-"""attnlab.atomic: whole files or nothing, and no temporaries left behind."""
+"""attnlab.atomic: whole files or nothing, sources never touched, leftovers of dead processes removed, umask modes."""
 
 from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -8,7 +15,30 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from attnlab.atomic import save_figure, write_atomic
+from attnlab import atomic
+from attnlab.atomic import atomic_dir, check_destination, remove_stale, save_figure, write_atomic
+
+
+def tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def umask_027():
+    before = os.umask(0o027)
+    yield
+    os.umask(before)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(proc.stdout)
 
 
 def test_write_atomic_replaces_and_leaves_no_temporary(tmp_path):
@@ -17,7 +47,22 @@ def test_write_atomic_replaces_and_leaves_no_temporary(tmp_path):
     write_atomic(path, b"new")
     assert path.read_text() == "new"
     assert sorted(p.name for p in path.parent.iterdir()) == ["out.json"]
-    assert path.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == 0o666 & ~atomic._umask()
+
+
+def test_modes_follow_the_umask(tmp_path, umask_027):
+    # Issue 8: checkpoints came out 0700/0600 whatever the umask.
+    path = write_atomic(tmp_path / "f.json", "x")
+    assert path.stat().st_mode & 0o777 == 0o640
+    with atomic_dir(tmp_path / "ckpt") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a.bin").write_bytes(b"a")
+        fd = os.open(tmp / "private", os.O_WRONLY | os.O_CREAT, 0o600)  # as safetensors writes
+        os.close(fd)
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "ckpt" / "sub").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "ckpt" / "sub" / "a.bin").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "ckpt" / "private").stat().st_mode & 0o777 == 0o640
 
 
 def test_failed_figure_keeps_the_old_file(tmp_path):
@@ -32,3 +77,124 @@ def test_failed_figure_keeps_the_old_file(tmp_path):
 
     save_figure(plt.figure(figsize=(2, 1)), path, dpi=50)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    save_figure(plt.figure(figsize=(2, 1)), tmp_path / "new" / "dir" / "p.PNG", dpi=50)  # directories made
+    with pytest.raises(ValueError, match=r"ending in \.png"):
+        save_figure(plt.figure(), tmp_path / "p.jpg")
+
+
+def make_source(root: Path) -> Path:
+    src = root / "holder" / "src"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(os.urandom(64))
+    return src
+
+
+@pytest.mark.parametrize("relation", ["equal", "dst contains src", "dst inside src", "symlink to src",
+                                      "symlink to holder", "dot", "dot-dot"])  # fmt: skip
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_destination_may_not_be_contain_or_lie_inside_the_source(tmp_path, monkeypatch, relation, overwrite):
+    src = make_source(tmp_path)
+    before = tree_hash(tmp_path)
+    dst = {
+        "equal": src,
+        "dst contains src": src.parent,
+        "dst inside src": src / "out",
+        "symlink to src": tmp_path / "link",
+        "symlink to holder": tmp_path / "link",
+        "dot": Path("."),
+        "dot-dot": Path(".."),
+    }[relation]
+    if relation.startswith("symlink"):
+        (tmp_path / "link").symlink_to(src if relation == "symlink to src" else src.parent)
+        before = tree_hash(tmp_path)
+    monkeypatch.chdir(src / ".." if relation == "dot" else src)
+    match = r"is the source|contains the source|lies inside the source"
+    with pytest.raises(ValueError, match=match), atomic_dir(dst, overwrite, sources=[src]) as tmp:
+        (tmp / "x").write_text("x")
+    assert tree_hash(tmp_path) == before
+    assert not [p for p in tmp_path.rglob(".*tmp-*")]
+
+
+def test_overwrite_replaces_an_unrelated_destination_but_never_home_root_or_cwd(tmp_path, monkeypatch):
+    src = make_source(tmp_path)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    with pytest.raises(FileExistsError, match="destination exists"):
+        check_destination(dst, [src])
+    with atomic_dir(dst, True, sources=[src]) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in dst.iterdir()] == ["new.txt"]
+    monkeypatch.chdir(dst)
+    for refused in (dst, tmp_path, Path.home(), Path("/")):
+        with pytest.raises(ValueError, match=r"refusing to replace|filesystem root"):
+            check_destination(refused, overwrite=True)
+    assert (dst / "new.txt").exists()
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_failed_block_leaves_the_old_destination_and_no_temporary(tmp_path, monkeypatch, exchange):
+    if not exchange:  # the two-rename path of systems without renameat2(RENAME_EXCHANGE)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    dst = tmp_path / "ckpt"
+    with atomic_dir(dst) as tmp:
+        (tmp / "v").write_text("1")
+    with pytest.raises(RuntimeError, match="boom"), atomic_dir(dst, True) as tmp:
+        (tmp / "v").write_text("2")
+        raise RuntimeError("boom")
+    with pytest.raises(OSError, match="No space left") as info, atomic_dir(dst, True) as tmp:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "v"))
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(dst)  # the user's path
+    assert (dst / "v").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with atomic_dir(dst, True) as tmp:
+        (tmp / "v").write_text("3")
+    assert (dst / "v").read_text() == "3" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    dst = tmp_path / "ckpt"
+    dead, alive = dead_pid(), os.getppid()
+    stale = [tmp_path / f".ckpt.tmp-{dead}-0123abcd", tmp_path / f".out.json.tmp-{dead}-89abcdef.tmp"]
+    stale[0].mkdir()
+    (stale[0] / "model.safetensors").write_bytes(b"partial")
+    stale[1].write_text("partial")
+    live = tmp_path / f".ckpt.tmp-{alive}-0123abcd"  # another process still writing: left alone
+    live.mkdir()
+    other = tmp_path / ".notes.tmp-1-ab"  # not ours: left alone
+    other.write_text("x")
+    with atomic_dir(dst) as tmp:
+        (tmp / "v").write_text("1")
+    write_atomic(tmp_path / "out.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", "out.json", live.name, other.name])
+
+
+def test_an_old_destination_renamed_aside_by_a_dead_process_is_restored(tmp_path):
+    # Killed between "rename dst aside" and "rename the new one in" (the path without RENAME_EXCHANGE):
+    # the next write puts the old destination back before anything else, so it is never lost.
+    old = tmp_path / f".ckpt.old-{dead_pid()}-0123abcd"
+    old.mkdir()
+    (old / "v").write_text("old")
+    assert remove_stale(tmp_path / "ckpt") == []
+    assert (tmp_path / "ckpt" / "v").read_text() == "old" and not old.exists()
+
+
+KILL_MID_WRITE = """
+import os, signal, sys
+from attnlab.atomic import atomic_dir
+with atomic_dir(sys.argv[1]) as tmp:
+    (tmp / "model.safetensors").write_bytes(b"x" * 100_000)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkill_mid_write_then_a_successful_run_leaves_no_temporary(tmp_path):
+    dst = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, str(dst)], capture_output=True)
+    assert proc.returncode == -9
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+    assert len(leftovers) == 1 and (leftovers[0] / "model.safetensors").stat().st_size == 100_000
+    assert not dst.exists()
+    with atomic_dir(dst) as tmp:
+        (tmp / "v").write_text("1")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

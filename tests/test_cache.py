@@ -64,12 +64,48 @@ def test_len_update_and_reset():
     assert k.shape == (2, 3, 1, 4) and torch.equal(k, k2)
 
 
-def test_smaller_batch_uses_the_first_rows():
-    cache = LatentCache(4, 6, 8, 2)
-    rows = torch.randn(2, 3, 10)
-    live = cache.update(rows)
-    assert live.shape == (2, 3, 10) and torch.equal(live, rows)
-    assert torch.equal(cache.kv[2:], torch.zeros(2, 6, 10))
+def _small_module(kind: str) -> GroupedQueryAttention | MultiHeadLatentAttention:
+    if kind == "gqa":
+        return GroupedQueryAttention(AttentionConfig(d_model=16, n_heads=4, n_kv_heads=2))
+    mla = MLAConfig(
+        d_model=16, n_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4
+    )
+    return MultiHeadLatentAttention(mla)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_batch_is_fixed_at_creation(kind):
+    # Issue 8: filled with batch 2, stepped with batch 1, then batch 2 again, row 1 used to attend to a slot it
+    # never wrote. Any batch other than the cache's is refused, and the cache is left as it was.
+    module = _small_module(kind)
+    cache = module.new_cache(batch_size=2, max_seq_len=8)
+    with torch.no_grad():
+        module(torch.randn(2, 3, 16), cache=cache)
+        snap = _snapshot(cache)
+        for b in (1, 0, 3):
+            with pytest.raises(ValueError, match=rf"batch of {b} but the cache was made for batch_size=2"):
+                module(torch.randn(b, 1, 16), cache=cache)
+            _assert_unchanged(cache, snap)
+        module(torch.randn(2, 1, 16), cache=cache)
+    assert len(cache) == 4
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_empty_inputs_give_empty_outputs(kind):
+    # T = 0 or B = 0 used to fail inside a reshape; now they are empty results, and T = 0 leaves a cache as it was.
+    module = _small_module(kind)
+    with torch.no_grad():
+        assert module(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+        assert module(torch.randn(0, 3, 16)).shape == (0, 3, 16)
+        cache = module.new_cache(batch_size=2, max_seq_len=8)
+        module(torch.randn(2, 3, 16), cache=cache)
+        snap = _snapshot(cache)
+        assert module(torch.randn(2, 0, 16), cache=cache).shape == (2, 0, 16)
+        _assert_unchanged(cache, snap)
+        paged = module.new_paged_cache(n_blocks=4, block_size=4, batch_size=2)
+        if kind == "mla":
+            module.mode = "absorbed"
+        assert module(torch.randn(2, 0, 16), cache=paged).shape == (2, 0, 16) and len(paged) == 0
 
 
 def test_reset_then_reuse_equals_a_fresh_cache():
@@ -110,7 +146,7 @@ def test_failed_kv_update_leaves_the_cache_unchanged():
             (2, 2, 3, 4),
             torch.float32,
         ),
-        (ValueError, "batch of 3 is larger than the cache's batch_size=2", (3, 2, 1, 4), torch.float32),
+        (ValueError, "batch of 3 but the cache was made for batch_size=2", (3, 2, 1, 4), torch.float32),
         (
             TypeError,
             "k has dtype torch.bfloat16, the cache holds torch.float32",
@@ -139,7 +175,7 @@ def test_failed_latent_update_leaves_the_cache_unchanged():
     snap = _snapshot(cache)
     with pytest.raises(ValueError, match=r"LatentCache overflow: 3 tokens held \+ 2 new > max_seq_len=4"):
         cache.update(torch.randn(2, 2, 8))
-    with pytest.raises(ValueError, match=r"batch of 5 is larger than the cache's batch_size=2"):
+    with pytest.raises(ValueError, match=r"batch of 5 but the cache was made for batch_size=2"):
         cache.update(torch.randn(5, 1, 8))
     with pytest.raises(TypeError, match=r"kv has dtype torch.float64, the cache holds torch.float32"):
         cache.update(torch.randn(2, 1, 8, dtype=torch.float64))

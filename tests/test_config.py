@@ -60,7 +60,11 @@ def test_configs_are_frozen_and_replace_revalidates():
             ValueError,
             r"AttentionConfig.dropout must be in \[0, 1\), got -0.1",
         ),
-        ({"n_heads": 4, "rope_theta": 0.0}, ValueError, "AttentionConfig.rope_theta must be > 0, got 0.0"),
+        (
+            {"n_heads": 4, "rope_theta": 0.0},
+            ValueError,
+            "AttentionConfig.rope_theta must be a finite number > 0, got 0.0",
+        ),
         (
             {"n_heads": 4, "rope_theta": "1e4"},
             TypeError,
@@ -95,7 +99,17 @@ def test_mla_defaults_and_properties():
         ({"kv_lora_rank": 0}, ValueError, "MLAConfig.kv_lora_rank must be >= 1, got 0"),
         ({"v_head_dim": 8.5}, TypeError, "MLAConfig.v_head_dim must be an int, got 8.5"),
         ({"dropout": 2}, ValueError, r"MLAConfig.dropout must be in \[0, 1\), got 2"),
-        ({"rope_theta": -1.0}, ValueError, "MLAConfig.rope_theta must be > 0, got -1.0"),
+        ({"rope_theta": -1.0}, ValueError, "MLAConfig.rope_theta must be a finite number > 0, got -1.0"),
+        (
+            {"rope_theta": float("nan")},
+            ValueError,
+            "MLAConfig.rope_theta must be a finite number > 0, got nan",
+        ),
+        (
+            {"rope_theta": float("inf")},
+            ValueError,
+            "MLAConfig.rope_theta must be a finite number > 0, got inf",
+        ),
     ],
 )
 def test_mla_config_rejects(kwargs, error, match):

@@ -1,29 +1,99 @@
-"""KV caches: preallocated buffers that an attention module fills in place.
+"""KV caches: preallocated buffers that an attention module fills in place, behind one small protocol.
 
-A cache owns its position (``len(cache)``, the number of tokens it holds). An attention module's forward
-calls ``update`` once per call: the new tokens are written at ``len(cache)`` and the live prefix is returned,
-so a step costs time proportional to the live length, not to ``max_seq_len``. All sequences of a batch share
-one length in ``KVCache``; ``PagedKVCache`` is the cache for ragged batches.
+Every cache (``KVCache``, ``LatentCache``, ``PagedKVCache``; MLA pages its latent rows in a ``PagedKVCache``
+with ``values_in_keys``) implements ``Cache``: an attention module asks it for the positions of its new tokens
+(``positions``), writes their keys and values once per call (``append``) and hands what ``append`` returns to
+``attnlab.attention.attend``. A contiguous cache returns live views (B, n_kv_heads, len, D) of its buffers, so a
+step costs time proportional to the live length, not to ``max_seq_len``; a paged cache returns ``PagedView``s
+(its pool and each row's runs of blocks), which ``attend`` reads in place. The module has one forward path.
+
+All sequences of a batch share one length in ``KVCache`` and ``LatentCache``, and every call must pass the batch
+the cache was made for; ``PagedKVCache`` is the cache for ragged batches. A call with no new tokens (T = 0)
+changes nothing. A failed write leaves a cache exactly as it was.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
 import torch
 
+from .config import check_int
 
-def _check_sizes(owner: str, **sizes: int) -> None:
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{owner}.{name} must be >= 1, got {value}")
+
+@dataclass(frozen=True)
+class PagedView:
+    """Keys (or values) of a ``PagedKVCache``'s active rows, as attention reads them, without a copy.
+
+    ``pool`` (n_kv_heads, n_blocks * block_size, D) is a view of the cache's pool. Batch row ``i`` holds
+    ``lengths[i]`` tokens: the slices ``pool[:, start : start + n]`` of its ``runs[i]``, in order.
+    """
+
+    pool: torch.Tensor
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, n_kv_heads, longest row, D): the shape of the contiguous tensor this view stands for."""
+        return (len(self.lengths), self.pool.shape[0], max([0, *self.lengths]), self.pool.shape[-1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def gather(self) -> torch.Tensor:
+        """A contiguous copy (B, n_kv_heads, longest row, D); slots past a row's length hold zeros."""
+        b, n_kv, s, d = self.shape
+        out = self.pool.new_zeros(b, n_kv, s, d)
+        for i, row in enumerate(self.runs):
+            at = 0
+            for start, n in row:
+                out[i, :, at : at + n] = self.pool[:, start : start + n]
+                at += n
+        return out
+
+
+KV = torch.Tensor | PagedView
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """What an attention module asks of a cache.
+
+    ``positions(t, device)``: the positions of ``t`` new tokens, (t,) when every row continues from the same
+    length, (B, t) when each row continues from its own. ``append(k, v)``: write the new keys and values
+    (B, n_kv_heads, T, D) of the batch's rows (``v`` None for a cache whose values are part of its keys) and
+    return the keys and values attention reads: tensors over every held token, or ``PagedView``s. ``paged``:
+    whether those are ``PagedView``s (``attend`` then takes no ``attn_mask``).
+    """
+
+    paged: bool
+
+    def __len__(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def positions(self, t: int, device: torch.device | str | None = None) -> torch.Tensor: ...
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None) -> tuple[KV, KV]: ...
 
 
 class _Cache:
-    """Position bookkeeping shared by the caches: how many tokens are held and whether more fit."""
+    """Position bookkeeping shared by the contiguous caches: how many tokens are held and whether more fit."""
 
+    paged = False
     batch_size: int
     max_seq_len: int
+    dtype: torch.dtype
     pos: int
 
     def __len__(self) -> int:
@@ -33,11 +103,25 @@ class _Cache:
         """Forget the held tokens (the buffers are reused, not cleared)."""
         self.pos = 0
 
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (drop a rejected draft, or a timed step of a benchmark)."""
+        check_int(f"{type(self).__name__}.crop length", length, minimum=0)
+        if length > self.pos:
+            raise ValueError(f"{type(self).__name__}.crop: length {length} > {self.pos} tokens held")
+        self.pos = length
+
+    def positions(self, t: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """(t,) positions of ``t`` new tokens: every row continues from ``len(self)``."""
+        return torch.arange(self.pos, self.pos + t, device=device)
+
     def _reserve(self, batch: int, n_new: int, dtype: torch.dtype, name: str) -> tuple[int, int]:
         owner = type(self).__name__
-        if batch > self.batch_size:
+        if batch != self.batch_size:
+            # A smaller batch would leave the other rows' slots unwritten, and a later full batch would attend
+            # to them as if they held tokens: a cache's batch is fixed when it is made.
             raise ValueError(
-                f"{owner}: batch of {batch} is larger than the cache's batch_size={self.batch_size}"
+                f"{owner}: batch of {batch} but the cache was made for batch_size={self.batch_size}; a cache's "
+                "batch is fixed (make a new cache, or use PagedKVCache for sequences that come and go)"
             )
         if dtype != self.dtype:
             raise TypeError(f"{owner}: {name} has dtype {dtype}, the cache holds {self.dtype}")
@@ -50,12 +134,17 @@ class _Cache:
         return start, self.pos
 
 
+def _check_sizes(owner: str, **sizes: int) -> None:
+    for name, value in sizes.items():
+        check_int(f"{owner}.{name}", value)
+
+
 class KVCache(_Cache):
     """Keys and values for MHA/GQA/MQA.
 
     Layout: ``k`` and ``v`` are (batch_size, n_kv_heads, max_seq_len, head_dim); token ``t`` of sequence ``b``
-    for KV head ``h`` lives at ``k[b, h, t]``. Keys are stored after RoPE. A batch smaller than
-    ``batch_size`` uses the first rows.
+    for KV head ``h`` lives at ``k[b, h, t]``. Keys are stored after RoPE. Every update passes all
+    ``batch_size`` rows.
     """
 
     def __init__(
@@ -91,17 +180,19 @@ class KVCache(_Cache):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k``, ``v`` (B, n_kv_heads, T, head_dim); return the live (B, n_kv_heads, len, head_dim)."""
         b, h, t, d = k.shape
-        if (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape:
+        if v is None or (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(
                 f"KVCache holds (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}); "
-                f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+                f"got k {tuple(k.shape)}, v {None if v is None else tuple(v.shape)}"
             )
         if v.dtype != k.dtype:  # the write below would cast v silently
             raise TypeError(f"KVCache: k has dtype {k.dtype} but v has {v.dtype}")
         start, end = self._reserve(b, t, k.dtype, "k")
-        self.k[:b, :, start:end] = k
-        self.v[:b, :, start:end] = v
-        return self.k[:b, :, :end], self.v[:b, :, :end]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    append = update  # the ``Cache`` protocol: the live keys and values are what attention reads
 
 
 class LatentCache(_Cache):
@@ -110,6 +201,8 @@ class LatentCache(_Cache):
     Layout: one buffer ``kv`` of (batch_size, max_seq_len, kv_lora_rank + qk_rope_head_dim); the first
     ``kv_lora_rank`` values of a token are its latent ``c_kv`` (after ``kv_norm``), the rest its rotary key
     (after RoPE). Keeping both in one row lets absorbed attention score a token with a single dot product.
+    Through ``append`` it is a cache of one KV "head" whose values are the first ``kv_lora_rank`` entries of
+    its keys.
     """
 
     def __init__(
@@ -150,12 +243,26 @@ class LatentCache(_Cache):
                 f"LatentCache holds rows of kv_lora_rank + qk_rope_head_dim = {self.kv.shape[-1]}; got {d}"
             )
         start, end = self._reserve(b, t, kv.dtype, "kv")
-        self.kv[:b, start:end] = kv
-        return self.kv[:b, :end]
+        self.kv[:, start:end] = kv
+        return self.kv[:, :end]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append rows ``k`` (B, 1, T, kv_lora_rank + qk_rope_head_dim) (``v`` must be None: the values are the
+        latent part of the rows); return keys (B, 1, len, same) and values (B, 1, len, kv_lora_rank), views."""
+        if v is not None or k.ndim != 4 or k.shape[1] != 1:
+            raise ValueError(
+                f"LatentCache.append takes rows (B, 1, T, {self.kv.shape[-1]}) and v=None; got k "
+                f"{tuple(k.shape)}, v {None if v is None else tuple(v.shape)}"
+            )
+        rows = self.update(k[:, 0])[:, None]
+        return rows, rows[..., : self.kv_lora_rank]
 
 
 class OutOfBlocksError(ValueError):
     """A ``PagedKVCache`` has too few free blocks for an update; the cache is left exactly as it was."""
+
+
+PLACEMENTS = ("contiguous", "scattered")
 
 
 class PagedKVCache:
@@ -167,14 +274,18 @@ class PagedKVCache:
     stored after RoPE. Blocks are taken from the pool only when a row needs them, so a row holds
     ``ceil(length / block_size)`` blocks: at most one of them partly filled. ``free(row)`` returns its blocks.
 
-    A row's next block is, when free, the one physically after its last block; attention then reads each run of
-    consecutive blocks as a single strided view (see ``attnlab.attention.decode.paged_decode``), never a copy.
+    ``placement="contiguous"`` (the default): a row's next block is, when free, the one physically after its last
+    block; attention then reads each run of consecutive blocks as a single strided view (see
+    ``attnlab.attention.decode.paged_decode``), never a copy. ``placement="scattered"`` takes the highest free block
+    every time, so that every block is a run of its own: the worst case, for benchmarks and tests.
     ``update`` appends to the rows in ``active`` (all rows by default; ``select(rows)`` narrows it, e.g. to prefill
     one prompt of a ragged batch).
 
     With ``values_in_keys=True`` (MLA's absorbed form: the value of a token is the first ``value_dim`` entries of
     its cached row) only ``k`` is stored and ``v`` is a view of it.
     """
+
+    paged = True
 
     def __init__(
         self,
@@ -188,6 +299,7 @@ class PagedKVCache:
         device: torch.device | str | None = None,
         values_in_keys: bool = False,
         value_dim: int | None = None,
+        placement: str = "contiguous",
     ) -> None:
         _check_sizes(
             "PagedKVCache",
@@ -197,9 +309,14 @@ class PagedKVCache:
             head_dim=head_dim,
             batch_size=batch_size,
         )
+        if placement not in PLACEMENTS:
+            raise ValueError(
+                f"PagedKVCache.placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
+            )
         self.n_blocks, self.block_size = n_blocks, block_size
         self.n_kv_heads, self.head_dim, self.batch_size = n_kv_heads, head_dim, batch_size
         self.dtype = dtype
+        self.placement = placement
         shape = (n_kv_heads, n_blocks, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.values_in_keys = values_in_keys
@@ -218,7 +335,7 @@ class PagedKVCache:
 
     def __len__(self) -> int:
         """The longest active row's length."""
-        return max((self.lengths[r] for r in self.active), default=0)
+        return max([0, *(self.lengths[r] for r in self.active)])
 
     @property
     def nbytes(self) -> int:
@@ -272,12 +389,14 @@ class PagedKVCache:
         Raises ``OutOfBlocksError`` before writing anything when the pool cannot hold the new tokens.
         """
         b, h, t, d = k.shape
+        if b != len(self.active):
+            raise ValueError(f"PagedKVCache: batch of {b} but the active rows are {self.active}")
         if (v is None) != self.values_in_keys:
             raise ValueError(
                 "PagedKVCache: pass v=None exactly when the cache was built with values_in_keys=True"
             )
         v = k if v is None else v
-        if (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape or b != len(self.active):
+        if (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(
                 f"PagedKVCache holds (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}) for "
                 f"{len(self.active)} active rows; got k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -307,6 +426,19 @@ class PagedKVCache:
                 done += n
             self.lengths[row] = pos + t
 
+    def append(self, k: torch.Tensor, v: torch.Tensor | None) -> tuple[PagedView, PagedView]:
+        """``update``, then the active rows' keys and values as ``PagedView``s (the ``Cache`` protocol)."""
+        self.update(k, v)
+        return self.views()
+
+    def views(self) -> tuple[PagedView, PagedView]:
+        """The active rows' keys and values as attention reads them: pools and runs of consecutive blocks."""
+        bs = self.block_size
+        runs = tuple(tuple((block * bs, n) for block, n in self.runs(r)) for r in self.active)
+        lengths = tuple(self.lengths[r] for r in self.active)
+        # (n_kv, n_blocks * block_size, D) views: a run of consecutive blocks is a slice of them
+        return PagedView(self.k.flatten(1, 2), runs, lengths), PagedView(self.v.flatten(1, 2), runs, lengths)
+
     def runs(self, row: int) -> list[tuple[int, int]]:
         """Row ``row``'s live tokens as (first block, n_tokens) runs of physically consecutive blocks."""
         table, length, bs = self.block_tables[row], self.lengths[row], self.block_size
@@ -322,13 +454,15 @@ class PagedKVCache:
     def _take(self, table: list[int], wanted: int) -> int:
         """A free block for a row that still needs ``wanted`` blocks now.
 
-        The block after the row's last one if it is free (the run goes on); otherwise a new run starts inside the
-        longest free run, centred so that the ``wanted`` blocks fit and both this row and whichever row ends just
-        before the gap keep free blocks to grow into (worst fit: runs stay long, attention does fewer matmuls);
-        a gap that starts at block 0 has no row before it and is filled from its start.
-        Blocks are only placed, never reserved ahead.
+        Contiguous placement: the block after the row's last one if it is free (the run goes on); otherwise a new
+        run starts inside the longest free run, centred so that the ``wanted`` blocks fit and both this row and
+        whichever row ends just before the gap keep free blocks to grow into (worst fit: runs stay long, attention
+        does fewer matmuls); a gap that starts at block 0 has no row before it and is filled from its start.
+        Blocks are only placed, never reserved ahead. Scattered placement: the highest free block.
         """
-        if table and table[-1] + 1 in self._free:
+        if self.placement == "scattered":
+            block = max(self._free)
+        elif table and table[-1] + 1 in self._free:
             block = table[-1] + 1
         else:
             start, length = self._longest_free_run()

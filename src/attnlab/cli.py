@@ -1,18 +1,69 @@
 """The ``attnlab`` command: a thin layer over the library.
 
 Every subcommand prints a table by default and JSON with ``--json``. User errors (bad presets, configs,
-sizes, paths) exit with code 2 and one line on stderr, never a traceback.
+sizes, files, a full disk, a missing package) exit with code 2 and one line on stderr, never a traceback:
+wrap every command in ``user_errors``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
+import typer.core
+
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click import exceptions as _usage
+except ImportError:
+    from click import exceptions as _usage
+
+
+class _Group(typer.core.TyperGroup):
+    """The ``attnlab`` groups: flags (``--json``, ``--overwrite``, ``--help``) show no ``<bool>`` value in help, and
+    usage errors (an unknown option, ``--kv-heads x``) are one stderr line with exit code 2 like every other user
+    error, not a boxed panel."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)  # Exit(n) comes back as n
+        except _usage.NoArgsIsHelpError as err:
+            err.show()  # the help text itself
+            sys.exit(err.exit_code)
+        except _usage.ClickException as err:
+            where = getattr(getattr(err, "ctx", None), "command_path", "attnlab")
+            message = " ".join(err.format_message().split())
+            print(f"attnlab: error: {message} (see '{where} --help')", file=sys.stderr)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            print("attnlab: aborted", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _without_flag_metavars(super().get_params(ctx))
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and not isinstance(command, typer.core.TyperGroup):
+            _without_flag_metavars(command.get_params(ctx))
+        return command
+
+
+def _without_flag_metavars(params: list[Any]) -> list[Any]:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""  # a flag takes no value; typer would show its type as "<bool>"
+    return params
+
 
 app = typer.Typer(
     name="attnlab",
@@ -20,6 +71,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_Group,
 )
 
 
@@ -28,19 +80,68 @@ def _root() -> None:
     """MHA, MQA, GQA and MLA: what they cost, how fast they decode, and converting checkpoints."""
 
 
+def _missing_package(err: ImportError) -> str:
+    """The one line for a missing package: which one, and the exact ``pip install`` that adds it."""
+    found = re.search(r"No module named '([^']+)'", str(err))
+    module = (err.name or (found.group(1) if found else "")).split(".")[0]
+    if not module:
+        return f"a package this command needs cannot be imported: {err}"
+    requirement = module.replace("_", "-")
+    try:  # the version range attnlab declares for it, when it is one of attnlab's dependencies
+        for spec in importlib.metadata.requires("attnlab") or []:
+            if re.match(rf"{re.escape(requirement)}\b", spec, re.IGNORECASE) and "extra ==" not in spec:
+                requirement = spec.split(";")[0].strip()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return f"this command needs the Python package {module!r}, which is not installed: pip install '{requirement}'"
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, KeyError) and err.args:
+        return str(err.args[0])
+    if isinstance(err, ImportError):
+        return _missing_package(err)
+    if isinstance(err, OSError) and err.strerror:  # from the OS: say what failed, on which path
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}{err.strerror}"
+    if isinstance(err, (MemoryError, RuntimeError)):
+        return f"out of memory: {err} (try smaller sizes)"
+    return str(err)
+
+
+def _is_allocation_failure(err: RuntimeError) -> bool:
+    """torch's failure to allocate a tensor (CPU allocator, CUDA out of memory): a size the user chose."""
+    return type(err).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(err)
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn ValueError/TypeError/FileNotFoundError/FileExistsError into one stderr line and exit code 2."""
+    """Turn the errors a user can cause into one stderr line and exit code 2: bad values and files
+    (ValueError, TypeError, KeyError), the filesystem (every OSError: missing, exists, disk full, permission,
+    busy), memory (sizes that cannot be allocated) and missing packages (with the pip line that installs them).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ValueError, TypeError, FileNotFoundError, FileExistsError, KeyError) as err:
-            message = err.args[0] if isinstance(err, KeyError) and err.args else err
-            print(f"attnlab: error: {message}", file=sys.stderr)
-            raise typer.Exit(code=2) from None
+        except (ValueError, TypeError, KeyError, OSError, MemoryError) as err:
+            _fail(err)
+        except ImportError as err:
+            if (err.name or "").startswith("attnlab"):  # our own module missing: a bug, not the install
+                raise
+            _fail(err)
+        except RuntimeError as err:
+            if not _is_allocation_failure(err):
+                raise
+            _fail(err)
 
     return wrapper
+
+
+def _fail(err: BaseException) -> None:
+    message = " ".join(_message(err).split())  # one line, whatever the exception's text holds
+    print(f"attnlab: error: {message}", file=sys.stderr)
+    raise typer.Exit(code=2) from None
 
 
 @app.command()
@@ -51,16 +152,19 @@ def compare(
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weights and KV dtype: fp32, bf16, fp16, fp8, ..."),
     hardware: str = typer.Option("h100", "--hardware", help="h100, h200, a100-80gb, l40s, rtx4090 or local."),
-    devices: int = typer.Option(1, "--devices", help="Devices sharing the model (ideal tensor parallel)."),
+    tp: int = typer.Option(
+        1, "--tp", help="Tensor-parallel GPUs splitting every layer by heads: per-GPU figures."
+    ),
+    devices: int | None = typer.Option(None, "--devices", help="Another name for --tp (what it was called)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write KV cache and latency plots to this PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
     measure: bool = typer.Option(False, "--measure", help="Also time one layer per variant on this machine."),
 ) -> None:
     """What MHA, every GQA, MQA and MLA would cost for a model: KV cache, FLOPs, decode latency, max batch."""
-    from .cost.report import run_compare
+    from .bench.compare import run_compare
 
     run_compare(
-        model=model, seq_len=seq_len, batch=batch, dtype=dtype, hardware=hardware, devices=devices,
+        model=model, seq_len=seq_len, batch=batch, dtype=dtype, hardware=hardware, tp=tp, devices=devices,
         plot=plot, as_json=as_json, measure=measure,
     )  # fmt: skip
 
@@ -70,23 +174,45 @@ def compare(
 def convert(
     src: Path = typer.Argument(..., help="Source checkpoint directory (config.json + safetensors)."),
     dst: Path = typer.Argument(..., help="Destination directory (written atomically; must not exist)."),
-    kv_heads: int = typer.Option(..., "--kv-heads", help="KV heads after conversion; divides the source's."),
-    method: str = typer.Option("mean", "--method", help="mean, first, random, fit, grouped-fit (+ --calib)."),
-    calib: Path | None = typer.Option(None, "--calib", help="Calibration text file, for --method fit."),
+    to: str = typer.Option(
+        "gqa", "--to", help="gqa: fewer KV heads, same architecture; mla: DeepSeek-V3 MLA."
+    ),
+    kv_heads: int | None = typer.Option(
+        None, "--kv-heads", help="gqa: KV heads after; divides the source's."
+    ),
+    method: str | None = typer.Option(
+        None, "--method", help="gqa: mean (default), first, random, fit, grouped-fit (+ --calib)."
+    ),
+    kv_lora_rank: int | None = typer.Option(
+        None, "--kv-lora-rank", help="mla: latent values cached per token and layer."
+    ),
+    rope_dim: int | None = typer.Option(
+        None, "--rope-dim", help="mla: rotary key width, even, <= head_dim (default head_dim)."
+    ),
+    planes: str | None = typer.Option(
+        None, "--planes", help="mla: planes kept rotary: norm (default), error, first, uniform, or a stride."
+    ),
+    calib: Path | None = typer.Option(
+        None, "--calib", help="Calibration text file (gqa: for fit / grouped-fit; mla: recommended)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
-    """Convert a Llama / Mistral / Qwen2 / BERT checkpoint to fewer KV heads (GQA / MQA)."""
-    from .hf.checkpoint import run_convert
+    """Convert a Llama / Mistral / Qwen2 / BERT checkpoint to fewer KV heads (GQA / MQA), or a Llama / Mistral /
+    Qwen2 one to a native DeepSeek-V3 MLA checkpoint (--to mla)."""
+    from .hf.command import run_convert
 
-    run_convert(src, dst, kv_heads, method, calib=calib, overwrite=overwrite, as_json=as_json)
+    run_convert(
+        src, dst, to=to, kv_heads=kv_heads, method=method, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+        planes=planes, calib=calib, overwrite=overwrite, as_json=as_json,
+    )  # fmt: skip
 
 
 @app.command()
 @user_errors
 def uptrain(
     src: Path = typer.Argument(
-        ..., help="Causal-LM checkpoint to train (Llama / Mistral / Qwen2); never modified."
+        ..., help="Causal-LM checkpoint to train (Llama / Mistral / Qwen2 / DeepSeek-V3); never modified."
     ),
     dst: Path = typer.Argument(
         ..., help="Output checkpoint, like SRC; appears (atomically) when the run ends."
@@ -119,13 +245,18 @@ def uptrain(
     train: str = typer.Option("all", "--train", help="What is trained: all or attention."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 autocast (fp32 master weights)."),
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard with FSDP2 (under torchrun) instead of DDP."),
+    tp: int = typer.Option(
+        1,
+        "--tp",
+        help="Split each layer's heads over N ranks (torchrun); data parallel over the rest (FSDP2).",
+    ),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Checkpoints and log until DST is written."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST / start the run directory over."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Uptrain a (converted) checkpoint on text: AdamW, warmup + cosine, checkpoints and exact --resume.
 
-    Runs as is on one process, or under `torchrun --nproc-per-node N -m attnlab uptrain ...` (DDP, --fsdp).
+    Runs as is on one process, or under `torchrun --nproc-per-node N -m attnlab uptrain ...` (DDP, --fsdp, --tp).
     """
     from .train.command import run_uptrain
     from .train.options import UptrainOptions
@@ -135,7 +266,7 @@ def uptrain(
         seq_len=seq_len, lr=lr, min_lr=min_lr, warmup=warmup, grad_accum=grad_accum, weight_decay=weight_decay,
         grad_clip=grad_clip, seed=seed, save_every=save_every, keep=keep, eval_every=eval_every,
         eval_windows=eval_windows, resume=resume, teacher=teacher, distill_weight=distill_weight,
-        temperature=temperature, train=train, dtype=dtype, fsdp=fsdp, overwrite=overwrite, run_dir=run_dir,
+        temperature=temperature, train=train, dtype=dtype, fsdp=fsdp, tp=tp, overwrite=overwrite, run_dir=run_dir,
     )  # fmt: skip
     run_uptrain(opts, as_json=as_json)
 
@@ -160,7 +291,9 @@ def eval_(
     run_eval(ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, as_json=as_json)
 
 
-bench_app = typer.Typer(help="Time decode steps against baselines and the roofline.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Time decode steps against baselines and the roofline.", no_args_is_help=True, cls=_Group
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -196,5 +329,11 @@ def bench_decode(
     )  # fmt: skip
 
 
+def _terminate(signum: int, _frame: Any) -> None:
+    # SIGTERM (kill, timeout, a job scheduler) unwinds like Ctrl-C, so an atomic write removes its temporary.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     app()

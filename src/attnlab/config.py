@@ -9,6 +9,7 @@ a value the caller gives is never replaced.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +19,21 @@ MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 
 
-def _check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
+def check_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` if it is an int >= ``minimum``; else a TypeError or ValueError naming ``name`` and the value.
+
+    The one integer validator of the package (configs, caches, the cost model's sizes).
+    """
     # bool is an int subclass; n_heads=True is a bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
+    check_int(f"{owner}.{name}", value, minimum=minimum)
 
 
 def _check_float(owner: str, name: str, value: Any) -> None:
@@ -83,8 +93,8 @@ class AttentionConfig:
         if self.rope and self.head_dim % 2:
             raise ValueError(f"AttentionConfig.head_dim={self.head_dim} must be even when rope=True")
         _check_float(owner, "rope_theta", self.rope_theta)
-        if self.rope_theta <= 0:
-            raise ValueError(f"AttentionConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not 0 < self.rope_theta < math.inf:  # also refuses NaN
+            raise ValueError(f"AttentionConfig.rope_theta must be a finite number > 0, got {self.rope_theta}")
         _check_float(owner, "dropout", self.dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AttentionConfig.dropout must be in [0, 1), got {self.dropout}")
@@ -145,8 +155,8 @@ class MLAConfig:
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         _check_float(owner, "rope_theta", self.rope_theta)
-        if self.rope_theta <= 0:
-            raise ValueError(f"MLAConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not 0 < self.rope_theta < math.inf:  # also refuses NaN
+            raise ValueError(f"MLAConfig.rope_theta must be a finite number > 0, got {self.rope_theta}")
         _check_float(owner, "dropout", self.dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"MLAConfig.dropout must be in [0, 1), got {self.dropout}")

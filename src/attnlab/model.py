@@ -4,6 +4,10 @@ Pre-norm blocks: ``h = x + attention(attention_norm(x))``, ``out = h + feed_forw
 SwiGLU MLP (``w2(silu(w1 x) * w3 x)``), RoPE inside the attention. Module names follow Meta's llama3
 ``model.py`` (tok_embeddings, layers.N.attention.wq, feed_forward.w1/w2/w3, norm, output) so that
 checkpoint key maps stay short. Shapes: tokens (B, T) int64 -> logits (B, T, vocab_size) float32.
+
+Positions: ``position_ids`` (T,) or (B, T) if given (a left-padded batch: ``attention_mask.cumsum(-1) - 1``; packed
+sequences: restarting at 0 per document, with a block-diagonal ``attn_mask``), else following the caches, else
+0 .. T - 1. The RoPE angles are computed once per forward and shared by the layers (once per rotary shape).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from torch import nn
 from .attention.gqa import GroupedQueryAttention
 from .attention.mla import MultiHeadLatentAttention
 from .attention.norm import RMSNorm
-from .cache import KVCache, LatentCache
+from .attention.rope import RopeAngles, token_positions
+from .cache import Cache, KVCache, LatentCache
 from .config import AttentionConfig, ModelConfig
 
 
@@ -45,8 +50,19 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
 
-    def forward(self, x, *, attn_mask=None, cache=None):
-        h = x + self.attention(self.attention_norm(x), attn_mask=attn_mask, cache=cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+        rope: RopeAngles | None = None,
+    ) -> torch.Tensor:
+        a = self.attention(
+            self.attention_norm(x), attn_mask=attn_mask, cache=cache, position_ids=position_ids, rope=rope
+        )
+        h = x + a
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -103,18 +119,23 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         *,
-        caches: list[KVCache | LatentCache] | None = None,
+        caches: list[Cache] | None = None,
         attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits (B, T, vocab_size) of ``tokens`` (B, T); ``attn_mask`` (bool, True = attend) is applied in
+        every layer together with the causal rule; see the module docstring for ``position_ids``."""
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
         if caches is not None and len(caches) != len(self.layers):
             raise ValueError(f"caches has {len(caches)} entries for {len(self.layers)} layers")
+        b, t = tokens.shape
+        rope = RopeAngles(token_positions(position_ids, caches[0] if caches else None, b, t, tokens.device))
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, attn_mask=attn_mask, cache=None if caches is None else caches[i])
+            x = layer(x, attn_mask=attn_mask, cache=None if caches is None else caches[i], rope=rope)
         return self.output(self.norm(x)).float()
 
 

@@ -129,6 +129,42 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("fill", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("t_q", [4, 1])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_out_slots_may_hold_inf_and_nan(backend, t_q, fill):
+    # Issue 8: a fully masked row was NaN in "reference" and "grouped" when a masked-out value was inf, and every
+    # backend let inf/NaN in padded slots reach the live rows. The oracle is the same attention on clean inputs.
+    q, k, v = _qkv(2, 4, 2, t_q, 6)
+    mask = torch.ones(2, 4, t_q, 6, dtype=torch.bool)
+    mask[..., 4:] = False  # padding: keys 4 and 5 are attended by no query
+    mask[0, 1, 0] = False  # a fully masked row
+    mask[1, :, -1, :2] = False
+    expected = oracle(q, k, v, mask)
+    for dirty in ("k", "v", "kv"):
+        k2, v2 = k.clone(), v.clone()
+        if "k" in dirty:
+            k2[..., 4:, :] = fill
+        if "v" in dirty:
+            v2[..., 4:, :] = fill
+        out = attend(q, k2, v2, attn_mask=mask, backend=backend)
+        assert torch.equal(out[0, 1, 0], torch.zeros(8)), dirty
+        assert _err(out, expected) <= 1e-5, dirty
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs(backend):
+    for b, t_q, t_k in ((0, 3, 3), (2, 0, 3), (2, 3, 0), (2, 0, 0)):
+        q, k, v = _qkv(b, 4, 2, t_q, t_k)
+        for mask in (None, torch.ones(b, 1, t_q, t_k, dtype=torch.bool)):
+            out = attend(q, k, v, attn_mask=mask, backend=backend)
+            assert out.shape == (b, 4, t_q, 8) and torch.equal(
+                out, torch.zeros_like(out)
+            )  # nothing to attend
+            if t_q <= t_k:
+                assert attend(q, k, v, attn_mask=mask, is_causal=True, backend=backend).shape == out.shape
+
+
 @pytest.mark.parametrize("t_q", [5, 1])
 @pytest.mark.parametrize("n_kv", [1, 2, 4])
 def test_backends_agree_forward_and_backward(n_kv, t_q):

@@ -255,9 +255,10 @@ def test_bad_input_names_field_and_value():
         mla(torch.randn(1, 4, 30))
     with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the weights are torch.float32"):
         mla(torch.randn(1, 4, 32, dtype=torch.float64))
-    mla.mode = "fast"
     with pytest.raises(ValueError, match=r"mode must be 'naive' or 'absorbed', got 'fast'"):
-        mla(torch.randn(1, 4, 32))
+        mla.mode = "fast"  # refused where it is set (the mode lives in mla.cfg, which is validated)
+    with pytest.raises(ValueError, match=r"mode must be 'naive' or 'absorbed', got 'fast'"):
+        mla(torch.randn(1, 4, 32), mode="fast")
     with pytest.raises(TypeError, match=r"cfg must be an MLAConfig, got AttentionConfig"):
         from attnlab import AttentionConfig
 
@@ -271,7 +272,7 @@ def test_cache_misuse_leaves_the_cache_unchanged():
     before = cache.kv.clone()
     with pytest.raises(ValueError, match=r"overflow: 3 tokens held \+ 3 new > max_seq_len=5"):
         mla(torch.randn(2, 3, 32), cache=cache)
-    with pytest.raises(ValueError, match=r"batch of 4 is larger than the cache's batch_size=2"):
+    with pytest.raises(ValueError, match=r"batch of 4 but the cache was made for batch_size=2"):
         mla(torch.randn(4, 1, 32), cache=cache)
     with pytest.raises(ValueError, match=r"attn_mask of shape \(1, 3\) does not broadcast.*\(2, 4, 1, 4\)"):
         mla(torch.randn(2, 1, 32), attn_mask=torch.ones(1, 3, dtype=torch.bool), cache=cache)

@@ -116,11 +116,11 @@ def test_empty_context_gives_zeros():
 
 
 def test_auto_picks_grouped_for_decode_and_sdpa_for_prefill():
-    from attnlab.attention.kernels import choose_backend
+    from attnlab.attention.kernels import choose_backend, phase
 
-    q, k, _ = _qkv(1, 8, 2, 16, 8, torch.float32)
-    assert choose_backend(q, k, None, 0.0) == "grouped"
-    assert choose_backend(q.expand(1, 8, 4, 8), k, None, 0.0) == "sdpa"
+    q, _, _ = _qkv(1, 8, 2, 16, 8, torch.float32)
+    assert choose_backend(q.device.type, q.dtype, phase(q.shape[2])) == "grouped"
+    assert choose_backend(q.device.type, q.dtype, phase(q.expand(1, 8, 4, 8).shape[2])) == "sdpa"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

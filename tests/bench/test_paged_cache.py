@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -72,13 +71,6 @@ def test_ragged_batch_equals_contiguous_caches_through_growth_and_freeing(n_kv):
     assert paged.lengths == [14, 7 + 5, 11]
 
 
-def _scatter(cache: PagedKVCache, table: list[int], wanted: int) -> int:
-    """The worst allocator: the highest free block, so that every block is a run of its own."""
-    block = max(cache._free)
-    cache._free.remove(block)
-    return block
-
-
 def test_allocation_keeps_growing_rows_in_long_runs():
     cache = PagedKVCache(40, BS, 1, 2, batch_size=3)
     for row, n in enumerate((9, 5, 7)):
@@ -95,9 +87,7 @@ def test_paged_decode_over_fragmented_blocks_equals_contiguous_bf16_and_fp32():
         g = torch.Generator().manual_seed(2)
         k = torch.randn(2, 2, 45, 16, generator=g).to(dtype)
         v = torch.randn(2, 2, 45, 16, generator=g).to(dtype)
-        cache = PagedKVCache(24, BS, 2, 16, batch_size=2, dtype=dtype)
-
-        cache._take = functools.partial(_scatter, cache)
+        cache = PagedKVCache(24, BS, 2, 16, batch_size=2, dtype=dtype, placement="scattered")
         cache.select([0]).update(k[:1, :, :13], v[:1, :, :13])
         cache.select([1]).update(k[1:, :, :6], v[1:, :, :6])
         cache.select([0, 1])

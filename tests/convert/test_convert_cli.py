@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,7 +183,7 @@ def test_table_output_and_overwrite(tmp_path):
         ("gpt2", ["--kv-heads", 2], "unsupported model_type 'gpt2'"),
         ("bin_only", ["--kv-heads", 2], "only safetensors"),
         ("missing_src", ["--kv-heads", 2], "not found"),
-        ("dst_inside_src", ["--kv-heads", 2], "outside the source"),
+        ("dst_inside_src", ["--kv-heads", 2], "lies inside the source"),
     ],
 )
 def test_user_errors_exit_2_with_one_line_and_no_destination(tmp_path, mutate, args, message):
@@ -218,3 +222,179 @@ def test_padded_calibration_equals_one_sequence_at_a_time(tmp_path, calib_file):
         ids[mask.bool()][None] for b_ids, b_mask in batches for ids, mask in zip(b_ids, b_mask, strict=True)
     ]
     torch.testing.assert_close(attention_inputs(model, 1, batches), attention_inputs(model, 1, singles))
+
+
+# --- issue 8: nothing lost, no traceback, no silent corruption ------------------------------------------
+
+
+def one_line_error(result, *fragments: str) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab: error:"), result.output
+    assert all(f in lines[0] for f in fragments), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "relation", ["equal", "dst contains src", "dst inside src", "symlink to src", "symlink to parent", "dot"]
+)
+def test_overwrite_never_touches_the_source(tmp_path, monkeypatch, relation):
+    # Issue 8: `convert work/src work --overwrite` deleted the source and exited 0; with `.` it crashed.
+    work = tmp_path / "work"
+    src = make_checkpoint(work / "src")
+    (tmp_path / "link").symlink_to(src if relation == "symlink to src" else work)
+    before, everything = tree_hash(src), tree_hash(tmp_path)
+    monkeypatch.chdir(tmp_path if relation != "dot" else work)
+    dst = {
+        "equal": "work/src",
+        "dst contains src": "work",
+        "dst inside src": "work/src/out",
+        "symlink to src": "link",
+        "symlink to parent": "link",
+        "dot": ".",
+    }[relation]
+    source = "work/src" if relation != "dot" else "src"
+    one_line_error(run("convert", source, dst, "--kv-heads", 2, "--overwrite"), "the source")
+    assert tree_hash(src) == before and tree_hash(tmp_path) == everything
+
+
+def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_path):
+    # Issue 8: a pytorch_model.bin beside model.safetensors was copied into the GQA destination.
+    src = make_checkpoint(tmp_path / "src")
+    stale = ["pytorch_model.bin", "pytorch_model.bin.index.json", "consolidated.safetensors", "model.gguf",
+             "onnx/model.onnx", "flax_model.msgpack", "tf_model.h5", "old.pt", "old.pth", ".cache/huggingface/x"]  # fmt: skip
+    for name in stale:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(b"old weights")
+    (src / "onnx" / "README.md").write_text("kept")
+    result = run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    expected = sorted({n if not n.startswith(".cache") else ".cache/" for n in stale})
+    assert sorted(summary["files_left_out"]) == expected
+    assert "left out of the destination" in result.stderr and "pytorch_model.bin" in result.stderr
+    kept = sorted(str(p.relative_to(tmp_path / "dst")) for p in (tmp_path / "dst").rglob("*") if p.is_file())
+    assert kept == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "onnx/README.md",
+        "tokenizer.json",
+    ]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "header", "shape", "nan", "bad_index"])
+def test_damaged_checkpoints_exit_2_with_one_line(tmp_path, damage):
+    # Issue 8: a truncated, empty or corrupt model.safetensors ended in a traceback.
+    from safetensors.torch import save_file
+
+    src = make_checkpoint(tmp_path / "src", sharded=damage == "bad_index")
+    weights = src / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    elif damage == "header":
+        data = bytearray(weights.read_bytes())
+        data[8:40] = b"\xff" * 32
+        weights.write_bytes(bytes(data))
+    elif damage in ("shape", "nan"):
+        tensors = load_file(weights)
+        key = "model.layers.0.self_attn.k_proj.weight"
+        tensors[key] = tensors[key][:, :10].contiguous() if damage == "shape" else tensors[key] * float("nan")
+        save_file(tensors, weights)
+    else:
+        (src / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": "../../etc/passwd"}})
+        )
+    before = tree_hash(src)
+    fragment = {"truncated": "not a readable safetensors file", "empty": "not a readable safetensors file",
+                "header": "not a readable safetensors file", "shape": "do not match config.json",
+                "nan": "NaN or inf", "bad_index": "not a file name"}[damage]  # fmt: skip
+    one_line_error(run("convert", src, tmp_path / "dst", "--kv-heads", 2), fragment)
+    assert tree_hash(src) == before and not (tmp_path / "dst").exists()
+
+
+def test_calib_is_refused_where_the_method_ignores_it(tmp_path, calib_file):
+    # Issue 8: --calib was silently ignored by mean/first/random, even when the file did not exist.
+    src = make_checkpoint(tmp_path / "src")
+    for calib in (calib_file, tmp_path / "missing.txt"):
+        one_line_error(
+            run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--calib", calib), "--calib", "mean"
+        )
+    assert not (tmp_path / "dst").exists()
+
+
+def test_missing_package_names_the_pip_line(tmp_path, calib_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # what a quickstart install without it looked like
+    src = make_checkpoint(tmp_path / "src")
+    result = run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--method", "fit", "--calib", calib_file)
+    one_line_error(result, "'tokenizers'", "pip install 'tokenizers")
+
+
+def test_converted_files_get_the_umask_modes(tmp_path):
+    # Issue 8: converted checkpoints were written 0700/0600 whatever the umask.
+    src = make_checkpoint(tmp_path / "src")
+    before = os.umask(0o002)
+    try:
+        assert run("convert", src, tmp_path / "dst", "--kv-heads", 2).exit_code == 0
+    finally:
+        os.umask(before)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "dst", *(tmp_path / "dst").iterdir()]}
+    assert modes == {"dst": 0o775} | {p.name: 0o664 for p in (tmp_path / "dst").iterdir()}
+
+
+def cli(*args, cwd: Path, fsize: int | None = None, script: str | None = None):
+    """``attnlab`` in a subprocess, optionally with writes limited to ``fsize`` bytes (a full disk)."""
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    code = script or "from attnlab.cli import main; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          preexec_fn=limit if fsize else None)  # fmt: skip
+
+
+def test_full_disk_during_convert_is_one_line_and_leaves_nothing(tmp_path):
+    # Issue 8: a full disk during convert was a traceback. RLIMIT_FSIZE fails writes past 100 kB like one.
+    src = make_checkpoint(tmp_path / "src")
+    before = tree_hash(src)
+    for overwrite in ([], ["--overwrite"]):
+        proc = cli("convert", "src", "dst", "--kv-heads", 2, *overwrite, cwd=tmp_path, fsize=100_000)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            "attnlab: error: dst: File too large (nothing was written; any previous version is unchanged)"
+        ]
+        assert sorted(p.name for p in tmp_path.iterdir()) == (["dst", "src"] if overwrite else ["src"])
+        if not overwrite:  # a previous version, which the failed --overwrite must leave as it was
+            assert run("convert", src, tmp_path / "dst", "--kv-heads", 4).exit_code == 0
+            old = tree_hash(tmp_path / "dst")
+    assert tree_hash(tmp_path / "dst") == old and tree_hash(src) == before
+
+
+KILLED_CONVERT = """
+import os, signal, sys
+from attnlab.hf import io
+real = io.write_config
+def die(*args, **kwargs):
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # mid-write: the weights are in the temporary, not yet renamed
+io.write_config = die
+sys.argv = ["attnlab", *sys.argv[1:]]
+from attnlab.cli import main
+main()
+"""
+
+
+def test_convert_killed_mid_write_then_a_successful_run_leaves_no_temporary(tmp_path):
+    # Issue 8: a conversion killed while writing left a hidden .DST.tmp-* of the checkpoint's size forever.
+    src = make_checkpoint(tmp_path / "src")
+    before = tree_hash(src)
+    killed = cli("convert", "src", "dst", "--kv-heads", 2, cwd=tmp_path, script=KILLED_CONVERT)
+    assert killed.returncode == -9
+    (leftover,) = [p for p in tmp_path.iterdir() if p.name.startswith(".dst.tmp-")]
+    assert (leftover / "model.safetensors").stat().st_size > 100_000
+    done = cli("convert", "src", "dst", "--kv-heads", 2, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"] and tree_hash(src) == before

@@ -18,7 +18,15 @@ from attnlab import MLAConfig, ModelConfig
 from attnlab.attention.rope import interleaved_to_half_split
 from attnlab.convert import convert_model_to_mla
 from attnlab.convert.mla import full_rank
-from attnlab.hf import convert_checkpoint_to_mla, load_deepseek, load_llama, save_deepseek
+from attnlab.hf import (
+    convert_checkpoint_to_mla,
+    load_causal_lm,
+    load_deepseek,
+    load_llama,
+    save_causal_lm,
+    save_deepseek,
+)
+from attnlab.hf.causal_lm import family_of
 from attnlab.hf.deepseek import hf_config_from_model, model_config_from_deepseek, permute_rotary_rows
 from attnlab.model import Transformer
 
@@ -213,5 +221,27 @@ def test_bad_targets_leave_no_destination(tmp_path):
             convert_checkpoint_to_mla(src, tmp_path / "dst", rank, rope_dim)
         assert not (tmp_path / "dst").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no temporary directory left either
-    with pytest.raises(ValueError, match="outside the source"):
+    with pytest.raises(ValueError, match="lies inside the source"):  # attnlab.atomic's rule
         convert_checkpoint_to_mla(src, src / "inner", 16, 8)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_deepseek_is_a_causal_lm_family_saved_like_its_source(tmp_path, interleave):
+    # What training does: load by model_type, change the values, write a checkpoint like the source.
+    ref = deepseek_model(rope_interleave=interleave, attention_bias=True)
+    src = save_hf(ref, tmp_path / "src")
+    model = load_causal_lm(src)
+    assert family_of(src) == "deepseek_v3" and isinstance(model.cfg.attention, MLAConfig)
+    state = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    dst = save_causal_lm(state, model.cfg, tmp_path / "dst", like=src)
+    assert (dst / "config.json").read_text() == (src / "config.json").read_text()
+    moved = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager").eval()
+    x = tokens()
+    with torch.no_grad():
+        model.load_state_dict(state)
+        torch.testing.assert_close(moved(x).logits, model(x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(moved(x).logits, ref(x).logits, atol=1e-3)
+    # Unchanged values come back bit for bit, in either RoPE layout.
+    same = save_causal_lm(load_causal_lm(src).state_dict(), model.cfg, tmp_path / "same", like=src)
+    original, written = load_file(src / "model.safetensors"), load_file(same / "model.safetensors")
+    assert set(original) == set(written) and all(torch.equal(original[k], written[k]) for k in original)

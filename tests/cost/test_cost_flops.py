@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, ModelConfig, MultiHeadLatentAttention
 from attnlab.attention.kernels import combined_mask
-from attnlab.cost import attention_flops, count_flops, model_flops
+from attnlab.bench import count_flops
+from attnlab.cost import attention_flops, model_flops
 from attnlab.model import Transformer
 
 N_RANDOM = (

@@ -8,7 +8,8 @@ import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from attnlab import MLAConfig
-from attnlab.cost import count_flops, from_hf_config, model_flops
+from attnlab.bench import count_flops
+from attnlab.cost import from_hf_config, model_flops
 
 SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 DEEPSEEK = dict(

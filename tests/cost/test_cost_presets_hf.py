@@ -10,9 +10,9 @@ import transformers
 
 from attnlab import AttentionConfig, MLAConfig
 from attnlab.cost import kv_cache_bytes, model_param_count
-from attnlab.cost.hf_config import from_hf_config
 from attnlab.cost.presets import HF_CONFIGS, get_preset, load_model
 from attnlab.cost.sweep import variants
+from attnlab.hf_config import from_hf_config
 
 
 def hf_configs():

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from attnlab.bench import machine as hw_mod
+from attnlab.bench.machine import get_hardware, measure_local
 from attnlab.cost import decode_step_bytes, kv_cache_bytes, model_flops
-from attnlab.cost import hardware as hw_mod
-from attnlab.cost.hardware import HARDWARE, Hardware, get_hardware, measure_local
+from attnlab.cost.hardware import HARDWARE, Hardware
 from attnlab.cost.presets import get_preset
 from attnlab.cost.roofline import roofline, weight_bytes
 
@@ -55,10 +56,10 @@ def test_max_batch_and_context_fit_exactly():
     per_token = kv_cache_bytes(llama, 3, 1)
     assert weights + r.max_context * per_token <= memory < weights + (r.max_context + 1) * per_token
     assert r.max_batch == 30 and r.fits
-    # DeepSeek-V3 in bf16 needs ~1.34 TB: nothing fits on one H100, it fits on 32
+    # DeepSeek-V3 in bf16 needs ~1.34 TB: nothing fits on one H100, one 32nd of it (tp=32) does
     v3 = get_preset("deepseek-v3")
     assert roofline(v3, "h100").max_batch == 0 and not roofline(v3, "h100").fits
-    assert roofline(v3, "h100", n_devices=32).fits
+    assert roofline(v3, "h100", tp=32).fits
 
 
 def test_mla_picks_the_faster_mode_per_phase():

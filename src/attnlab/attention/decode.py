@@ -18,6 +18,8 @@ is read: one chunk per run of physically consecutive blocks, so no block is ever
 2-core CPU the library matmul already spreads one chunk over both cores and every extra chunk costs ~10 more
 ops, so by default a context is one chunk up to ``CHUNK_TOKENS`` (4 chunks at 4096 tokens measured 15-60%
 slower), and an unmasked single chunk takes a 3-op path (matmul, fused softmax, matmul).
+Dropout (training) drops attention weights after the softmax, as ``F.dropout`` on the probabilities would: in a
+chunk it multiplies the weights of ``o_c`` and leaves ``l_c`` alone, so ``o / l`` is the dropped, rescaled sum.
 Scores, softmax and the merge are float32; for bfloat16 storage the two matmuls read bfloat16 and accumulate in
 float32 inside the library (their outputs are rounded to bfloat16 once). A query row with no key to attend gets
 zeros.
@@ -26,6 +28,9 @@ zeros.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from ..cache import PagedView
 
 # Context tokens per chunk that ``default_split`` aims at. The library matmuls already use every core within a
 # chunk, so on a CPU chunks only bound the float32 score buffer (and give paged runs their shape); a GPU
@@ -49,12 +54,13 @@ def grouped_decode(
     mask: torch.Tensor | None = None,
     n_split: int | None = None,
     out: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention for (B, n_heads, T_q, D) queries over an unrepeated cache; see the module docstring.
 
     ``mask`` is boolean (True = attend), broadcastable to (B, n_heads, T_q, S). ``n_split`` cuts the context into
     that many chunks merged by log-sum-exp; None picks ``default_split``.
-    ``out`` (B, n_heads, T_q, D_v), if given, receives the result.
+    ``out`` (B, n_heads, T_q, D_v), if given, receives the result. ``dropout_p``: attention dropout (training).
     """
     b, n_heads, t_q, d = q.shape
     n_kv, s = k.shape[1], k.shape[2]
@@ -68,12 +74,12 @@ def grouped_decode(
         n_split = default_split(s)
     bounds = chunk_bounds(s, n_split)
     if m3 is None and len(bounds) == 1:
-        result = whole_attention(q_t, k3, v3, scale).to(q.dtype).view(b, n_heads, t_q, v.shape[-1])
+        result = whole_attention(q_t, k3, v3, scale, dropout_p).to(q.dtype).view(b, n_heads, t_q, v.shape[-1])
     else:
         state = None
         for lo, hi in bounds:
             mc = None if m3 is None else m3[..., lo:hi]
-            part = partial_attention(q_t, k3[:, lo:hi], v3[:, lo:hi], scale, mc)
+            part = partial_attention(q_t, k3[:, lo:hi], v3[:, lo:hi], scale, mc, dropout_p)
             state = part if state is None else merge(state, part)
         if state is None:  # no keys at all: every row attends to nothing
             result = q.new_zeros(b, n_heads, t_q, v.shape[-1])
@@ -124,22 +130,31 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def whole_attention(q_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def whole_attention(
+    q_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Unmasked attention in one chunk, q_t (N, D, R) -> (N, R, D_v) float32: three ops for float32.
 
     The common decode case; with a single chunk there is nothing to merge, so the fused softmax replaces the
     (o, m, l) bookkeeping (on a CPU each extra op is a parallel region of its own).
     """
-    return _weighted_values(torch.softmax(_scores(q_t, k, scale), dim=-1), v)
+    probs = torch.softmax(_scores(q_t, k, scale), dim=-1)
+    return _weighted_values(F.dropout(probs, p=dropout_p) if dropout_p > 0.0 else probs, v)
 
 
 def partial_attention(
-    q_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+    q_t: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: q_t (N, D, R), k (N, S_c, D), v (N, S_c, D_v), mask (N or 1, R, S_c) -> (o, m, l).
 
     ``o`` (N, R, D_v) float32 is the unnormalised output, ``m`` (N, R, 1) the row maximum of the scaled scores
-    (-inf for a row that attends to nothing here), ``l`` (N, R, 1) the sum of ``exp(score - m)``.
+    (-inf for a row that attends to nothing here), ``l`` (N, R, 1) the sum of ``exp(score - m)``; dropout, if
+    any, applies to the weights of ``o`` only (see the module docstring).
     """
     scores = _scores(q_t, k, scale)
     if mask is not None:
@@ -150,7 +165,7 @@ def partial_attention(
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # dead rows: exp(-inf - 0) = 0, no NaN
     scores = torch.exp(scores - m) if scores.requires_grad else scores.sub_(m).exp_()
     l = scores.sum(dim=-1, keepdim=True)  # noqa: E741 - the usual name in the flash-attention papers
-    o = _weighted_values(scores, v)
+    o = _weighted_values(F.dropout(scores, p=dropout_p) if dropout_p > 0.0 else scores, v)
     if mask is not None:
         m = torch.where(l > 0, m, torch.full_like(m, float("-inf")))
     return o, m, l
@@ -182,48 +197,52 @@ def _grouped_mask(mask: torch.Tensor | None, b: int, n_kv: int, group: int, t_q:
 
 
 def paged_decode(
-    q: torch.Tensor, cache, *, scale: float, is_causal: bool = True, n_split: int | None = None
+    q: torch.Tensor,
+    k,
+    v: PagedView | None = None,
+    *,
+    scale: float,
+    is_causal: bool = True,
+    n_split: int | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of (len(cache.active), n_heads, T_q, D) queries over a ``PagedKVCache``'s active rows.
+    """Attention of (B, n_heads, T_q, D) queries over paged keys and values ``k``, ``v`` (``PagedView``s; or ``k``
+    a ``PagedKVCache`` and ``v`` None: its active rows).
 
     The new tokens are the last ``T_q`` of each row (already written); with ``is_causal`` query ``i`` of a row
     of length ``L`` sees keys ``0 .. L - T_q + i``. Each run of consecutive blocks is one view of the pool,
     attended as a chunk and merged by log-sum-exp; rows of different lengths never see each other's padding.
     """
+    if not isinstance(k, PagedView):
+        k, v = k.views()
     b, n_heads, t_q, d = q.shape
-    n_kv, bs = cache.n_kv_heads, cache.block_size
+    n_kv = k.pool.shape[0]
     group = n_heads // n_kv
-    # (n_kv, n_blocks * block_size, D), views: a run of consecutive blocks is a slice of them
-    k_pool = cache.k.flatten(1, 2)
-    v_pool = cache.v.flatten(1, 2)  # a view too (of ``k`` when the values are part of the keys)
-    out = q.new_empty(b, n_heads, t_q, v_pool.shape[-1])
-    for i, row in enumerate(cache.active):
-        length = cache.lengths[row]
+    out = q.new_empty(b, n_heads, t_q, v.pool.shape[-1])
+    for i, (runs, length) in enumerate(zip(k.runs, k.lengths, strict=True)):
         for q_lo in range(0, t_q, QUERY_BLOCK):  # a long prefill in blocks of queries: bounded score buffers
             q_hi = min(t_q, q_lo + QUERY_BLOCK)
             n_q = q_hi - q_lo
             q_t = q[i, :, q_lo:q_hi].reshape(n_kv, group * n_q, d).transpose(1, 2)  # (n_kv, D, group * n_q)
             # The newest key each stacked query row may see (rows are head-major: query index = row % n_q).
             last_pos = (length - t_q + q_lo + torch.arange(group * n_q, device=q.device) % n_q)[:, None]
-            runs = cache.runs(row)
             if t_q == 1 and len(runs) == 1 and (n_split or 1) == 1 and runs[0][1] <= CHUNK_TOKENS:
-                span = slice(runs[0][0] * bs, runs[0][0] * bs + runs[0][1])
-                y = whole_attention(q_t, k_pool[:, span], v_pool[:, span], scale)
+                span = slice(runs[0][0], runs[0][0] + runs[0][1])
+                y = whole_attention(q_t, k.pool[:, span], v.pool[:, span], scale, dropout_p)
                 out[i] = y.to(q.dtype).view(n_heads, 1, -1)
                 continue
             state, seen = None, 0
-            for block, n_tokens in runs:
+            for start, n_tokens in runs:
                 if is_causal and seen > length - t_q + q_hi - 1:
                     break  # every later key is in the future of every query of this block
-                lo_pool = block * bs
                 split = default_split(n_tokens) if n_split is None else n_split
                 for lo, hi in chunk_bounds(n_tokens, split):
                     mask = None
                     if is_causal and t_q > 1:
                         keys = torch.arange(seen + lo, seen + hi, device=q.device)
                         mask = (keys[None, :] <= last_pos)[None]  # (1, group * n_q, S_c)
-                    span = slice(lo_pool + lo, lo_pool + hi)
-                    part = partial_attention(q_t, k_pool[:, span], v_pool[:, span], scale, mask)
+                    span = slice(start + lo, start + hi)
+                    part = partial_attention(q_t, k.pool[:, span], v.pool[:, span], scale, mask, dropout_p)
                     state = part if state is None else merge(state, part)
                 seen += n_tokens
             if state is None:  # an empty row attends to nothing

@@ -1,7 +1,10 @@
 """Grouped-query attention: one module for MHA (n_kv_heads == n_heads), GQA and MQA (n_kv_heads == 1).
 
 Shapes: x (B, T, d_model); q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim).
-The module does the projections, RoPE and the cache; ``attend`` does the math.
+The module does the projections, RoPE and the cache; ``attend`` does the math, over whatever the cache hands it
+(one forward path for every cache). Head counts are read from the projections' widths, never from the config:
+a module whose ``wq``/``wk``/``wv`` rows and ``wo`` columns were cut to a subset of the heads (tensor parallelism)
+runs unchanged and computes those heads' share of the output.
 """
 
 from __future__ import annotations
@@ -11,11 +14,10 @@ import math
 import torch
 from torch import nn
 
-from ..cache import KVCache, PagedKVCache
+from ..cache import Cache, KVCache, PagedKVCache
 from ..config import AttentionConfig
-from .decode import paged_decode
 from .kernels import attend, check_mask
-from .rope import apply_rope, rope_cos_sin
+from .rope import RopeAngles, apply_rope, token_positions
 
 
 def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor) -> None:
@@ -28,9 +30,33 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
         raise TypeError(f"{owner}: x has dtype {x.dtype} but the weights are {weight.dtype}")
 
 
-def positions_for(cache_len: int, t: int, device: torch.device) -> torch.Tensor:
-    """Positions of ``t`` new tokens that follow ``cache_len`` cached ones."""
-    return torch.arange(cache_len, cache_len + t, device=device)
+def check_step(owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cache: Cache | None) -> None:
+    """The checks made before anything is written to the cache, so that a bad call leaves it as it was."""
+    b, n_heads, t, _ = q.shape  # the heads this module holds
+    if cache is not None and cache.paged and attn_mask is not None:
+        raise ValueError(
+            f"{owner}: attn_mask is not supported with a PagedKVCache (each row has its own length)"
+        )
+    check_mask(owner, attn_mask, (b, n_heads, t, (0 if cache is None else len(cache)) + t))
+
+
+def local_weight(linear: nn.Linear) -> torch.Tensor:
+    """The part of ``linear.weight`` this process holds (a DTensor's local shard; a plain weight as it is)."""
+    w = linear.weight
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, heads * head_dim) -> (B, heads, T, head_dim); heads from the width (a sharded module has fewer),
+    spelled out so that empty inputs (B = 0 or T = 0), which ``view(B, T, -1, D)`` cannot infer, work too."""
+    b, t, width = x.shape
+    return x.view(b, t, width // head_dim, head_dim).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, D) -> (B, T, heads * D), the inverse of ``split_heads``."""
+    b, h, t, d = y.shape
+    return y.transpose(1, 2).reshape(b, t, h * d)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -39,11 +65,21 @@ class GroupedQueryAttention(nn.Module):
         if not isinstance(cfg, AttentionConfig):
             raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.has_out_bias)
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads this module computes: all of them, or this rank's share once sharded by ``apply_tp``."""
+        return local_weight(self.wq).shape[0] // self.head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        """KV heads this module computes and caches (this rank's, once sharded)."""
+        return local_weight(self.wk).shape[0] // self.head_dim
 
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
         """Normal(0, std) projections (the output projection may get a depth-scaled ``out_std``), zero biases."""
@@ -59,7 +95,7 @@ class GroupedQueryAttention(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """A cache for this module; dtype and device default to the weights'."""
+        """A cache for this module's KV heads; dtype and device default to the weights'."""
         return KVCache(
             batch_size,
             self.n_kv_heads,
@@ -84,33 +120,41 @@ class GroupedQueryAttention(nn.Module):
             device=weight.device,
         )
 
+    @property
+    def rope_spec(self) -> tuple[int, float] | None:
+        """(rotary dim, theta) of this module's RoPE, None without: layers with equal specs share their angles."""
+        return (self.head_dim, self.cfg.rope_theta) if self.cfg.rope else None
+
     def forward(
         self,
         x: torch.Tensor,
         *,
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = True,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+        rope: RopeAngles | None = None,
     ) -> torch.Tensor:
         """``x`` (B, T, d_model) -> (B, T, d_model).
 
-        With a cache, the new tokens take positions ``len(cache) ...`` and attend to everything cached
-        before them; ``attn_mask`` then covers (T, len(cache) + T) keys.
+        With a cache, the new tokens are written to it and attend to everything cached before them;
+        ``attn_mask`` then covers (T, len(cache) + T) keys. Positions: ``position_ids`` (T,) or (B, T) if given
+        (left padding, packed sequences), else following the cache, else 0 .. T - 1. ``rope``: the angles of those
+        positions, when the caller shares them between layers (``Transformer`` does); it overrides the rest.
         """
         check_input("GroupedQueryAttention", x, self.cfg.d_model, self.wq.weight)
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if isinstance(cache, PagedKVCache):
-            return self._forward_paged(q, k, v, attn_mask, is_causal, cache)
-        start = len(cache) if cache is not None else 0
-        check_mask("GroupedQueryAttention", attn_mask, (b, self.n_heads, t, start + t))
+        q = split_heads(self.wq(x), self.head_dim)  # (B, n_heads, T, head_dim)
+        k = split_heads(self.wk(x), self.head_dim)  # (B, n_kv_heads, T, head_dim)
+        v = split_heads(self.wv(x), self.head_dim)
+        check_step("GroupedQueryAttention", attn_mask, q, cache)
         if self.cfg.rope:
-            cos, sin = rope_cos_sin(positions_for(start, t, x.device), self.head_dim, self.cfg.rope_theta)
+            if rope is None:
+                rope = RopeAngles(token_positions(position_ids, cache, b, t, x.device))
+            cos, sin = rope.get(*self.rope_spec)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(k, v)
+            k, v = cache.append(k, v)  # everything held: live views, or paged views
         y = attend(
             q,
             k,
@@ -121,20 +165,4 @@ class GroupedQueryAttention(nn.Module):
             backend=self.cfg.backend,
             dropout_p=self.cfg.dropout if self.training else 0.0,
         )
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-
-    def _forward_paged(self, q, k, v, attn_mask, is_causal, cache: PagedKVCache) -> torch.Tensor:
-        """The rows of a ragged batch each continue from their own length in a ``PagedKVCache``."""
-        if attn_mask is not None:
-            raise ValueError("GroupedQueryAttention: attn_mask is not supported with a PagedKVCache")
-        b, _, t, _ = q.shape
-        if b != len(cache.active):
-            raise ValueError(f"GroupedQueryAttention: batch of {b}, PagedKVCache active rows {cache.active}")
-        if self.cfg.rope:
-            positions = cache.positions(t, q.device)  # (B, T): each row from its own length
-            cos, sin = rope_cos_sin(positions.reshape(-1), self.head_dim, self.cfg.rope_theta)
-            cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.update(k, v)
-        y = paged_decode(q, cache, scale=1.0 / math.sqrt(self.head_dim), is_causal=is_causal)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(merge_heads(y))

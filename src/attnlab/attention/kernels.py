@@ -3,21 +3,30 @@
 Shapes (one convention for the whole package):
     q: (B, n_heads, T_q, D)       k: (B, n_kv_heads, T_k, D)       v: (B, n_kv_heads, T_k, D_v)
     output: (B, n_heads, T_q, D_v)
-Query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``.
+Query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``. ``k`` and ``v`` may instead be the
+``PagedView``s a ``PagedKVCache`` returns (each batch row with its own length, in blocks).
 
 ``attn_mask`` is boolean, True = attend (the rule of ``F.scaled_dot_product_attention``), broadcastable to
 (B, n_heads, T_q, T_k). ``is_causal`` aligns the causal mask to the bottom right: query ``i`` sits at position
-``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs. (SDPA's own
-``is_causal`` aligns to the top left, so it is only used when ``T_q == T_k``.) When both are given, a key is
-attended only if both allow it. A query row with no key to attend yields zeros, not NaN.
+``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs (for paged K/V:
+per row, with that row's length). (SDPA's own ``is_causal`` aligns to the top left, so it is only used when
+``T_q == T_k``.) When both are given, a key is attended only if both allow it. A query row with no key to attend
+yields zeros, not NaN, whatever the masked-out keys and values hold (inf and NaN included); keys that no query
+attends never reach an output.
 
 Backends:
     "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read.
     "sdpa"       ``F.scaled_dot_product_attention(enable_gqa=...)``.
     "grouped"    no repetition: the queries of one group are stacked and multiplied against their unrepeated
                  KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k); for one
-                 query per head (decode) ``decode.grouped_decode``: split-K over the context, log-sum-exp merge.
-    "auto"       picks one of the above by shape.
+                 query per head (decode) ``decode.grouped_decode``: split-K over the context, log-sum-exp merge;
+                 over paged K/V ``decode.paged_decode``, which reads each run of blocks in place.
+    "auto"       ``choose_backend``: by device type, dtype and phase, in one table.
+"reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length.
+
+Host syncs: a data-dependent branch (``bool(tensor)``) is free on a CPU in eager mode, and the kernels use it to
+skip work nobody needs; on a GPU it stalls the stream and under ``torch.compile`` it breaks the graph, so there
+(``_may_sync`` False) the same results come from branch-free code.
 """
 
 from __future__ import annotations
@@ -25,15 +34,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .decode import grouped_decode
+from ..cache import PagedView
+from .decode import grouped_decode, paged_decode
 
 BACKEND_NAMES = ("reference", "sdpa", "grouped")
+PHASES = ("prefill", "decode", "paged")
 
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | PagedView,
+    v: torch.Tensor | PagedView,
     *,
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
@@ -42,31 +53,104 @@ def attend(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Scaled dot-product attention for MHA/GQA/MQA shapes; see the module docstring."""
-    _check_inputs(q, k, v, attn_mask, is_causal)
+    paged = isinstance(k, PagedView)
+    if paged:
+        _check_paged(q, k, v, attn_mask)
+    else:
+        _check_inputs(q, k, v, attn_mask, is_causal)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if backend == "auto":
-        backend = choose_backend(q, k, attn_mask, dropout_p)
+        backend = choose_backend(q.device.type, q.dtype, phase(q.shape[2], paged))
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+    if paged:
+        if backend == "grouped":
+            return paged_decode(q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
+        k, v, attn_mask = _gathered(q, k, v, is_causal)
+        is_causal = False
+    if attn_mask is not None and not _may_sync(q):
+        # Masked-out slots may hold anything (padding, an unused cache slot: inf, NaN), but 0 * inf is NaN in any
+        # matmul: without a host sync to test the output, zero the keys and values no query attends, up front.
+        k, v = _zero_unattended(k, v, attn_mask)
+    out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+    if attn_mask is not None and _may_sync(q) and not bool(torch.isfinite(out).all()):
+        # The same, only when needed: it costs nothing when the output is finite, which is always the case when
+        # the attended values are.
+        k, v = _zero_unattended(k, v, attn_mask)
+        out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+    return out
+
+
+def phase(t_q: int, paged: bool = False) -> str:
+    """ "paged" (K/V in a block pool), "decode" (one query per head) or "prefill" (several)."""
+    return "paged" if paged else ("decode" if t_q == 1 else "prefill")
+
+
+def choose_backend(device_type: str, dtype: torch.dtype, phase: str) -> str:
+    """The backend "auto" resolves to on ``device_type`` ("cpu", "cuda", ...) for ``dtype`` and ``phase``.
+
+    CPU, measured on this project's machines (docs/performance.md): for one query per head the grouped decode
+    kernel beats SDPA at every n_kv_heads, float32 and bfloat16 alike (bfloat16 SDPA with enable_gqa is the slowest,
+    up to 30x), and reads paged blocks in place; for prefill SDPA's fused flash kernel wins. Any other device
+    (CUDA, ...): SDPA, whose fused kernels read each KV head once without repeating it and never sync with the
+    host, while the grouped kernels loop in Python over (batch, KV head) pairs for 16-bit dtypes; paged K/V are
+    then gathered into one contiguous copy (a block-table kernel such as FlexAttention would avoid the copy).
+    The dtype does not change the answer on either device today; it is an input so that a kernel that wins for
+    one dtype only goes in here.
+    """
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}; got {phase!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if device_type == "cpu":
+        return "sdpa" if phase == "prefill" else "grouped"
+    return "sdpa"
+
+
+def _may_sync(t: torch.Tensor) -> bool:
+    """Whether a data-dependent branch is cheap here: eager mode on a CPU (see the module docstring)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p):
     if backend == "sdpa":
         return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
     mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
     if backend == "reference":
         return _reference(q, k, v, mask, scale, dropout_p)
-    if backend == "grouped":
-        if q.shape[2] == 1 and dropout_p == 0.0:  # decode: the cache-as-left-operand split-K kernel
-            return grouped_decode(q, k, v, scale=scale, mask=mask)
-        return _grouped(q, k, v, mask, scale, dropout_p)
-    raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+    if q.shape[2] == 1:  # decode: the cache-as-left-operand split-K kernel
+        return grouped_decode(q, k, v, scale=scale, mask=mask, dropout_p=dropout_p)
+    return _grouped(q, k, v, mask, scale, dropout_p)
 
 
-def choose_backend(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float) -> str:
-    """The backend "auto" resolves to for these shapes."""
-    # Measured (docs/performance.md): for one query per head the grouped decode kernel beats SDPA at every
-    # n_kv_heads, float32 and bfloat16 (bfloat16 SDPA with enable_gqa is the slowest); for prefill SDPA's fused
-    # flash kernel wins.
-    if q.shape[2] == 1 and dropout_p == 0.0:
-        return "grouped"
-    return "sdpa"
+def _gathered(
+    q: torch.Tensor, k: PagedView, v: PagedView, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paged K/V as contiguous (B, n_kv_heads, longest row, D) copies, and the mask (B, 1, T_q, longest row) of
+    the keys each query may see: those of its row, and with ``is_causal`` none after its own position."""
+    kc, vc = k.gather(), v.gather()
+    t_q, s = q.shape[2], kc.shape[2]
+    lengths = torch.tensor(k.lengths, device=q.device)  # a host-to-device copy, not a sync
+    # (B, T_q): the newest key each query may see; the new tokens are the last T_q of their row.
+    newest = lengths[:, None] - (t_q - torch.arange(t_q, device=q.device) if is_causal else 1)
+    mask = torch.arange(s, device=q.device) <= newest[..., None]  # (B, T_q, S)
+    return kc, vc, mask[:, None]
+
+
+def _zero_unattended(
+    k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``, ``v`` with zeros at the keys that no query of any head reading them attends to."""
+    b, n_kv, t_k = k.shape[0], k.shape[1], k.shape[2]
+    m = attn_mask.reshape(
+        (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+    )  # (b | 1, H | 1, T_q | 1, T_k)
+    used = m.any(dim=2)  # (b | 1, H | 1, T_k)
+    if used.shape[1] != 1:  # query heads -> the KV head they read (consecutive heads share one)
+        used = used.unflatten(1, (n_kv, used.shape[1] // n_kv)).any(dim=2)
+    used = used.expand(b, n_kv, t_k)[..., None]
+    return k.masked_fill(~used, 0.0), v.masked_fill(~used, 0.0)
 
 
 def combined_mask(
@@ -79,29 +163,50 @@ def combined_mask(
     return causal if attn_mask is None else attn_mask & causal
 
 
+def _check_tensor(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != 4:
+        raise ValueError(f"{name} must have 4 dims (B, heads, T, D), got shape {tuple(t.shape)}")
+
+
 def _check_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must have 4 dims (B, heads, T, D), got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    b, n_heads, t_q, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
-    n_kv_heads, t_k = k.shape[1], k.shape[2]
-    if v.shape[1] != n_kv_heads or v.shape[2] != t_k:
+        _check_tensor(name, t)
+    _check_heads(q, k.shape, v.shape, k.dtype, v.dtype)
+    t_q, t_k = q.shape[2], k.shape[2]
+    if v.shape[2] != t_k:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree on heads or length")
-    if n_heads % n_kv_heads:
-        raise ValueError(f"query heads ({n_heads}) must be a multiple of KV heads ({n_kv_heads})")
-    if k.shape[3] != d:
-        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[3]}")
     if is_causal and t_q > t_k:
         raise ValueError(f"is_causal needs T_q <= T_k, got T_q={t_q}, T_k={t_k}")
-    check_mask("attend", attn_mask, (b, n_heads, t_q, t_k))
+    check_mask("attend", attn_mask, (q.shape[0], q.shape[1], t_q, t_k))
+
+
+def _check_heads(q: torch.Tensor, k_shape, v_shape, k_dtype: torch.dtype, v_dtype: torch.dtype) -> None:
+    if not (q.dtype == k_dtype == v_dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k_dtype}, {v_dtype}")
+    b, n_heads, _, d = q.shape
+    if k_shape[0] != b or v_shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k_shape[0]}, v {v_shape[0]}")
+    if v_shape[1] != k_shape[1]:
+        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v_shape)} disagree on heads or length")
+    if n_heads % k_shape[1]:
+        raise ValueError(f"query heads ({n_heads}) must be a multiple of KV heads ({k_shape[1]})")
+    if k_shape[3] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k_shape[3]}")
+
+
+def _check_paged(q: torch.Tensor, k: PagedView, v: object, attn_mask: torch.Tensor | None) -> None:
+    _check_tensor("q", q)
+    if not isinstance(v, PagedView):
+        raise TypeError(f"paged keys need paged values (a PagedView), got {type(v).__name__}")
+    if attn_mask is not None:
+        raise ValueError(
+            "attend: attn_mask is not supported with a PagedKVCache (each row has its own length)"
+        )
+    _check_heads(q, k.shape, v.shape, k.dtype, v.dtype)
 
 
 def check_mask(owner: str, attn_mask: torch.Tensor | None, target: tuple[int, int, int, int]) -> None:
@@ -122,11 +227,12 @@ def check_mask(owner: str, attn_mask: torch.Tensor | None, target: tuple[int, in
 
 
 def _zero_dead_rows(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Rows whose mask attends to nothing get zeros (softmax over an empty set is undefined)."""
+    """Rows whose mask attends to nothing get zeros (softmax over an empty set is undefined), whatever the
+    masked-out keys and values hold."""
     if mask is None:
         return out
     alive = mask.any(dim=-1, keepdim=True)  # (..., T_q, 1)
-    if bool(alive.all()):
+    if _may_sync(out) and bool(alive.all()):
         return out
     return out.masked_fill(~alive, 0.0)
 
@@ -143,7 +249,7 @@ def _reference(q, k, v, mask, scale, dropout_p):
         probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # NaN rows -> 0
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return (probs @ v.float()).to(q.dtype)
+    return _zero_dead_rows((probs @ v.float()).to(q.dtype), mask)  # 0 * inf in a masked slot is NaN
 
 
 def _grouped(q, k, v, mask, scale, dropout_p):
@@ -159,13 +265,14 @@ def _grouped(q, k, v, mask, scale, dropout_p):
         scores = scores.view(b, n_kv_heads, group, t_q, t_k).masked_fill(~m, float("-inf"))
         scores = scores.view(b, n_kv_heads, group * t_q, t_k)
     probs = torch.softmax(scores.float() * scale, dim=-1)
-    if mask is not None and not bool(mask.any(dim=-1).all()):
+    if mask is not None and not (_may_sync(probs) and bool(mask.any(dim=-1).all())):
         # Rows that attend to nothing are NaN after the softmax: as zeros they give zero outputs, and no NaN
         # reaches v's gradient (which masking the output afterwards would not prevent).
         probs = probs.nan_to_num(0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
+    out = torch.matmul(probs.to(v.dtype), v).view(b, n_heads, t_q, v.shape[-1])
+    return _zero_dead_rows(out, mask)  # 0 * inf in a masked slot is NaN
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):

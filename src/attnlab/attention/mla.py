@@ -14,6 +14,11 @@ keys without position (``k_nope``) and values. With ``W_uk`` and ``W_uv`` the tw
 "naive" computes the first form (decompress every cached token, per head); "absorbed" the second: the
 query is moved into latent space once, and attention runs as MQA over the cached rows with a single KV
 head of width kv_lora_rank + qk_rope_head_dim, values being the latent itself.
+
+The mode is the config's (``cfg.mode``, also readable and settable as ``module.mode``) unless a call passes
+``mode=``. Both modes read the same cache through ``attend``; over a paged cache only "absorbed" runs (naive
+decompresses a contiguous latent). Head counts are read from the weights (``wq``/``wq_b``, ``wkv_b``, ``wo``), so
+a module sharded by heads runs unchanged.
 """
 
 from __future__ import annotations
@@ -21,13 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import LatentCache, PagedKVCache
-from ..config import MLAConfig
-from .decode import paged_decode
-from .gqa import check_input, positions_for
-from .kernels import attend, check_mask
+from ..cache import Cache, LatentCache, PagedKVCache
+from ..config import MLA_MODES, MLAConfig
+from .gqa import check_input, check_step, local_weight, merge_heads, split_heads
+from .kernels import attend
 from .norm import RMSNorm
-from .rope import apply_rope, rope_cos_sin
+from .rope import RopeAngles, apply_rope, token_positions
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -36,7 +40,6 @@ class MultiHeadLatentAttention(nn.Module):
         if not isinstance(cfg, MLAConfig):
             raise TypeError(f"cfg must be an MLAConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.mode = cfg.mode  # "naive" or "absorbed"; may be switched on a built module
         h, d = cfg.n_heads, cfg.d_model
         if cfg.q_lora_rank:
             self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=cfg.bias)
@@ -48,6 +51,20 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank) if cfg.kv_norm else nn.Identity()
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
+
+    @property
+    def mode(self) -> str:
+        """ "naive" or "absorbed": the mode a call uses unless it passes ``mode=`` (kept in ``cfg`` only)."""
+        return self.cfg.mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        self.cfg = self.cfg.replace(mode=_check_mode(value))
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads this module computes: all of them, or this rank's share once sharded by ``apply_tp``."""
+        return local_weight(self.wo).shape[1] // self.cfg.v_head_dim
 
     def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
         for module in self.modules():
@@ -93,6 +110,11 @@ class MultiHeadLatentAttention(nn.Module):
             value_dim=self.cfg.kv_lora_rank,
         )
 
+    @property
+    def rope_spec(self) -> tuple[int, float]:
+        """(rotary dim, theta): the shared rotary key and each head's rotary query part."""
+        return (self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank:
             return self.wq_b(self.q_norm(self.wq_a(x)))
@@ -104,29 +126,36 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = True,
-        cache: LatentCache | None = None,
+        cache: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+        rope: RopeAngles | None = None,
+        mode: str | None = None,
     ) -> torch.Tensor:
-        """``x`` (B, T, d_model) -> (B, T, d_model); same calling rules as ``GroupedQueryAttention``."""
+        """``x`` (B, T, d_model) -> (B, T, d_model); same calling rules as ``GroupedQueryAttention``, and
+        ``mode`` ("naive" or "absorbed") for this call only (default: ``self.mode``)."""
         cfg = self.cfg
         check_input("MultiHeadLatentAttention", x, cfg.d_model, self.wkv_a.weight)
-        if self.mode not in ("naive", "absorbed"):
-            raise ValueError(
-                f"MultiHeadLatentAttention.mode must be 'naive' or 'absorbed', got {self.mode!r}"
-            )
+        mode = _check_mode(cfg.mode if mode is None else mode)
         b, t, _ = x.shape
-        q = self._queries(x).view(b, t, -1, cfg.qk_head_dim).transpose(1, 2)  # (B, H, T, qk_head_dim)
+        q = split_heads(self._queries(x), cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c, k_rope = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-
-        if isinstance(cache, PagedKVCache):
-            return self._forward_paged(q_nope, q_rope, c, k_rope, attn_mask, is_causal, cache)
-        start = len(cache) if cache is not None else 0
-        check_mask("MultiHeadLatentAttention", attn_mask, (b, cfg.n_heads, t, start + t))
-        cos, sin = rope_cos_sin(positions_for(start, t, x.device), cfg.qk_rope_head_dim, cfg.rope_theta)
+        check_step("MultiHeadLatentAttention", attn_mask, q, cache)
+        if cache is not None and cache.paged and mode != "absorbed":
+            raise ValueError(
+                f"MultiHeadLatentAttention with a PagedKVCache needs mode='absorbed' (naive decompresses a "
+                f"contiguous latent cache); got mode={mode!r}"
+            )
+        if rope is None:
+            rope = RopeAngles(token_positions(position_ids, cache, b, t, x.device))
+        cos, sin = rope.get(*self.rope_spec)
         q_rope = apply_rope(q_rope, cos, sin)
-        row = torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)  # (B, T, cache_dim)
-        rows = cache.update(row) if cache is not None else row  # (B, S, cache_dim)
-
+        # (B, 1, T, cache_dim): the rows a cache holds, one KV "head" shared by every query head
+        rows = torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)[:, None]
+        if cache is not None:
+            keys, values = cache.append(rows, None)  # values: the latent part of the held rows
+        else:
+            keys, values = rows, rows[..., : cfg.kv_lora_rank]
         common = dict(
             attn_mask=attn_mask,
             is_causal=is_causal,
@@ -134,53 +163,37 @@ class MultiHeadLatentAttention(nn.Module):
             backend=cfg.backend,
             dropout_p=cfg.dropout if self.training else 0.0,
         )
-        if self.mode == "absorbed":
-            y = self._absorbed(q_nope, q_rope, rows, common)
+        if mode == "absorbed":
+            y = self._absorbed(q_nope, q_rope, keys, values, common)
         else:
-            y = self._naive(q_nope, q_rope, rows, common)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # y: (B, H, T, v_head_dim)
+            y = self._naive(q_nope, q_rope, keys, common)
+        return self.wo(merge_heads(y))  # y: (B, H, T, v_head_dim)
 
     def _split_wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views."""
+        """W_uk (H, qk_nope_head_dim, kv_lora_rank) and W_uv (H, v_head_dim, kv_lora_rank), as views; H is this
+        rank's heads when ``wkv_b`` is sharded."""
         cfg = self.cfg
-        w = self.wkv_b.weight.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = local_weight(self.wkv_b).view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
-    def _naive(self, q_nope, q_rope, rows, common):
+    def _naive(self, q_nope, q_rope, keys, common):
         cfg = self.cfg
-        b, s, _ = rows.shape
-        latent, k_rope = rows.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(latent).view(b, s, cfg.n_heads, -1).transpose(1, 2)  # (B, H, S, nope + v)
+        latent, k_rope = keys[:, 0].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # (B, S, ...)
+        kv = split_heads(self.wkv_b(latent), cfg.qk_nope_head_dim + cfg.v_head_dim)  # (B, H, S, nope + v)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None].expand(-1, cfg.n_heads, -1, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None].expand(-1, kv.shape[1], -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         return attend(q, k, v, **common)
 
-    def _absorbed(self, q_nope, q_rope, rows, common):
+    def _absorbed(self, q_nope, q_rope, keys, values, common):
         w_uk, w_uv = self._split_wkv_b()
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # the query moved into latent space
         q = torch.cat((q_latent, q_rope), dim=-1)  # (B, H, T, kv_lora_rank + qk_rope_head_dim)
-        k = rows[:, None]  # (B, 1, S, cache_dim): one KV head shared by all query heads
-        v = rows[:, None, :, : self.cfg.kv_lora_rank]  # values are the latent itself
-        y_latent = attend(q, k, v, **common)  # (B, H, T, kv_lora_rank)
+        y_latent = attend(q, keys, values, **common)  # (B, H, T, kv_lora_rank): one KV head for all
         return torch.einsum("bhtr,hvr->bhtv", y_latent, w_uv)
 
-    def _forward_paged(self, q_nope, q_rope, c, k_rope, attn_mask, is_causal, cache: PagedKVCache):
-        """Absorbed attention over a paged latent cache; each row of a ragged batch from its own length."""
-        cfg = self.cfg
-        b, _, t, _ = q_nope.shape
-        if attn_mask is not None or self.mode != "absorbed" or b != len(cache.active):
-            raise ValueError(
-                "MultiHeadLatentAttention with a PagedKVCache needs mode='absorbed', no attn_mask and one input "
-                f"row per active cache row; got mode={self.mode!r}, batch {b}, active rows {cache.active}"
-            )
-        positions = cache.positions(t, q_nope.device).reshape(-1)  # (B * T,)
-        cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-        cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
-        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None])
-        cache.update(torch.cat((self.kv_norm(c), apply_rope(k_rope, cos, sin)), dim=-1)[:, None], None)
-        w_uk, w_uv = self._split_wkv_b()
-        q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1)
-        y = paged_decode(q, cache, scale=cfg.softmax_scale, is_causal=is_causal)  # (B, H, T, kv_lora_rank)
-        y = torch.einsum("bhtr,hvr->bhtv", y, w_uv)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+def _check_mode(mode: object) -> str:
+    if mode not in MLA_MODES:
+        raise ValueError(f"MultiHeadLatentAttention.mode must be 'naive' or 'absorbed', got {mode!r}")
+    return mode

@@ -16,6 +16,7 @@ import torch
 
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
+from ..hf_config import attention_to_hf
 
 
 def _transformers():
@@ -43,13 +44,7 @@ def llama_attention(
 
     cfg = attn.cfg
     hf_cfg = tf.LlamaConfig(
-        hidden_size=cfg.d_model,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        attention_bias=cfg.bias,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=max(4096, 2 * k.shape[2]),
+        **attention_to_hf(cfg), attention_bias=cfg.bias, max_position_embeddings=max(4096, 2 * k.shape[2])
     )
     hf_cfg._attn_implementation = "sdpa"
     weight = attn.wq.weight
@@ -89,17 +84,8 @@ def deepseek_attention(
 
     cfg = mla.cfg
     hf_cfg = tf.DeepseekV3Config(
-        hidden_size=cfg.d_model,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads,
-        q_lora_rank=cfg.q_lora_rank or None,
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
+        **attention_to_hf(cfg),
         rope_interleave=False,  # attnlab's half-split layout
-        rope_theta=cfg.rope_theta,
-        attention_bias=cfg.bias,
         max_position_embeddings=max(4096, 2 * rows.shape[1]),
         rms_norm_eps=mla.kv_norm.eps if hasattr(mla.kv_norm, "eps") else 1e-6,
     )

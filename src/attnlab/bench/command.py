@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..atomic import check_figure_path
 from .decode import DecodeGrid, run_decode
 from .report import plot as write_plot
 from .report import print_tables
@@ -37,6 +38,8 @@ def run_bench_decode(
     as_json: bool,
     cached_hardware: bool = False,
 ) -> dict:
+    if plot is not None:
+        check_figure_path(plot)  # before minutes of timing, not after
     grid = DecodeGrid(
         kv_heads=int_list("kv-heads", kv_heads),
         batches=int_list("batch", batch),

@@ -10,15 +10,15 @@ so speedups are ratios measured side by side. Rows by ``kind``:
                weights, same cache contents.
     mla        ``MultiHeadLatentAttention`` naive vs absorbed vs Hugging Face ``DeepseekV3Attention`` (DeepSeek-V2-Lite
                attention dims by default).
-    paged      ``grouped_decode`` over a contiguous cache vs ``paged_decode`` over a ``PagedKVCache`` holding the
-               same keys/values (rows prefilled, then grown in lockstep), and over one whose allocator scatters
-               every block (the worst case: one run, hence one chunk, per block).
+    paged      ``attend`` (grouped) over a contiguous cache vs over the views of a ``PagedKVCache`` holding the
+               same keys/values (rows prefilled, then grown in lockstep), and over one whose blocks are placed
+               scattered (``placement="scattered"``: the worst case, one run, hence one chunk, per block).
     e2e        tokens/s of decode steps of a small ``attnlab.model.Transformer`` per attention variant, batch 1
                (contiguous caches) and a ragged batch of 4 (paged caches; MLA pages its latent rows).
 
 Roofline: bytes = KV read for the live length (``cost.kv_cache_bytes``) + queries + outputs (+ weights for
 layer/mla rows); FLOPs from ``cost.attention_flops``; time = max(bytes / bandwidth, FLOPs / peak) with the
-machine's measured bandwidth and matmul peak (``cost.hardware.measure_local``).
+machine's measured bandwidth and matmul peak (``bench.machine.measure_local``).
 """
 
 from __future__ import annotations
@@ -28,23 +28,23 @@ import math
 import os
 import platform
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..attention.decode import grouped_decode, paged_decode
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.kernels import attend
 from ..attention.mla import MultiHeadLatentAttention
 from ..cache import KVCache, PagedKVCache
-from ..config import AttentionConfig, MLAConfig, ModelConfig
-from ..cost import attention_flops, kv_cache_bytes
-from ..cost.hardware import Hardware, measure_local
+from ..config import AttentionConfig, MLAConfig, ModelConfig, check_int
+from ..cost import Hardware, attention_flops, kv_cache_bytes, step_seconds, torch_dtype
 from . import baselines
+from .machine import available_memory_bytes, measure_local
 from .timing import interleaved
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")
 
 # DeepSeek-V2-Lite's attention (arXiv 2405.04434, its config.json): no query compression.
 V2_LITE_MLA = MLAConfig(
@@ -84,13 +84,7 @@ class DecodeGrid:
         for dt in self.dtypes:
             if dt not in DTYPES:
                 raise ValueError(f"DecodeGrid.dtypes: {dt!r} is not one of {', '.join(DTYPES)}")
-        if self.repeats < 1:
-            raise ValueError(f"DecodeGrid.repeats must be >= 1, got {self.repeats}")
-
-
-def roofline_s(hw: Hardware, n_bytes: float, flops: float, dtype: str) -> float:
-    """max(bytes / bandwidth, FLOPs / peak): the fastest this step could run on ``hw``."""
-    return max(n_bytes / hw.bandwidth, flops / hw.peak_flops[dtype])
+        check_int("DecodeGrid.repeats", self.repeats)
 
 
 def _sig(x: float) -> float:
@@ -116,7 +110,7 @@ def _filled_kv_cache(b: int, n_kv: int, d: int, context: int, max_len: int, dtyp
 
 
 def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, n_kv: int) -> dict:
-    dt, h, d = DTYPES[dtype], grid.n_heads, grid.head_dim
+    dt, h, d = torch_dtype(dtype), grid.n_heads, grid.head_dim
     gen = torch.Generator().manual_seed(0)
     cache = _filled_kv_cache(b, n_kv, d, context, 2 * context, dt, gen)
     big = KVCache(b, n_kv, 4 * context, d, dtype=dt)
@@ -151,7 +145,7 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
 
 
 def _finish_row(row, hw, times, n_bytes, flops, *, ours, err, baselines) -> dict:
-    roof = roofline_s(hw, n_bytes, flops, row["dtype"])
+    roof = step_seconds(hw, flops, n_bytes, row["dtype"])  # the fastest this step could run on ``hw``
     row.update(
         ms=_ms(times),
         bytes=int(n_bytes),
@@ -166,7 +160,7 @@ def _finish_row(row, hw, times, n_bytes, flops, *, ours, err, baselines) -> dict
 
 
 def layer_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, n_kv: int) -> dict:
-    dt, h, d = DTYPES[dtype], grid.n_heads, grid.head_dim
+    dt, h, d = torch_dtype(dtype), grid.n_heads, grid.head_dim
     torch.manual_seed(0)
     cfg = AttentionConfig(d_model=h * d, n_heads=h, n_kv_heads=n_kv, head_dim=d, backend="auto")
     attn = GroupedQueryAttention(cfg)
@@ -178,7 +172,7 @@ def layer_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, 
     x = torch.randn(b, 1, h * d, generator=gen).to(dt)
 
     def reset() -> None:
-        cache.pos = context
+        cache.crop(context)
         hf_crop()
 
     contenders = {"ours": lambda: attn(x, cache=cache), "hf_llama_sdpa": lambda: hf_step(x)}
@@ -203,7 +197,7 @@ def layer_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, 
 
 
 def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) -> dict:
-    dt, cfg = DTYPES[dtype], grid.mla_cfg
+    dt, cfg = torch_dtype(dtype), grid.mla_cfg
     torch.manual_seed(0)
     mla = MultiHeadLatentAttention(cfg)
     mla.init_weights()
@@ -215,17 +209,13 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
     hf_step, hf_crop = baselines.deepseek_attention(mla, rows)
     x = torch.randn(b, 1, cfg.d_model, generator=gen).to(dt)
 
-    def run(mode: str):
-        mla.mode = mode
-        return mla(x, cache=cache)
-
     def reset() -> None:
-        cache.pos = context
+        cache.crop(context)
         hf_crop()
 
     contenders = {
-        "absorbed": lambda: run("absorbed"),
-        "naive": lambda: run("naive"),
+        "absorbed": lambda: mla(x, cache=cache, mode="absorbed"),
+        "naive": lambda: mla(x, cache=cache, mode="naive"),
         "hf_deepseek_v3": lambda: hf_step(x),
     }
     with torch.inference_mode():
@@ -234,7 +224,6 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
         err = max(_max_err(ours, contenders["naive"]()), _max_err(ours, contenders["hf_deepseek_v3"]()))
         reset()
         times = interleaved(contenders, repeats=grid.repeats, reset=reset)
-    mla.mode = "absorbed"
     fl = attention_flops(cfg.replace(mode="absorbed"), b, 1, context)
     elem = torch.finfo(dt).bits // 8
     weights = sum(p.numel() for p in mla.parameters()) * elem
@@ -253,19 +242,10 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
     )
 
 
-class _ScatteredPagedKVCache(PagedKVCache):
-    """The worst allocator (highest free block first): every block of a row is a run of its own."""
-
-    def _take(self, table: list[int], wanted: int) -> int:
-        block = max(self._free)
-        self._free.remove(block)
-        return block
-
-
-def _paged_copy(cls, k, v, bs: int, n_blocks: int) -> PagedKVCache:
+def _paged_copy(placement: str, k, v, bs: int, n_blocks: int) -> PagedKVCache:
     """``k``, ``v`` (B, n_kv, S, D) in a paged cache: most of each row prefilled, the tail grown in lockstep."""
     b, n_kv, s, d = k.shape
-    paged = cls(n_blocks, bs, n_kv, d, batch_size=b, dtype=k.dtype)
+    paged = PagedKVCache(n_blocks, bs, n_kv, d, batch_size=b, dtype=k.dtype, placement=placement)
     head = max(0, s - 4 * bs)
     for row in range(b):
         paged.select([row]).update(k[row : row + 1, :, :head], v[row : row + 1, :, :head])
@@ -277,19 +257,20 @@ def _paged_copy(cls, k, v, bs: int, n_blocks: int) -> PagedKVCache:
 
 def paged_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, n_kv: int) -> dict:
     """Same keys/values in a contiguous cache, a paged one, and a paged one with every block scattered."""
-    dt, h, d, bs = DTYPES[dtype], grid.n_heads, grid.head_dim, grid.block_size
+    dt, h, d, bs = torch_dtype(dtype), grid.n_heads, grid.head_dim, grid.block_size
     gen = torch.Generator().manual_seed(0)
     cache = _filled_kv_cache(b, n_kv, d, context, context, dt, gen)
     k, v = cache.k, cache.v
     n_blocks = b * math.ceil(context / bs) + 2  # almost no slack: rows must share the pool tightly
-    paged = _paged_copy(PagedKVCache, k, v, bs, n_blocks)
-    scattered = _paged_copy(_ScatteredPagedKVCache, k, v, bs, n_blocks)
+    paged = _paged_copy("contiguous", k, v, bs, n_blocks)
+    scattered = _paged_copy("scattered", k, v, bs, n_blocks)
     q = torch.randn(b, h, 1, d, generator=gen).to(dt)
     scale = d**-0.5
+    paged_kv, scattered_kv = paged.views(), scattered.views()
     contenders = {
-        "paged": lambda: paged_decode(q, paged, scale=scale),
-        "contiguous": lambda: grouped_decode(q, k, v, scale=scale),
-        "paged_scattered": lambda: paged_decode(q, scattered, scale=scale),
+        "paged": lambda: attend(q, *paged_kv, scale=scale, backend="grouped"),
+        "contiguous": lambda: attend(q, k, v, scale=scale, backend="grouped"),
+        "paged_scattered": lambda: attend(q, *scattered_kv, scale=scale, backend="grouped"),
     }
     with torch.inference_mode():
         ref = contenders["contiguous"]()
@@ -349,7 +330,7 @@ def e2e_rows(grid: DecodeGrid, dtype: str) -> list[dict]:
     """Decode tokens/s of each variant: batch 1 (contiguous caches), and a ragged batch of 4 (paged caches)."""
     from ..model import Transformer
 
-    dt, context, steps = DTYPES[dtype], grid.e2e_context, grid.e2e_steps
+    dt, context, steps = torch_dtype(dtype), grid.e2e_context, grid.e2e_steps
     out = []
     for name, cfg in e2e_model_configs().items():
         torch.manual_seed(0)
@@ -389,6 +370,18 @@ def e2e_rows(grid: DecodeGrid, dtype: str) -> list[dict]:
     return out
 
 
+def _l3_bytes() -> int | None:
+    """Size of the last-level cache (Linux sysfs), which small KV caches can stay in between steps."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=None)
+
+
 def machine(hw: Hardware) -> dict[str, Any]:
     return dict(
         hardware=dataclasses.asdict(hw),
@@ -396,11 +389,41 @@ def machine(hw: Hardware) -> dict[str, Any]:
         threads=torch.get_num_threads(),
         torch=torch.__version__,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
+        l3_bytes=_l3_bytes(),
     )
+
+
+def estimated_bytes(grid: DecodeGrid) -> int:
+    """Peak memory of the largest row of ``grid``, roughly (rows run one at a time; each frees what it made).
+
+    Attention rows hold the cache at 2x and 4x the context, the float32 draws that filled it, and the baselines'
+    repeated float32 K/V; MLA rows add Hugging Face's decompressed per-head K/V (and its copy per step).
+    """
+    b, s, n_kv = max(grid.batches), max(grid.contexts), max(grid.kv_heads)
+    elem = max(torch.finfo(torch_dtype(d)).bits // 8 for d in grid.dtypes)
+    kv = b * n_kv * s * grid.head_dim  # elements of K (or V) at the largest shape
+    repeated = b * grid.n_heads * s * grid.head_dim
+    attention = 12 * kv * elem + 8 * kv + 8 * repeated + 2 * repeated * elem
+    mla = grid.mla_cfg
+    per_head = b * s * mla.n_heads * (mla.qk_head_dim + mla.v_head_dim)
+    mla_bytes = (b * s * mla.cache_dim * 4 + 3 * per_head * elem) if grid.mla else 0
+    return max(attention, mla_bytes)
+
+
+def check_memory(grid: DecodeGrid) -> None:
+    """A grid too large for this machine is an error before anything is allocated or timed."""
+    need, have = estimated_bytes(grid), available_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(
+            f"bench decode: context {max(grid.contexts)} x batch {max(grid.batches)} x {max(grid.kv_heads)} KV "
+            f"heads needs about {need / 2**30:,.1f} GiB for its caches and baselines; this machine has "
+            f"{have / 2**30:,.1f} GiB available: lower --context, --batch or --kv-heads"
+        )
 
 
 def run_decode(grid: DecodeGrid, progress=None) -> dict[str, Any]:
     """Run ``grid``; returns {"machine": ..., "grid": ..., "rows": [...]} (JSON-ready)."""
+    check_memory(grid)
     hw = measure_local(fresh=grid.fresh_hardware)
     rows: list[dict] = []
 

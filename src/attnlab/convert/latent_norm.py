@@ -149,7 +149,6 @@ def fold_latent_norm(
         mla.wkv_a.weight.device, mla.wkv_a.weight.dtype
     )
     out.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight, overwritten below
-    out.mode = mla.mode
     dtype = mla.wkv_a.weight.dtype
     w_a = mla.wkv_a.weight.detach().double()
     out.wkv_a.weight[:rank] = (a @ w_a[:rank]).to(dtype)

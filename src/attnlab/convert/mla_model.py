@@ -87,9 +87,11 @@ def choose_stride(
     *,
     calib: Sequence[Batch] | None = None,
     rorope: bool = True,
+    progress: Progress | None = None,
 ) -> int:
     """The stride of the planes that keep RoPE in every layer (module docstring); ``planes`` None: "norm"
-    (on the weights alone when no calibration is given)."""
+    (on the weights alone when no calibration is given). ``progress(done, total)`` is called after each layer
+    that is measured (none for a fixed choice)."""
     if planes is None:
         planes = "norm"
     attns = _attentions(model, GroupedQueryAttention)
@@ -118,6 +120,8 @@ def choose_stride(
         distances = attention_distances(attns[i], inputs) if inputs and planes == "error" else None
         scores = plane_scores(attns[i], inputs.rows() if inputs else None, rorope, distances)
         total += scores / scores.sum().clamp_min(1e-300)
+        if progress is not None:
+            progress(i + 1, len(attns))
     n_planes = rope_dim // 2
     kept = [total[torch.arange(n_planes) * s].sum().item() for s in range(1, high + 1)]
     return 1 + max(range(high), key=lambda i: kept[i])
@@ -211,10 +215,16 @@ def attention_distances(attn: nn.Module, seqs: Iterable[tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def layer_errors(source: nn.Module, converted: nn.Module, batches: Sequence[Batch]) -> list[dict]:
+def layer_errors(
+    source: nn.Module,
+    converted: nn.Module,
+    batches: Sequence[Batch],
+    progress: Progress | None = None,
+) -> list[dict]:
     """Per layer, how far the converted attention is from the source's on the SAME inputs (those the source
     model gives the layer): ``output_error`` = ||y' - y|| / ||y|| over real tokens, and ``score_error`` = the
-    same for the pre-softmax scores (scaled logits) of every head over causal pairs of real tokens."""
+    same for the pre-softmax scores (scaled logits) of every head over causal pairs of real tokens.
+    ``progress(done, total)`` is called after each layer."""
     if not batches:
         raise ValueError("layer_errors needs a non-empty list of token batches (B, T)")
     src_attns = _attentions(source, GroupedQueryAttention)
@@ -237,6 +247,8 @@ def layer_errors(source: nn.Module, converted: nn.Module, batches: Sequence[Batc
             num["score"] += (s_new - s)[pairs.expand_as(s)].double().square().sum().item()
             den["score"] += s[pairs.expand_as(s)].double().square().sum().item()
         report.append({f"{k}_error": (num[k] / max(den[k], 1e-300)) ** 0.5 for k in num})
+        if progress is not None:
+            progress(i + 1, len(src_attns))
     return report
 
 

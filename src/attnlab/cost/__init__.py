@@ -1,19 +1,27 @@
 """The cost model: what MHA, MQA, GQA and MLA cost for a model, as pure functions of the configs.
 
 ``attention_flops`` / ``model_flops`` (FLOPs), ``param_count`` / ``model_param_count`` (weights),
-``kv_cache_bytes`` / ``decode_step_bytes`` (memory), ``roofline`` (time and fit on a ``Hardware``),
-``get_preset`` / ``from_hf_config`` (models), ``variants`` / ``compare`` (the sweep ``attnlab compare`` prints)
-and ``count_flops`` (measured FLOPs, attention included).
+``kv_cache_bytes`` / ``decode_step_bytes`` (memory), ``roofline`` / ``step_seconds`` (time and fit on a
+``Hardware``), ``get_preset`` / ``from_hf_config`` (models), ``variants`` / ``compare`` (the sweep ``attnlab compare``
+prints). Nothing here runs a model, times, prints or plots: measuring this machine (``measure_local``), counting
+FLOPs of real modules (``count_flops``), tables, plots and timed layers are in ``attnlab.bench``.
 """
 
-from .counter import count_flops
+from ..hf_config import from_hf_config
 from .flops import AttentionFlops, ModelFlops, attention_flops, model_flops
-from .hardware import Hardware, get_hardware, measure_local
-from .hf_config import from_hf_config
-from .memory import decode_step_bytes, dtype_bits, kv_cache_bytes, kv_elements_per_token, weight_bytes_read
+from .hardware import Hardware, get_hardware
+from .memory import (
+    decode_step_bytes,
+    dtype_bits,
+    dtype_name,
+    kv_cache_bytes,
+    kv_elements_per_token,
+    torch_dtype,
+    weight_bytes_read,
+)
 from .params import model_param_count, param_count
 from .presets import get_preset, load_model, preset_names
-from .roofline import PhaseCost, Roofline, roofline, weight_bytes
+from .roofline import PhaseCost, Roofline, roofline, step_seconds, weight_bytes
 from .sweep import CompareRow, Comparison, Variant, compare, variants
 
 __all__ = [
@@ -27,21 +35,22 @@ __all__ = [
     "Variant",
     "attention_flops",
     "compare",
-    "count_flops",
     "decode_step_bytes",
     "dtype_bits",
+    "dtype_name",
     "from_hf_config",
     "get_hardware",
     "get_preset",
     "kv_cache_bytes",
     "kv_elements_per_token",
     "load_model",
-    "measure_local",
     "model_flops",
     "model_param_count",
     "param_count",
     "preset_names",
     "roofline",
+    "step_seconds",
+    "torch_dtype",
     "variants",
     "weight_bytes",
     "weight_bytes_read",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import AttentionConfig, MLAConfig, ModelConfig
+from ..config import AttentionConfig, MLAConfig, ModelConfig, check_int
 
 SOFTMAX_FLOPS = 5
 
@@ -81,17 +81,10 @@ class ModelFlops:
         return self.attention.total + self.mlp + self.router + self.lm_head
 
 
-def _check_size(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
 def _check_sizes(batch: int, q_len: int, kv_len: int, causal: bool) -> None:
-    _check_size("batch", batch)
-    _check_size("q_len", q_len)
-    _check_size("kv_len", kv_len)
+    check_int("batch", batch)
+    check_int("q_len", q_len)
+    check_int("kv_len", kv_len)
     if causal and q_len > kv_len:
         raise ValueError(f"causal attention needs q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import AttentionConfig, MLAConfig, ModelConfig
+from ..config import AttentionConfig, MLAConfig, ModelConfig, check_int
 from .params import mlp_param_count, model_param_count
 
 # Bits per element. fp6 is DeepSeek-V2's "~6 bits per element" KV quantisation (arXiv 2405.04434, Sec. 3.2.3).
@@ -39,6 +39,15 @@ _ALIASES = {
 }
 
 
+# The names that PyTorch computes in (fp8 is a storage size here, int4 and fp6 only sizes for the cost model).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
 def dtype_name(dtype: str | torch.dtype) -> str:
     """The canonical short name ("bf16", "fp8", ...) of a dtype string or torch.dtype."""
     if isinstance(dtype, torch.dtype):
@@ -52,6 +61,16 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch.dtype of a dtype name ("bf16", "float32", ...) that PyTorch computes in."""
+    name = dtype_name(dtype)
+    if name not in TORCH_DTYPES:
+        raise ValueError(
+            f"dtype {name!r} is a storage size only; compute in one of {', '.join(TORCH_DTYPES)}"
+        )
+    return TORCH_DTYPES[name]
+
+
 def dtype_bits(dtype: str | torch.dtype) -> int:
     """Bits per element; any torch.dtype (int32, float8_e5m2fnuz, ...) counts by its itemsize."""
     if isinstance(dtype, torch.dtype):
@@ -61,13 +80,6 @@ def dtype_bits(dtype: str | torch.dtype) -> int:
 
 def _bits_to_bytes(bits: int) -> int:
     return -(-bits // 8)
-
-
-def _check_size(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def kv_elements_per_token(cfg: AttentionConfig | MLAConfig | ModelConfig) -> int:
@@ -91,8 +103,8 @@ def kv_cache_bytes(
 
     Equals ``cache.nbytes`` of the caches attnlab builds (``KVCache``, ``LatentCache``) with that ``max_seq_len``.
     """
-    _check_size("batch", batch)
-    _check_size("seq_len", seq_len)
+    check_int("batch", batch)
+    check_int("seq_len", seq_len)
     return _bits_to_bytes(kv_elements_per_token(cfg) * batch * seq_len * dtype_bits(dtype))
 
 
@@ -114,7 +126,7 @@ def weight_bytes_read(model_cfg: ModelConfig, batch: int = 1, dtype: str | torch
     the token table is tied to the LM head, which reads all of it. An MoE layer reads its router, its shared
     experts and the routed experts the batch touches (``expected_experts_touched``).
     """
-    _check_size("batch", batch)
+    check_int("batch", batch)
     n = model_param_count(model_cfg, active=True)  # all of it but untouched experts and embedding tables
     n += batch * model_cfg.d_model  # the gathered embedding rows
     if model_cfg.is_moe:
@@ -136,6 +148,6 @@ def decode_step_bytes(
 ) -> int:
     """Bytes one decode step reads from memory: the weights (``weight_bytes_read``) and the KV cache of
     ``kv_len`` tokens per sequence. Activations are ignored (a few rows of d_model per token)."""
-    _check_size("kv_len", kv_len)
+    check_int("kv_len", kv_len)
     kv = kv_cache_bytes(model_cfg, batch, kv_len, kv_dtype if kv_dtype is not None else dtype)
     return weight_bytes_read(model_cfg, batch, dtype) + kv

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelConfig
-from .hf_config import from_hf_config
+from ..hf_config import from_hf_config
 
 _LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)

@@ -11,8 +11,11 @@ CACM 2009): the ideal time if compute and memory traffic overlap perfectly; real
 - MLA runs each phase in whichever mode is faster (DeepSeek's own inference decompresses for prefill and
   absorbs for decode); the mode is reported.
 - Memory: the weights plus the KV cache at ``seq_len`` tokens must fit in ``memory_bytes`` (activations and
-  allocator slack are not counted, so these maxima are upper bounds). ``n_devices`` splits weights, KV cache
-  and work evenly over that many devices (ideal tensor parallelism, no communication cost).
+  allocator slack are not counted, so these maxima are upper bounds).
+- Tensor parallelism (``tp`` > 1): every figure is one rank's, computed on its share of the model
+  (``attnlab.cost.parallel.rank_config``: a KV head replicated on several ranks is cached on each, MLA's latent on
+  all), and each phase also waits for its all-reduces over the hardware's interconnect (``tp_comm``), which a
+  tensor-parallel step cannot overlap with the layers that need their result.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MLAConfig, ModelConfig
+from ..config import MLAConfig, ModelConfig, check_int
 from .flops import model_flops
 from .hardware import Hardware, get_hardware
 from .memory import decode_step_bytes, dtype_bits, dtype_name, kv_cache_bytes, weight_bytes_read
+from .parallel import rank_config, tp_comm
 from .params import model_param_count
 
 
@@ -35,13 +39,17 @@ class PhaseCost:
     compute_seconds: float
     memory_seconds: float
     mla_mode: str | None = None  # the MLA mode the figures are for; None for MHA/GQA/MQA
+    comm_bytes: int = 0  # tensor parallelism: payload of the step's all-reduces and all-gathers
+    comm_seconds: float = 0.0  # ... and the time the ring takes on the interconnect
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_seconds, self.memory_seconds)
+        return max(self.compute_seconds, self.memory_seconds) + self.comm_seconds
 
     @property
     def bound(self) -> str:
+        if self.comm_seconds > max(self.compute_seconds, self.memory_seconds):
+            return "interconnect"
         return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
 
     @property
@@ -56,7 +64,7 @@ class Roofline:
     dtype: str
     batch: int
     seq_len: int
-    n_devices: int
+    tp: int  # ranks that split every layer by heads; the byte figures below are one rank's
     prefill: PhaseCost
     decode: PhaseCost
     weight_bytes: int
@@ -85,16 +93,23 @@ def _peak(hw: Hardware, dtype: str) -> float:
     return hw.peak_flops[compute]
 
 
-def _phase(model_cfg: ModelConfig, fn, peak: float, bandwidth: float) -> PhaseCost:
+def step_seconds(hw: Hardware, flops: float, n_bytes: float, dtype: str | torch.dtype) -> float:
+    """The roofline time of ``flops`` and ``n_bytes`` of memory traffic on one ``hw`` device, nothing to communicate
+    (``PhaseCost.seconds``); what a benchmark compares a measured step with."""
+    return PhaseCost(flops, n_bytes, flops / _peak(hw, dtype_name(dtype)), n_bytes / hw.bandwidth).seconds
+
+
+def _phase(model_cfg: ModelConfig, fn, peak: float, bandwidth: float, comm) -> PhaseCost:
     """The phase cost of ``model_cfg``; for MLA the faster of its two modes."""
+    extra = {"comm_bytes": comm.allreduce_bytes + comm.allgather_bytes, "comm_seconds": comm.seconds}
     attn = model_cfg.attention
     if not isinstance(attn, MLAConfig):
         flops, nbytes = fn(model_cfg)
-        return PhaseCost(flops, nbytes, flops / peak, nbytes / bandwidth)
+        return PhaseCost(flops, nbytes, flops / peak, nbytes / bandwidth, **extra)
     costs = []
     for mode in ("naive", "absorbed"):
         flops, nbytes = fn(model_cfg.with_attention(attn.replace(mode=mode)))
-        costs.append(PhaseCost(flops, nbytes, flops / peak, nbytes / bandwidth, mla_mode=mode))
+        costs.append(PhaseCost(flops, nbytes, flops / peak, nbytes / bandwidth, mla_mode=mode, **extra))
     return min(costs, key=lambda c: (c.seconds, c.flops))
 
 
@@ -106,20 +121,21 @@ def roofline(
     seq_len: int = 4096,
     dtype: str | torch.dtype = "bf16",
     kv_dtype: str | torch.dtype | None = None,
-    n_devices: int = 1,
+    tp: int = 1,
 ) -> Roofline:
-    """Prefill and decode time on ``hardware`` and the largest batch / context that fit; see the module docstring."""
+    """Prefill and decode time on ``hardware`` and the largest batch / context that fit, for one of ``tp``
+    tensor-parallel ranks; see the module docstring."""
     if not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
-    for name, value in (("batch", batch), ("seq_len", seq_len), ("n_devices", n_devices)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value in (("batch", batch), ("seq_len", seq_len), ("tp", tp)):
+        check_int(name, value)
     dtype = dtype_name(dtype)
     kv_dtype = dtype if kv_dtype is None else dtype_name(kv_dtype)
-    peak = _peak(hw, dtype) * n_devices
-    bandwidth = hw.bandwidth * n_devices
-    memory = hw.memory_bytes * n_devices
+    peak, bandwidth, memory = _peak(hw, dtype), hw.bandwidth, hw.memory_bytes
+    whole, model_cfg = model_cfg, rank_config(model_cfg, tp)
+    prefill_comm = tp_comm(whole, hw, tp, tokens=batch * seq_len, sampled=batch, dtype=dtype)
+    decode_comm = tp_comm(whole, hw, tp, tokens=batch, sampled=batch, dtype=dtype)
 
     def prefill(cfg: ModelConfig) -> tuple[int, int]:
         flops = model_flops(cfg, batch, seq_len, seq_len, causal=True).total
@@ -138,14 +154,14 @@ def roofline(
     per_sequence = kv_cache_bytes(model_cfg, 1, seq_len, kv_dtype)
     per_token_batch = kv_cache_bytes(model_cfg, batch, 1, kv_dtype)
     return Roofline(
-        model=model_cfg.name,
+        model=whole.name,
         hardware=hw.name,
         dtype=dtype,
         batch=batch,
         seq_len=seq_len,
-        n_devices=n_devices,
-        prefill=_phase(model_cfg, prefill, peak, bandwidth),
-        decode=_phase(model_cfg, decode, peak, bandwidth),
+        tp=tp,
+        prefill=_phase(model_cfg, prefill, peak, bandwidth, prefill_comm),
+        decode=_phase(model_cfg, decode, peak, bandwidth, decode_comm),
         weight_bytes=weights,
         kv_cache_bytes=kv,
         memory_bytes=memory,

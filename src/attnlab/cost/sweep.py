@@ -1,4 +1,5 @@
-"""One model under every attention variant, side by side: what ``attnlab compare`` prints.
+"""One model under every attention variant, side by side: what ``attnlab compare`` prints (``attnlab.bench.compare``
+prints it, draws it and times it; here only the figures).
 
 The variants keep the model's width, query heads and everything outside attention, and change only how
 keys and values are kept:
@@ -9,20 +10,28 @@ keys and values are kept:
   qk_rope_head_dim = d_h / 2, qk_nope_head_dim = v_head_dim = d_h, queries uncompressed, unless given.
   Its cache holds 4.5 d_h values per token per layer: GQA with 2.25 groups.
 
-The model's own configuration is marked ``native``.
+The model's own configuration is marked ``native``. With tensor parallelism (``tp`` > 1) every variant is costed
+per rank (``attnlab.cost.parallel``); a variant whose KV heads cannot be split over tp ranks is left out and
+named in ``skipped``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from ..atomic import save_figure
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from .hardware import Hardware, get_hardware
 from .memory import dtype_name, kv_cache_bytes, kv_elements_per_token
+from .parallel import (
+    allreduce_bytes_per_token_per_layer,
+    check_tp,
+    kv_heads_per_rank,
+    kv_replicas,
+    rank_config,
+    tp_comm,
+)
 from .params import model_param_count, param_count
 from .roofline import roofline
 
@@ -109,8 +118,16 @@ class CompareRow:
     decode_step_bytes: int
     decode_step_seconds: float
     decode_bound: str
-    max_batch: int
+    max_batch: int  # per rank: sequences of seq_len tokens that fit next to its weights
     max_context: int
+    # One of the tp ranks (the same as the figures above when tp = 1):
+    kv_heads_per_rank: int  # KV heads a rank caches (MLA: 1, the latent)
+    kv_replicas: int  # ranks caching each KV head (1: split, tp / n_kv_heads: replicated, MLA: tp)
+    kv_cache_bytes_per_token_per_rank: int  # all layers
+    kv_cache_bytes_per_rank: int  # at batch x seq_len
+    weight_bytes_per_rank: int
+    allreduce_bytes_per_token_per_layer: int  # forward, attention and MLP outputs; 0 when tp = 1
+    decode_comm_seconds: float  # the decode step's share of waiting for the interconnect
 
 
 @dataclass(frozen=True)
@@ -120,10 +137,13 @@ class Comparison:
     dtype: str
     batch: int
     seq_len: int
-    n_devices: int
-    memory_bytes: int
-    weight_bytes: int
+    tp: int
+    memory_bytes: int  # of one device
+    weight_bytes: int  # the native variant's, per rank
     rows: list[CompareRow]
+    skipped: dict[str, str]  # variant label -> why it cannot be split over tp ranks
+    link_bandwidth: float | None = None  # bytes/s per direction on the slowest hop of the tp ring (tp > 1)
+    collectives_per_step: int = 0  # all-reduces and all-gathers per forward; each adds a latency not modelled
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -133,18 +153,25 @@ class Comparison:
         return next(r for r in self.rows if r.native)
 
     def verdict(self) -> str:
+        """One line: the native variant's cache and decode step against the best alternatives (per rank when
+        tp > 1: what one GPU holds, replicas included); ties go to the native variant."""
         native = self.native
-        fastest = min(self.rows, key=lambda r: (r.decode_step_seconds, r.kv_cache_bytes))
-        smallest = min(self.rows, key=lambda r: (r.kv_cache_bytes, r.decode_step_seconds))
-        where = f"{self.batch} x {self.seq_len} tokens on {self.hardware} ({self.dtype})"
-        text = (
-            f"{self.model}, {where}: native {native.label} needs {_gib(native.kv_cache_bytes)} of KV cache and "
-            f"{native.decode_step_seconds * 1e3:.2f} ms per decode step"
+        fastest = min(
+            self.rows, key=lambda r: (r.decode_step_seconds, r.kv_cache_bytes_per_rank, not r.native)
         )
-        if smallest is not native:
-            ratio = native.kv_cache_bytes / smallest.kv_cache_bytes
+        smallest = min(
+            self.rows, key=lambda r: (r.kv_cache_bytes_per_rank, r.decode_step_seconds, not r.native)
+        )
+        where = f"{self.batch} x {self.seq_len} tokens on {self.hardware} ({self.dtype})"
+        per_rank = f" per rank of tp={self.tp}" if self.tp > 1 else ""
+        text = (
+            f"{self.model}, {where}: native {native.label} needs {_gib(native.kv_cache_bytes_per_rank)} of KV cache"
+            f"{per_rank} and {native.decode_step_seconds * 1e3:.2f} ms per decode step"
+        )
+        if smallest.kv_cache_bytes_per_rank < native.kv_cache_bytes_per_rank:
+            ratio = native.kv_cache_bytes_per_rank / smallest.kv_cache_bytes_per_rank
             text += f"; {smallest.label} would shrink the cache {ratio:.1f}x"
-        if fastest is not native:
+        if fastest.decode_step_seconds < native.decode_step_seconds:
             ratio = native.decode_step_seconds / fastest.decode_step_seconds
             text += f", {fastest.label} would decode {ratio:.2f}x faster"
         else:
@@ -152,9 +179,9 @@ class Comparison:
         if self.weight_bytes > self.memory_bytes:
             return (
                 text
-                + f"; the weights ({_gib(self.weight_bytes)}) alone exceed the {_gib(self.memory_bytes)} of memory (try --devices)."
+                + f"; the weights ({_gib(self.weight_bytes)}{per_rank}) alone exceed the {_gib(self.memory_bytes)} of memory (try --tp)."
             )
-        best = max(self.rows, key=lambda r: r.max_batch)
+        best = max(self.rows, key=lambda r: (r.max_batch, r.native))
         return (
             text
             + f"; max batch {native.max_batch} ({best.label}: {best.max_batch}). Quality is not modelled."
@@ -175,18 +202,26 @@ def compare(
     seq_len: int = 4096,
     dtype: str | torch.dtype = "bf16",
     hardware: Hardware | str = "h100",
-    n_devices: int = 1,
+    tp: int = 1,
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int | None = None,
 ) -> Comparison:
-    """Every variant of ``model_cfg`` at ``batch`` x ``seq_len`` tokens on ``hardware``."""
+    """Every variant of ``model_cfg`` at ``batch`` x ``seq_len`` tokens on ``hardware``, per rank of ``tp``."""
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     dtype = dtype_name(dtype)
+    check_tp(model_cfg, tp)  # the native variant must split: it is what the verdict is about
     rows = []
+    skipped: dict[str, str] = {}
     weights = 0
     for v in variants(model_cfg, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim):
-        r = roofline(v.model, hw, batch=batch, seq_len=seq_len, dtype=dtype, n_devices=n_devices)
+        try:
+            check_tp(v.model, tp)
+        except ValueError as err:
+            skipped[v.label] = str(err)
+            continue
+        r = roofline(v.model, hw, batch=batch, seq_len=seq_len, dtype=dtype, tp=tp)
         per_layer = kv_elements_per_token(v.model.attention)
+        local = rank_config(v.model, tp)
         if v.native:
             weights = r.weight_bytes
         rows.append(
@@ -197,7 +232,7 @@ def compare(
                 native=v.native,
                 equivalent_gqa_groups=per_layer / (2 * base_head_dim(model_cfg)),
                 kv_cache_bytes_per_token=kv_cache_bytes(v.model, 1, 1, dtype),
-                kv_cache_bytes=r.kv_cache_bytes,
+                kv_cache_bytes=kv_cache_bytes(v.model, batch, seq_len, dtype),
                 attention_params=v.model.n_layers * param_count(v.model.attention),
                 model_params=model_param_count(v.model),
                 prefill_flops=r.prefill.flops,
@@ -208,69 +243,29 @@ def compare(
                 decode_bound=r.decode.bound,
                 max_batch=r.max_batch,
                 max_context=r.max_context,
+                kv_heads_per_rank=kv_heads_per_rank(v.model.attention, tp),
+                kv_replicas=kv_replicas(v.model.attention, tp),
+                kv_cache_bytes_per_token_per_rank=kv_cache_bytes(local, 1, 1, dtype),
+                kv_cache_bytes_per_rank=r.kv_cache_bytes,
+                weight_bytes_per_rank=r.weight_bytes,
+                allreduce_bytes_per_token_per_layer=allreduce_bytes_per_token_per_layer(v.model, dtype)
+                if tp > 1
+                else 0,
+                decode_comm_seconds=r.decode.comm_seconds,
             )
         )
+    comm = tp_comm(model_cfg, hw, tp, tokens=1, sampled=1)
     return Comparison(
         model=model_cfg.name or "model",
         hardware=hw.name,
         dtype=dtype,
         batch=batch,
         seq_len=seq_len,
-        n_devices=n_devices,
-        memory_bytes=hw.memory_bytes * n_devices,
+        tp=tp,
+        memory_bytes=hw.memory_bytes,
         weight_bytes=weights,
         rows=rows,
+        skipped=skipped,
+        link_bandwidth=comm.link_bandwidth if tp > 1 else None,
+        collectives_per_step=comm.collectives,
     )
-
-
-def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | Path) -> Path:
-    """Two panels: KV cache vs context length per variant; decode latency vs KV heads (the shape of Fig. 6 of
-    the GQA paper, Ainslie et al., arXiv 2305.13245). Written atomically as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"--plot must name a .png file, got {str(path)!r}")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist")
-    fig, (ax_kv, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
-    contexts = [2**k for k in range(9, 18)]
-    for v in variants(model_cfg):
-        sizes = [kv_cache_bytes(v.model, comparison.batch, s, comparison.dtype) / 2**30 for s in contexts]
-        ax_kv.plot(
-            contexts,
-            sizes,
-            marker="o",
-            ms=3,
-            lw=2.5 if v.native else 1.2,
-            label=v.label + (" (native)" if v.native else ""),
-        )
-    free = (comparison.memory_bytes - comparison.weight_bytes) / 2**30
-    if free > 0:
-        ax_kv.axhline(free, color="gray", ls="--", lw=1, label=f"{comparison.hardware} memory after weights")
-    ax_kv.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV cache (GiB)")
-    ax_kv.set_title(f"KV cache, batch {comparison.batch}, {comparison.dtype}")
-    ax_kv.legend(fontsize=7)
-    gqa = [r for r in comparison.rows if r.variant != "mla"]
-    ax_lat.plot(
-        [r.n_kv_heads for r in gqa],
-        [r.decode_step_seconds * 1e3 for r in gqa],
-        marker="o",
-        label="MHA / GQA / MQA",
-    )
-    for r in comparison.rows:
-        if r.native:
-            ax_lat.plot([r.equivalent_gqa_groups], [r.decode_step_seconds * 1e3], "k*", ms=12, label="native")
-    mla = [r for r in comparison.rows if r.variant == "mla"]
-    ax_lat.plot([r.equivalent_gqa_groups for r in mla], [r.decode_step_seconds * 1e3 for r in mla], "s", color="C3",
-                label="MLA (at its equivalent GQA groups)")  # fmt: skip
-    ax_lat.set(xscale="log", xlabel="KV heads", ylabel="decode step (ms)")
-    ax_lat.set_xscale("log", base=2)
-    ax_lat.set_title(f"decode at {comparison.seq_len} tokens on {comparison.hardware}")
-    ax_lat.legend(fontsize=8)
-    fig.suptitle(f"{comparison.model}: attention variants")
-    fig.tight_layout()
-    return save_figure(fig, path)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..attention.gqa import GroupedQueryAttention
 from ..config import AttentionConfig
+from ..hf_config import from_hf_config
 from . import io
 
 _LAYER_MAP = {
@@ -112,29 +113,23 @@ def sentence_embeddings(
 
 
 def encoder_config_from_hf(hf: dict, n_kv_heads: int | None = None) -> EncoderConfig:
+    """The encoder of a BERT config.json (a dict), read by ``attnlab.hf_config`` as the cost model reads it;
+    ``n_kv_heads`` overrides the checkpoint's (an MHA-layout export of a GQA encoder)."""
     if hf.get("model_type") != "bert":
         raise ValueError(f"expected model_type 'bert', got {hf.get('model_type')!r}")
-    if hf.get("hidden_act", "gelu") != "gelu" or hf.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError("only BERT with hidden_act='gelu' and absolute position embeddings is supported")
-    try:
-        attention = AttentionConfig(
-            d_model=hf["hidden_size"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=n_kv_heads,
-            bias=True,
-            rope=False,
-        )
-        return EncoderConfig(
-            vocab_size=hf["vocab_size"],
-            n_layers=hf["num_hidden_layers"],
-            attention=attention,
-            ffn_dim=hf["intermediate_size"],
-            max_position_embeddings=hf.get("max_position_embeddings", 512),
-            type_vocab_size=hf.get("type_vocab_size", 2),
-            norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
-        )
-    except KeyError as err:
-        raise ValueError(f"config.json has no field {err.args[0]}") from None
+    if hf.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: only BERT with 'gelu' is supported")
+    cfg = from_hf_config(hf)  # also refuses position embeddings other than absolute
+    attention = cfg.attention if n_kv_heads is None else cfg.attention.replace(n_kv_heads=n_kv_heads)
+    return EncoderConfig(
+        vocab_size=cfg.vocab_size,
+        n_layers=cfg.n_layers,
+        attention=attention,
+        ffn_dim=cfg.ffn_dim,
+        max_position_embeddings=cfg.n_positions,
+        type_vocab_size=cfg.n_token_types,
+        norm_eps=cfg.norm_eps,
+    )
 
 
 def _hf_key(key: str) -> str | None:
@@ -188,7 +183,11 @@ def load_bert(src: str | Path, n_kv_heads: int | None = None) -> tuple[BertEncod
             f"{src}: tensors do not match config; missing {sorted(expected - set(state))[:4]}, "
             f"extra {sorted(set(state) - expected)[:4]}"
         )
-    model.load_state_dict(state, assign=True)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape contradicts config.json
+        detail = " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
     return model.eval(), extra
 
 

@@ -2,9 +2,10 @@
 ``model_type``: ``load_causal_lm(src)`` gives an attnlab model, ``save_causal_lm(state, cfg, dst, like=src)``
 writes new weights as a checkpoint of the same kind as ``src``.
 
-A family is a loader plus the map from attnlab state-dict names to the checkpoint's tensor names. Today Llama,
-Mistral and Qwen2 (``attnlab.hf.llama``); another family (e.g. DeepSeek-V3 with MLA) is one more entry in
-``FAMILIES``, and training, evaluation and the CLI pick it up without change.
+A family is a loader plus the map from attnlab state-dict names to the checkpoint's tensor names: Llama,
+Mistral and Qwen2 (``attnlab.hf.llama``, GQA/MHA) and dense DeepSeek-V3 (``attnlab.hf.deepseek``, MLA: what
+``attnlab convert --to mla`` writes). Another family is one more entry in ``FAMILIES``; training, evaluation and
+the CLI pick it up without change.
 
 ``save_causal_lm`` writes a checkpoint *like* a source: the same config.json, tensor names, dtypes and shard
 files, every other file (tokenizer, generation config) copied, only the weight values new. That is what
@@ -23,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from . import io, llama
+from . import deepseek, io, llama
 
 _DTYPES = {
     "F64": torch.float64,
@@ -36,18 +37,30 @@ _DTYPES = {
 @dataclass(frozen=True)
 class Family:
     load: Callable[[Path], nn.Module]  # checkpoint directory -> attnlab model (eval mode)
-    to_hf: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]  # (state dict, model cfg)
+    # (state dict, model cfg, the checkpoint's config.json) -> the checkpoint's tensors
+    to_hf: Callable[[dict[str, torch.Tensor], Any, dict], dict[str, torch.Tensor]]
+
+
+def _llama_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf: dict) -> dict[str, torch.Tensor]:
+    return llama.state_dict_to_hf(state, cfg)  # Hugging Face's Llama layout is always half-split
+
+
+def _deepseek_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf: dict) -> dict[str, torch.Tensor]:
+    return deepseek.state_dict_to_hf(state, cfg, rope_interleave=hf.get("rope_interleave", True))
 
 
 FAMILIES: dict[str, Family] = {
-    model_type: Family(load=llama.load_llama, to_hf=llama.state_dict_to_hf)
-    for model_type in llama.ARCHITECTURES
-}
+    model_type: Family(load=llama.load_llama, to_hf=_llama_to_hf) for model_type in llama.ARCHITECTURES
+} | {"deepseek_v3": Family(load=deepseek.load_deepseek, to_hf=_deepseek_to_hf)}
 
 
 def family_of(src: str | Path) -> str:
     """The ``model_type`` of a checkpoint directory, checked to be a causal-LM family attnlab handles."""
-    model_type = io.read_config(src)["model_type"]
+    return _family(io.read_config(src), src)
+
+
+def _family(hf: dict, src: str | Path) -> str:
+    model_type = hf["model_type"]
     if model_type not in FAMILIES:
         raise ValueError(
             f"unsupported model_type {model_type!r} in {Path(src) / 'config.json'}; causal-LM families: "
@@ -89,7 +102,8 @@ def save_causal_lm(
     complete or not at all. Returns ``dst``.
     """
     like, dst = Path(like), Path(dst)
-    new = FAMILIES[family_of(like)].to_hf(state, cfg)
+    hf = io.read_config(like)
+    new = FAMILIES[_family(hf, like)].to_hf(state, cfg, hf)
     files = io.shard_map(like)
     meta = _tensor_meta(like, files)
     unknown = sorted(set(new) - set(files))

@@ -1,4 +1,4 @@
-"""On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert`` calls this.
+"""On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert --to gqa`` (the default).
 
 Llama / Mistral / Qwen2: the result is the same architecture with ``num_key_value_heads`` lowered. The converted
 ``k_proj``/``v_proj`` weights (and biases) are written; every other tensor and file is copied bit for bit, except
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import check_destination
 from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE, Progress, convert_model
 from . import bert, io, llama
@@ -27,17 +28,24 @@ def calibration_batches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Padded batches ``(ids, mask)`` of the lines of the text file ``calib``, tokenised with the source's
     ``tokenizer.json``; padding is on the right (what ``convert_model`` needs for causal decoders)."""
-    from tokenizers import Tokenizer  # a dependency of transformers; needed only for calibration
+    from tokenizers import Tokenizer
 
     calib = Path(calib)
     if not calib.is_file():
         raise FileNotFoundError(f"calibration file not found: {calib}")
     if not (src / "tokenizer.json").is_file():
         raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    try:
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{src / 'tokenizer.json'} cannot be read: {err}") from None
     tok.no_padding()
     tok.enable_truncation(max_tokens)
-    lines = [line.strip() for line in calib.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = calib.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"calibration file {calib} is not UTF-8 text: {err}") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     seqs = sorted((ids for ids in (tok.encode(line).ids for line in lines[:max_lines]) if ids), key=len)
     if not seqs:
         raise ValueError(f"calibration file {calib} has no usable lines")
@@ -64,6 +72,15 @@ def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
         )
 
 
+def check_finite(model: torch.nn.Module) -> None:
+    """A NaN or inf weight would be averaged into every head of its group (or break the fit): refuse it."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise ValueError(
+                f"the checkpoint's tensor {name} holds NaN or inf values; it cannot be converted"
+            )
+
+
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -83,12 +100,14 @@ def convert_checkpoint(
     src, dst = Path(src), Path(dst)
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
-    if src.resolve() == dst.resolve() or src.resolve() in dst.resolve().parents:
+    if calib is not None and method not in DATA_AWARE:
         raise ValueError(
-            f"destination {dst} must be outside the source {src} (a conversion never modifies it)"
+            f"--calib is read only by --method {' / '.join(DATA_AWARE)}; --method {method} would ignore {calib}"
         )
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"destination exists: {dst} (pass --overwrite to replace it)")
+    if method in DATA_AWARE and calib is None:
+        raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
+    # Checked again when writing; here so that a refused destination costs no loading.
+    check_destination(dst, (src,), overwrite=overwrite)
     hf = io.read_config(src)
     model_type = hf["model_type"]
     if model_type == "bert":
@@ -101,9 +120,8 @@ def convert_checkpoint(
         )
     attn = model.cfg.attention
     _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
-    if method in DATA_AWARE and calib is None:
-        raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
-    batches = calibration_batches(src, calib) if calib is not None and method in DATA_AWARE else None
+    check_finite(model)
+    batches = calibration_batches(src, calib) if calib is not None else None
     model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
     converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
 
@@ -129,10 +147,10 @@ def convert_checkpoint(
             tensors[key] = new[name].to(value.dtype).contiguous()
             rewritten.append(key)
     weight_names = set(files.values()) | {io.INDEX, "config.json"}
-    with io.atomic_dir(dst, overwrite) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
         io.write_tensors(tmp, tensors, files)
         io.write_config(tmp, new_hf)
-        io.copy_other_files(src, tmp, skip=weight_names)
+        left_out = io.copy_other_files(src, tmp, skip=weight_names)
     head_dim = attn.head_dim
     return {
         "src": str(src),
@@ -149,43 +167,6 @@ def convert_checkpoint(
         "tensors_rewritten": len(rewritten),
         "tensors_copied": len(tensors) - len(rewritten),
         "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches else 0,
+        # weight files of the source (other formats, other safetensors) that would contradict the new weights
+        "files_left_out": left_out,
     }
-
-
-def run_convert(
-    src: str | Path,
-    dst: str | Path,
-    n_kv_heads: int,
-    method: str,
-    *,
-    calib: str | Path | None = None,
-    overwrite: bool = False,
-    as_json: bool = False,
-) -> dict:
-    """``attnlab convert``: convert, then print the summary as a table (or JSON)."""
-    import json
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn(f"converting layers ({method})"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=not err.is_terminal,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("layers", total=None)
-        summary = convert_checkpoint(
-            src, dst, n_kv_heads, method, calib=calib, overwrite=overwrite,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )  # fmt: skip
-    if as_json:
-        print(json.dumps(summary, indent=2))
-        return summary
-    table = Table(title=f"attnlab convert: {summary['model_type']} -> {n_kv_heads} KV heads ({method})")
-    table.add_column("field")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, str(value))
-    Console().print(table)
-    return summary

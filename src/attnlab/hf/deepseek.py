@@ -33,7 +33,7 @@ import torch
 
 from ..attention.rope import interleaved_to_half_split
 from ..config import MLAConfig, ModelConfig
-from ..cost.hf_config import from_hf_config
+from ..hf_config import from_hf_config, to_hf_config
 from ..model import Transformer
 from . import io
 from .llama import _LAYER_MAP, attnlab_to_hf_key, check_default_rope, hf_to_attnlab_key, model_from_state
@@ -98,23 +98,7 @@ def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, rope_interl
     hf.update(
         model_type="deepseek_v3",
         architectures=[ARCHITECTURE],
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=attn.n_heads,
-        num_key_value_heads=attn.n_heads,
-        q_lora_rank=attn.q_lora_rank or None,
-        kv_lora_rank=attn.kv_lora_rank,
-        qk_nope_head_dim=attn.qk_nope_head_dim,
-        qk_rope_head_dim=attn.qk_rope_head_dim,
-        v_head_dim=attn.v_head_dim,
-        attention_bias=attn.bias,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": attn.rope_theta},
+        **to_hf_config(cfg),
         rope_interleave=rope_interleave,
         # Dense: no routed or shared experts, every layer below first_k_dense_replace.
         first_k_dense_replace=cfg.n_layers,
@@ -161,13 +145,20 @@ def state_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
 
 def state_to_hf(model: Transformer, rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 tensors of an attnlab MLA model (``lm_head`` omitted when embeddings are tied)."""
+    return state_dict_to_hf(model.state_dict(), model.cfg, rope_interleave)
+
+
+def state_dict_to_hf(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 tensors of an attnlab MLA state dict (e.g. gathered from a sharded model) of config ``cfg``."""
     out = {}
-    for name, value in model.state_dict().items():
-        if name == "output.weight" and model.cfg.tie_embeddings:
+    for name, value in state.items():
+        if name == "output.weight" and cfg.tie_embeddings:
             continue
         value = value.detach()
         if rope_interleave:
-            value = permute_rotary_rows(name, value, model.cfg.attention, False)
+            value = permute_rotary_rows(name, value, cfg.attention, False)
         out[attnlab_to_hf_key(name, _LAYER)] = value.clone()
     return out
 

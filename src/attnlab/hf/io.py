@@ -2,25 +2,50 @@
 
 Only safetensors are read (a pickled ``pytorch_model.bin`` can run code when loaded). Weights may be one
 ``model.safetensors`` or shards listed by ``model.safetensors.index.json``; a written checkpoint keeps the
-source's shard layout. A destination is built in a temporary sibling directory and renamed into place, so a
-failed or interrupted write leaves no partial checkpoint behind.
+source's shard layout. A destination is written with ``attnlab.atomic.atomic_dir`` (re-exported here): built in a
+temporary sibling directory and renamed into place, so a failed or interrupted write leaves no partial checkpoint.
+
+A file that is not a readable safetensors file (empty, truncated, corrupt) is a ``ValueError`` naming it; a
+failed write (disk full, permission) is an ``OSError`` naming the destination.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
+import os
+import re
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from ..atomic import atomic_dir as atomic_dir  # the writer of every checkpoint directory (re-exported)
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# Files that hold weights in some framework's format (PyTorch pickles, safetensors, GGUF/GGML, TensorFlow,
+# Flax, ONNX, rust-bert, NumPy). A converted checkpoint must not carry the source's copies of them.
+WEIGHT_SUFFIXES = (
+    ".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".gguf", ".ggml", ".h5", ".msgpack", ".onnx", ".onnx_data",
+    ".ot", ".npz", ".tflite",
+)  # fmt: skip
+# Directories of tools, not of the model: git metadata and huggingface_hub's download cache (whose hashes
+# describe the source's files).
+TOOL_DIRS = (".git", ".cache")
+
+
+def _open(path: Path) -> Any:
+    """``safe_open`` with a ValueError naming the file when it is not a readable safetensors file."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}); re-download or re-export it"
+        ) from None
 
 
 def read_config(src: str | Path) -> dict:
@@ -50,12 +75,18 @@ def shard_map(src: str | Path) -> dict[str, str]:
             weight_map = json.loads((src / INDEX).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"malformed {src / INDEX}: {err}") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"malformed {src / INDEX}: weight_map must map tensor names to file names")
         for name in set(weight_map.values()):
+            if Path(name).name != name:
+                raise ValueError(f"{src / INDEX} lists {name!r}, which is not a file name in {src}")
             if not (src / name).is_file():
                 raise ValueError(f"{src / INDEX} lists {name}, which is missing")
         return dict(weight_map)
     if (src / SINGLE).is_file():
-        with safe_open(src / SINGLE, framework="pt") as f:
+        with _open(src / SINGLE) as f:
             return dict.fromkeys(f.keys(), SINGLE)
     pickled = sorted(p.name for p in src.glob("*.bin")) + sorted(p.name for p in src.glob("*.pt"))
     if pickled:
@@ -69,9 +100,12 @@ def read_tensors(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     files = shard_map(src)
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(set(files.values())):
-        with safe_open(src / name, framework="pt") as f:
+        with _open(src / name) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[key] = f.get_tensor(key)
+                try:
+                    tensors[key] = f.get_tensor(key)
+                except SafetensorError as err:
+                    raise ValueError(f"{src / name}: tensor {key!r} cannot be read ({err})") from None
     missing = set(files) - set(tensors)
     if missing:
         raise ValueError(f"{src}: the index lists tensors no shard holds: {sorted(missing)[:5]}")
@@ -85,7 +119,12 @@ def write_tensors(dst: Path, tensors: dict[str, torch.Tensor], files: dict[str, 
         raise ValueError("write_tensors: the shard map and the tensors name different keys")
     for name in sorted(set(files.values())):
         shard = {k: tensors[k].contiguous() for k, f in files.items() if f == name}
-        save_file(shard, str(dst / name), metadata={"format": "pt"})
+        try:
+            save_file(shard, str(dst / name), metadata={"format": "pt"})
+        except SafetensorError as err:  # the Rust writer reports I/O errors as "... (os error N)"
+            code = re.search(r"os error (\d+)", str(err))
+            number = int(code.group(1)) if code else errno.EIO
+            raise OSError(number, os.strerror(number), str(dst / name)) from err
     if len(set(files.values())) > 1 or SINGLE not in files.values():
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(files.items()))}
@@ -96,34 +135,36 @@ def write_config(dst: Path, cfg: dict) -> None:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def copy_other_files(src: Path, dst: Path, skip: set[str]) -> None:
-    """Copy everything in ``src`` except the names in ``skip`` (tokenizer, generation config, ...) unchanged."""
-    for path in src.iterdir():
-        if path.name in skip:
-            continue
-        if path.is_dir():
-            shutil.copytree(path, dst / path.name)
-        else:
-            shutil.copy2(path, dst / path.name)
+def is_weight_file(name: str) -> bool:
+    """A weight file of some framework, or the index of one (``pytorch_model.bin.index.json``)."""
+    return name.endswith(WEIGHT_SUFFIXES) or (
+        name.endswith(".index.json") and name[: -len(".index.json")].endswith(WEIGHT_SUFFIXES)
+    )
 
 
-@contextlib.contextmanager
-def atomic_dir(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``dst`` when the block succeeds (removed if it fails)."""
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"destination exists: {dst} (pass --overwrite / overwrite=True to replace it)")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        yield tmp
-        if dst.exists():  # overwrite: move the old one aside first, so dst is never half-written
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            dst.rename(old / dst.name)
-            tmp.rename(dst)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
+    """Copy everything in ``src`` except the names in ``skip`` (tokenizer, generation config, ...) unchanged.
+
+    Weight files (``WEIGHT_SUFFIXES``, their indexes) and tool directories (``TOOL_DIRS``) are never copied: they
+    hold or describe the source's weights, which the written ones replace. Returns those left out (relative
+    paths). Files are copied by content (a symlink, as in a Hugging Face cache snapshot, yields its target).
+    """
+    left_out: list[str] = []
+
+    def walk(src_dir: Path, dst_dir: Path, rel: str) -> None:
+        for path in sorted(src_dir.iterdir()):
+            name = rel + path.name
+            if not rel and path.name in skip:
+                continue
+            if path.name in TOOL_DIRS and path.is_dir():
+                left_out.append(name + "/")
+            elif path.is_dir():
+                (dst_dir / path.name).mkdir()
+                walk(path, dst_dir / path.name, name + "/")
+            elif is_weight_file(path.name):
+                left_out.append(name)
+            else:
+                shutil.copyfile(path, dst_dir / path.name)
+
+    walk(src, dst, "")
+    return left_out

@@ -27,7 +27,7 @@ import torch
 
 from ..attention.rope import interleaved_to_half_split
 from ..config import AttentionConfig, ModelConfig
-from ..cost.hf_config import from_hf_config
+from ..hf_config import from_hf_config, to_hf_config
 from ..model import Transformer
 from . import io
 
@@ -59,7 +59,7 @@ def check_default_rope(hf: dict) -> None:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The ``ModelConfig`` of a Llama / Mistral / Qwen2 config.json (a dict), read by ``cost.from_hf_config``
+    """The ``ModelConfig`` of a Llama / Mistral / Qwen2 config.json (a dict), read by ``attnlab.hf_config``
     after the checks that an exact weight conversion needs."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -88,22 +88,7 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "llama", base: dict
     if model_type != "qwen2" and attn.has_out_bias != attn.bias:
         raise ValueError(f"{model_type} puts attention_bias on q, k, v and o alike; out_bias must equal bias")
     hf = dict(base or {})
-    hf.update(
-        model_type=model_type,
-        architectures=[ARCHITECTURES[model_type]],
-        hidden_size=cfg.d_model,
-        num_attention_heads=attn.n_heads,
-        num_key_value_heads=attn.n_kv_heads,
-        head_dim=attn.head_dim,
-        num_hidden_layers=cfg.n_layers,
-        intermediate_size=cfg.ffn_dim,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        hidden_act="silu",
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": attn.rope_theta},
-    )
+    hf.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], **to_hf_config(cfg))
     hf.pop("rope_scaling", None)
     hf.pop("rope_theta", None)
     if model_type == "llama":
@@ -209,7 +194,11 @@ def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.T
         raise ValueError(
             f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
         )
-    model.load_state_dict(state, assign=True)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape contradicts config.json
+        detail = " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model.eval()

@@ -10,14 +10,20 @@ Calibration: ``calib`` is a UTF-8 text file, tokenised with the source's ``token
 ``attnlab convert --kv-heads`` (``hf.checkpoint.calibration_batches``). Without it, random token ids (seeded)
 stand in: enough to set the scale of the latent norm, but a poor guide to what the model attends to.
 The summary reports the error of every step on the calibration batches.
+
+Destination rules are ``attnlab.atomic``'s (checked before anything is loaded): not the source, not inside it,
+not containing it; an existing one only with ``overwrite``. Weight files of the source that the conversion did
+not write (other formats, other safetensors) are left out and listed in the summary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from ..atomic import check_destination
 from ..convert.mla import check_target, rope_planes
 from ..convert.mla_model import (
     choose_stride,
@@ -27,7 +33,11 @@ from ..convert.mla_model import (
     logit_distance,
 )
 from . import deepseek, io, llama
-from .checkpoint import calibration_batches
+from .checkpoint import calibration_batches, check_finite
+
+# (stage, layers done, layers in all): called after each layer of each pass over the model
+StageProgress = Callable[[str, int, int], None]
+STAGES = ("choosing planes", "converting", "latent norm", "measuring errors")
 
 
 def random_batches(
@@ -36,6 +46,10 @@ def random_batches(
     """Token-id batches drawn uniformly from the vocabulary: calibration when no text is given."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (batch, length), generator=gen) for _ in range(n)]
+
+
+def _stage(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:
+    return None if progress is None else lambda done, total: progress(stage, done, total)
 
 
 def convert_checkpoint_to_mla(
@@ -52,22 +66,20 @@ def convert_checkpoint_to_mla(
     balance: bool = True,
     overwrite: bool = False,
     seed: int = 0,
+    progress: StageProgress | None = None,
 ) -> dict:
     """Convert the Llama-family checkpoint in ``src`` to a DeepSeek-V3 MLA checkpoint in ``dst``; returns a
     summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors, logit distances).
     ``planes``, ``rorope``, ``weighting``, ``mean_phase``: as ``convert.convert_model_to_mla``; ``balance``: as
-    ``convert.fold_latent_norms``.
+    ``convert.fold_latent_norms``. ``progress(stage, done, total)`` is called after each layer of each pass
+    (``STAGES``).
 
     Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim) raise
     ValueError before anything is written.
     """
     src, dst = Path(src), Path(dst)
-    if src.resolve() == dst.resolve() or src.resolve() in dst.resolve().parents:
-        raise ValueError(
-            f"destination {dst} must be outside the source {src} (a conversion never modifies it)"
-        )
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"destination exists: {dst} (pass --overwrite to replace it)")
+    # Checked again when writing; here so that a refused destination costs no loading.
+    check_destination(dst, (src,), overwrite=overwrite)
     hf = io.read_config(src)
     if hf["model_type"] not in llama.ARCHITECTURES:
         raise ValueError(
@@ -78,11 +90,17 @@ def convert_checkpoint_to_mla(
     attn_cfg = cfg.attention
     rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim)
     model = llama.load_llama(src)
+    check_finite(model)
     dtype = model.tok_embeddings.weight.dtype
     model = model.float()
-    batches = calibration_batches(src, calib) if calib is not None else random_batches(cfg.vocab_size, seed)
+    if calib is not None:
+        batches = calibration_batches(src, calib)
+    else:  # no longer than the positions the model was made for
+        batches = random_batches(cfg.vocab_size, seed, length=min(64, cfg.max_seq_len))
 
-    stride = choose_stride(model, rope_dim, planes, calib=batches, rorope=rorope)
+    stride = choose_stride(
+        model, rope_dim, planes, calib=batches, rorope=rorope, progress=_stage(progress, STAGES[0])
+    )
     mla = convert_model_to_mla(
         model,
         kv_lora_rank,
@@ -92,9 +110,12 @@ def convert_checkpoint_to_mla(
         rorope=rorope,
         weighting=weighting,
         mean_phase=mean_phase,
+        progress=_stage(progress, STAGES[1]),
     )
-    native, norm_stats = fold_latent_norms(mla, batches, balance=balance)
-    errors = layer_errors(model, mla, batches)
+    native, norm_stats = fold_latent_norms(
+        mla, batches, balance=balance, progress=_stage(progress, STAGES[2])
+    )
+    errors = layer_errors(model, mla, batches, progress=_stage(progress, STAGES[3]))
     summary = {
         "src": str(src),
         "dst": str(dst),
@@ -106,6 +127,7 @@ def convert_checkpoint_to_mla(
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
+        "rope_stride": stride,
         "rope_planes": rope_planes(attn_cfg.head_dim, rope_dim, stride).tolist() if attn_cfg.rope else [],
         "rope_theta": native.cfg.attention.rope_theta,
         "kv_values_per_token_before": 2 * cfg.n_layers * attn_cfg.n_kv_heads * attn_cfg.head_dim,
@@ -123,8 +145,9 @@ def convert_checkpoint_to_mla(
     native = native.to(dtype)
     tensors = deepseek.state_to_hf(native)
     files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
-    with io.atomic_dir(dst, overwrite) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
         io.write_tensors(tmp, tensors)
         io.write_config(tmp, deepseek.hf_config_from_model(native.cfg, hf))
-        io.copy_other_files(src, tmp, skip=files)
+        # weight files of the source (other formats, other safetensors) that would contradict the new weights
+        summary["files_left_out"] = io.copy_other_files(src, tmp, skip=files)
     return summary

@@ -1,11 +1,14 @@
 """Data parallelism on PyTorch's own engines, applied from outside the model and the loop.
 
 ``setup()`` reads what ``torchrun`` put in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...),
-starts the process group (NCCL on GPUs, gloo on CPUs) and names the one mesh axis "dp" with
-``init_device_mesh``. ``parallelize`` wraps the model with ``DistributedDataParallel`` or, with ``fsdp``, shards
-every transformer block and then the root with FSDP2's ``fully_shard`` (parameters, gradients and optimizer
-state split over the ranks; a block's full weights exist only while it runs). Without torchrun everything is a
-no-op on one process. Multi-node runs are torchrun's business: the same command under
+starts the process group (NCCL on GPUs, gloo on CPUs) and names the mesh axes with ``init_device_mesh``: one axis
+"dp", or with tensor parallelism (``tp`` > 1) a 2-D (dp, tp) mesh whose consecutive ranks form a tp group.
+``parallelize`` wraps the model with ``DistributedDataParallel`` or, with ``fsdp``, shards every transformer block
+and then the root with FSDP2's ``fully_shard`` (parameters, gradients and optimizer state split over the ranks; a
+block's full weights exist only while it runs). With tp > 1 it first splits the heads over the "tp" axis
+(``attnlab.parallel.apply_tp``); data parallelism over "dp" is then FSDP2 (torchtitan's 2-D FSDP + TP; DDP does not
+take DTensor parameters). Ranks of one tp group read the same batch. Without torchrun everything is a no-op on one
+process. Multi-node runs are torchrun's business: the same command under
 ``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m attnlab uptrain ...``.
 """
 
@@ -28,8 +31,9 @@ class Env:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: Any = None  # DeviceMesh with the axis "dp", or None on one process
+    mesh: Any = None  # DeviceMesh with the axis "dp" (and "tp" when tp > 1), or None on one process
     owns_group: bool = False  # whether setup() started the process group (and teardown() ends it)
+    tp: int = 1  # ranks that split each layer's heads (tensor parallelism)
 
     @property
     def is_main(self) -> bool:
@@ -41,16 +45,36 @@ class Env:
         """Whether collectives run: under torchrun (``setup`` made a mesh), never for ``ONE_PROCESS``."""
         return self.mesh is not None
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: groups of ``tp`` ranks that each read their own share of a batch."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp  # the (dp, tp) mesh is row-major: a tp group is tp consecutive ranks
+
+    @property
+    def dp_mesh(self) -> Any:
+        return self.mesh["dp"] if self.tp > 1 else self.mesh
+
 
 ONE_PROCESS = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
-def setup() -> Env:
-    """The process's place in the job (one process when not launched by torchrun)."""
+def setup(tp: int = 1) -> Env:
+    """The process's place in the job (one process when not launched by torchrun); ``tp`` ranks split each layer."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized():
+        world = dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if world % tp:  # checked on every rank before any collective, so all of them stop
+        raise ValueError(
+            f"--tp {tp} must divide the number of ranks ({world}); launch with torchrun --nproc-per-node "
+            f"{tp} (or a multiple of it: the rest is data parallelism)"
+        )
     if world == 1 and "RANK" not in os.environ and not dist.is_initialized():
         return Env(rank=0, world_size=1, local_rank=0, device=device)
     owns = not dist.is_initialized()
@@ -60,8 +84,11 @@ def setup() -> Env:
         dist.init_process_group("nccl" if cuda else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    return Env(dist.get_rank(), dist.get_world_size(), local_rank, device, mesh, owns)
+    if tp == 1:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    else:
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Env(dist.get_rank(), world, local_rank, device, mesh, owns, tp)
 
 
 def teardown(env: Env) -> None:
@@ -69,19 +96,31 @@ def teardown(env: Env) -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:
-    """The model as the loop trains it: itself (one process), DDP, or FSDP2-sharded (``fsdp``)."""
-    if fsdp:
-        if env.mesh is None:
-            raise ValueError(
-                "--fsdp shards the model over ranks: launch with torchrun (see docs/uptraining.md)"
-            )
-        from torch.distributed.fsdp import fully_shard
+def uses_fsdp(env: Env, fsdp: bool) -> bool:
+    """Whether data parallelism is FSDP2: asked for, or implied by tensor parallelism with several replicas."""
+    return fsdp or (env.tp > 1 and env.dp_size > 1)
 
-        for block in model.layers:  # one all-gather per block, freed after it runs (torchtitan's plan)
-            fully_shard(block, mesh=env.mesh)
-        return fully_shard(model, mesh=env.mesh)
-    if env.world_size == 1:
+
+def _fully_shard(model: nn.Module, env: Env) -> nn.Module:
+    if env.mesh is None:
+        raise ValueError("--fsdp shards the model over ranks: launch with torchrun (see docs/uptraining.md)")
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:  # one all-gather per block, freed after it runs (torchtitan's plan)
+        fully_shard(block, mesh=env.dp_mesh)
+    return fully_shard(model, mesh=env.dp_mesh)
+
+
+def parallelize(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:
+    """The model as the loop trains it: itself (one process), DDP, FSDP2-sharded (``fsdp``), or split by heads
+    over the "tp" axis and then, with several data-parallel replicas, FSDP2-sharded over "dp"."""
+    if env.tp > 1:
+        from ..parallel import apply_tp
+
+        apply_tp(model, env.mesh["tp"])
+    if uses_fsdp(env, fsdp):
+        return _fully_shard(model, env)
+    if env.world_size == 1 or env.tp > 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -89,9 +128,9 @@ def parallelize(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:
 
 
 def shard_frozen(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:
-    """A model that only runs forward (the distillation teacher): sharded like the student under FSDP, else
-    a full copy per rank (DDP has nothing to synchronise without gradients)."""
-    return parallelize(model, env, fsdp=True) if fsdp else model
+    """A model that only runs forward (the distillation teacher): FSDP2-sharded over "dp" when the student is,
+    else a full copy per rank (DDP has nothing to synchronise without gradients; its heads are not split)."""
+    return _fully_shard(model, env) if uses_fsdp(env, fsdp) else model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -114,11 +153,35 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def all_reduce_sum(x: torch.Tensor, env: Env) -> torch.Tensor:
-    """Sum of ``x`` over the ranks (``x`` itself on one process)."""
+    """Sum of ``x`` over the data-parallel replicas (``x`` itself on one process); the ranks of a tp group hold the
+    same value, which is counted once."""
     if env.distributed:
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=env.dp_mesh.get_group() if env.tp > 1 else None)
     return x
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their total 2-norm is at most ``max_norm``; returns the norm before (a plain
+    tensor). Unlike ``torch.nn.utils.clip_grad_norm_``, the gradients may be DTensors on different meshes (tensor
+    parallelism puts weights on "tp", on a (kv, rep) view of it and, with FSDP2, on "dp" too): each mesh's norm is
+    completed with one collective, and only the plain sums of squares are combined."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    coef = min(1.0, max_norm / (float(total) + 1e-6))  # the epsilon of torch's clip_grad_norm_
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total.float()
 
 
 def broadcast_object(obj: Any, env: Env) -> Any:

@@ -43,12 +43,12 @@ def evaluate(
 ) -> dict:
     """Loss, perplexity and bits per byte of ``model`` (tokens (B, T) -> logits (B, T, vocab)) on ``stream``.
 
-    Under torchrun each rank scores a share of the windows and the sums are reduced; every rank runs the same
-    number of forward passes (a sharded model needs all of them), padding its share with zero-weight windows.
+    Under torchrun each data-parallel replica scores a share of the windows and the sums are reduced; every rank runs
+    the same number of forward passes (a sharded model needs all of them), padding its share with zero-weight windows.
     """
     index = eval_windows(stream, seq_len, max_windows)
-    share = -(-len(index) // env.world_size)
-    mine = index[env.rank :: env.world_size]
+    share = -(-len(index) // env.dp_size)
+    mine = index[env.dp_rank :: env.dp_size]  # the ranks of a tp group score the same windows together
     weight = torch.cat((torch.ones(len(mine)), torch.zeros(share - len(mine))))
     mine = torch.cat((mine, index[: share - len(mine)]))
     was_training = model.training

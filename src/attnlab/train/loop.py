@@ -6,9 +6,10 @@ clipping, an AdamW step at the learning rate of ``learning_rate(step)``, a log l
 evaluation and a checkpoint. At the end DST is written atomically, a checkpoint like SRC.
 
 Batches: optimizer step ``s`` consumes the samples ``s*G ... (s+1)*G - 1`` of the training order
-(``attnlab.data.sample_windows``), G = batch_size x ranks x grad_accum; micro-step ``m`` of rank ``r`` takes
-the ``batch_size`` samples starting at ``s*G + (m*ranks + r)*batch_size``. One process with batch 2B and two
-ranks with batch B therefore see the same samples at every step (a DistributedSampler-style shard of each batch).
+(``attnlab.data.sample_windows``), G = batch_size x replicas x grad_accum; micro-step ``m`` of data-parallel replica
+``r`` takes the ``batch_size`` samples starting at ``s*G + (m*replicas + r)*batch_size``. One process with batch 2B
+and two replicas with batch B therefore see the same samples at every step (a DistributedSampler-style shard of
+each batch). A replica is one rank, or with ``--tp N`` a group of N ranks that split the heads and read one batch.
 
 Objective: next-token cross-entropy; with a teacher, ``(1 - w) * CE + w * T^2 * KL(teacher || student)`` on
 logits softened by the temperature T (Hinton et al. 2015, arXiv 1503.02531).
@@ -139,10 +140,10 @@ def _resume_point(opts: UptrainOptions, env: distributed.Env) -> Path | None:
                 if was != now:
                     flag = "--" + name.replace("_", "-")
                     return "error", f"--resume: {flag} was {was!r} in the interrupted run, now {now!r}"
-            if saved["global_batch"] != opts.batch_size * env.world_size * opts.grad_accum:
+            if saved["global_batch"] != opts.batch_size * env.dp_size * opts.grad_accum:
                 return "error", (
-                    f"--resume: the global batch (batch size x ranks x grad accum) was {saved['global_batch']}, "
-                    f"now {opts.batch_size * env.world_size * opts.grad_accum}"
+                    f"--resume: the global batch (batch size x data-parallel replicas x grad accum) was "
+                    f"{saved['global_batch']}, now {opts.batch_size * env.dp_size * opts.grad_accum}"
                 )
             return "ok", str(found[-1])
         if found and not opts.overwrite:
@@ -163,6 +164,10 @@ def prepare(opts: UptrainOptions, env: distributed.Env) -> Prepared:
     _check_paths(opts)
     model_type = family_of(opts.src)
     model = load_causal_lm(opts.src).float()
+    if opts.tp > 1:
+        from ..parallel import check_tp
+
+        check_tp(model.cfg, opts.tp)  # on every rank, before a collective touches the model
     if opts.seq_len > model.cfg.max_seq_len:
         raise ValueError(
             f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings {model.cfg.max_seq_len}"
@@ -178,8 +183,8 @@ def prepare(opts: UptrainOptions, env: distributed.Env) -> Prepared:
 def _batch(
     stream: data.TokenStream, opts: UptrainOptions, env: distributed.Env, step: int, micro: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    global_batch = opts.batch_size * env.world_size * opts.grad_accum
-    first = step * global_batch + (micro * env.world_size + env.rank) * opts.batch_size
+    global_batch = opts.batch_size * env.dp_size * opts.grad_accum
+    first = step * global_batch + (micro * env.dp_size + env.dp_rank) * opts.batch_size
     windows = data.sample_windows(
         stream.n_windows(opts.seq_len), opts.seed, torch.arange(first, first + opts.batch_size)
     )
@@ -189,7 +194,7 @@ def _batch(
 
 def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
     """Run (or resume) an uptraining; returns the summary (also written to DST/uptrain.json)."""
-    env = distributed.setup()
+    env = distributed.setup(opts.tp)
     try:
         return _uptrain(opts, env, progress)
     finally:
@@ -222,7 +227,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
     distributed.barrier(env)
     if prep.resume_from is not None:
         step = resumed = checkpoint.load_checkpoint(prep.resume_from, model, optimizer, env)["step"]
-    global_batch = opts.batch_size * env.world_size * opts.grad_accum
+    global_batch = opts.batch_size * env.dp_size * opts.grad_accum
     log = StepLog(run / "log.jsonl", first_step=step, total=opts.steps, show=progress, env=env)
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=opts.dtype == "bf16")
     scored = {"batch_size": opts.batch_size, "max_windows": opts.eval_windows, "env": env}
@@ -257,17 +262,13 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
                         loss = (1.0 - opts.distill_weight) * ce + opts.distill_weight * kl
                     (loss / opts.grad_accum).backward()
                 sums += torch.stack((loss, ce, kl)).detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
+            grad_norm = distributed.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], opts.grad_clip or float("inf")
             )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            loss, ce, kl = (
-                distributed.all_reduce_sum(sums, env) / (opts.grad_accum * env.world_size)
-            ).tolist()
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-                grad_norm = grad_norm.full_tensor()
+            loss, ce, kl = (distributed.all_reduce_sum(sums, env) / (opts.grad_accum * env.dp_size)).tolist()
             record = {"step": step, "lr": lr, "loss": loss, "ce": ce, "grad_norm": float(grad_norm)}
             if teacher is not None:
                 record["distill"] = kl
@@ -276,7 +277,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
             log.step(record, tokens=global_batch * opts.seq_len, seconds=time.perf_counter() - tick)
             if opts.save_every and step % opts.save_every == 0 and step < opts.steps:
                 meta = {"samples": step * global_batch, "global_batch": global_batch}
-                meta |= {"world_size": env.world_size, "options": opts.to_json()}
+                meta |= {"world_size": env.world_size, "tp": env.tp, "options": opts.to_json()}
                 checkpoint.save_checkpoint(run, step, model, optimizer, env, meta, opts.keep)
 
     final = held_out()
@@ -290,7 +291,8 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
         "steps": opts.steps,
         "resumed_from_step": resumed if prep.resume_from is not None else None,
         "world_size": env.world_size,
-        "fsdp": opts.fsdp,
+        "tp": env.tp,
+        "fsdp": distributed.uses_fsdp(env, opts.fsdp),
         "global_batch": global_batch,
         "tokens_per_step": global_batch * opts.seq_len,
         "train": opts.train,

@@ -65,6 +65,7 @@ class UptrainOptions:
     train: str = "all"
     dtype: str = "fp32"
     fsdp: bool = False
+    tp: int = 1  # ranks that split each layer's heads (tensor parallelism); the rest is data parallelism
     overwrite: bool = False
     run_dir: Path | None = None  # None: DST.run beside DST
 
@@ -85,6 +86,7 @@ class UptrainOptions:
             ("save_every", 0),
             ("eval_every", 0),
             ("eval_windows", 0),
+            ("tp", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

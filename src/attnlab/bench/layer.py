@@ -15,14 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ..cache import KVCache
 from ..config import AttentionConfig
-from .flops import attention_flops
-from .hardware import Hardware, measure_local
-from .memory import dtype_bits, dtype_name, kv_cache_bytes
-from .params import param_count
-from .sweep import Variant
-
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from ..cost import Hardware, Variant, attention_flops, dtype_bits, dtype_name, kv_cache_bytes, param_count
+from ..cost.memory import TORCH_DTYPES
+from ..cost.roofline import step_seconds
+from .machine import measure_local, memory_bytes
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ def predict_layer(
     cfg = variant.model.attention
     flops = attention_flops(cfg, batch, 1, seq_len).total
     nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
-    return flops, nbytes, max(flops / hw.peak_flops[dtype], nbytes / hw.bandwidth)
+    return flops, nbytes, step_seconds(hw, flops, nbytes, dtype)
 
 
 def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, min_seconds: float) -> float:
@@ -56,11 +54,17 @@ def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, m
     layer = layer.to_empty(device="cpu").to(dtype)
     layer.init_weights()
     cache = layer.new_cache(batch, seq_len)
+    held = seq_len - 1  # cached tokens, zeros: their values do not change the work
+    if isinstance(cache, KVCache):
+        blank = torch.zeros(batch, cache.n_kv_heads, held, cache.head_dim, dtype=dtype)
+        cache.update(blank, blank)
+    else:
+        cache.update(torch.zeros(batch, held, cache.kv.shape[-1], dtype=dtype))
     x = torch.randn(batch, 1, cfg.d_model, dtype=dtype)
     times: list[float] = []
     with torch.inference_mode():
         for i in range(200):
-            cache.pos = seq_len - 1  # the cached tokens' values do not change the work
+            cache.crop(held)  # drop the previous step's token
             start = time.perf_counter()
             layer(x, cache=cache)
             elapsed = time.perf_counter() - start
@@ -71,6 +75,19 @@ def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, m
     return min(times)  # best of, like the bandwidth and matmul figures it is compared with
 
 
+def check_fits(chosen: list[Variant], batch: int, seq_len: int, dtype: str) -> None:
+    """Refuse, before measuring anything, a layer that this machine could not hold (3x: weights, cache, work)."""
+    memory = memory_bytes()
+    for v in chosen:
+        cfg = v.model.attention
+        nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
+        if memory and 3 * nbytes > memory:
+            raise ValueError(
+                f"one {v.label} layer at batch {batch} x {seq_len} tokens needs {nbytes / 2**30:.1f} GiB; "
+                f"too large to time on this machine ({memory / 2**30:.1f} GiB)"
+            )
+
+
 def measure_variants(
     chosen: list[Variant],
     *,
@@ -79,22 +96,23 @@ def measure_variants(
     dtype: str = "bf16",
     min_seconds: float = 0.5,
     progress: Callable[[str], None] | None = None,
+    hw: Hardware | None = None,
 ) -> tuple[Hardware, list[LayerTiming]]:
-    """Time one layer per variant on this machine next to its ``local`` roofline prediction."""
+    """Time one layer per variant on this machine next to its ``local`` roofline prediction.
+
+    ``hw``: this machine as measured by the caller in the same run; None measures it now.
+    """
     dtype = dtype_name(dtype)
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"--measure runs in fp32, bf16 or fp16; got dtype {dtype!r}")
-    hw = measure_local(fresh=True)  # timings are read against the machine as it is now, not earlier this boot
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"--measure runs in {', '.join(TORCH_DTYPES)}; got dtype {dtype!r}")
+    check_fits(chosen, batch, seq_len, dtype)
+    if hw is None:  # timings are read against the machine as it is now, not earlier this boot
+        hw = measure_local(fresh=True)
     out = []
     for v in chosen:
         flops, nbytes, predicted = predict_layer(v, batch, seq_len, dtype, hw)
-        if 3 * nbytes > hw.memory_bytes:
-            raise ValueError(
-                f"one {v.label} layer at batch {batch} x {seq_len} tokens needs {nbytes / 2**30:.1f} GiB; "
-                f"too large to time on this machine ({hw.memory_bytes / 2**30:.1f} GiB)"
-            )
         if progress is not None:
             progress(v.label)
-        measured = _time_step(v, batch, seq_len, _TORCH_DTYPES[dtype], min_seconds)
+        measured = _time_step(v, batch, seq_len, TORCH_DTYPES[dtype], min_seconds)
         out.append(LayerTiming(v.label, flops, nbytes, predicted, measured))
     return hw, out

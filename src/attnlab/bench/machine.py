@@ -1,0 +1,135 @@
+"""This machine as a ``Hardware``: its streaming read bandwidth and matmul rates, measured with PyTorch on the CPU.
+
+``measure_local`` measures once per boot and caches the result in ``~/.cache/attnlab/local_hardware.json`` (keyed
+by boot, thread count and PyTorch version); ``get_hardware`` is ``attnlab.cost.get_hardware`` plus ``local``.
+The cost model (``attnlab.cost``) only reads the ``Hardware`` this returns: measuring lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..atomic import write_atomic
+from ..cost import hardware as table
+from ..cost.hardware import Hardware
+
+
+def get_hardware(name: str) -> Hardware:
+    """Exact-name lookup; ``local`` measures this machine (once per boot)."""
+    return measure_local() if name == "local" else table.get_hardware(name)
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnlab" / "local_hardware.json"
+
+
+def _session_key() -> dict[str, object]:
+    """What a cached measurement is valid for: this boot, this thread count, this PyTorch."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = f"pid-{os.getpid()}"  # no boot id: valid for this process only
+    return {"boot_id": boot_id, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024  # the file says kB and means KiB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def memory_bytes() -> int:
+    """Physical memory (``MemTotal``); 0 where unknown."""
+    return _meminfo("MemTotal") or 0
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel could give this process now (``MemAvailable``), or None where unknown."""
+    return _meminfo("MemAvailable")
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm up: first touch of pages, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _read_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read: summing a float32 tensor far larger than the caches, best of ``repeats``."""
+    x = torch.ones(n_bytes // 4, dtype=torch.float32)
+    return x.nbytes / _best_time(lambda: x.sum(), repeats)
+
+
+def _matmul_rate(dtype: torch.dtype, budget_s: float = 0.25, repeats: int = 3) -> float:
+    """FLOP/s of square matmuls, growing the size until one takes long enough to time well."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t = _best_time(lambda a=a, b=b: a @ b, repeats)
+        if t * 4 > budget_s or n >= 4096:
+            return 2 * n**3 / t
+        n *= 2
+
+
+def _measure() -> Hardware:
+    peaks = {
+        name: _matmul_rate(dt)
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
+    }
+    return Hardware(
+        name="local",
+        peak_flops=peaks,
+        bandwidth=_read_bandwidth(),
+        memory_bytes=memory_bytes(),
+        source=f"measured on this machine with PyTorch {torch.__version__}, {torch.get_num_threads()} threads",
+    )
+
+
+@functools.cache
+def _local_cached() -> Hardware:
+    key = _session_key()
+    try:
+        saved = json.loads(_cache_path().read_text())
+        if saved.get("key") == key:
+            return Hardware(**saved["hardware"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # absent or stale: measure again
+    return _measure_and_save()
+
+
+def _measure_and_save() -> Hardware:
+    hw = _measure()
+    with contextlib.suppress(OSError):  # a read-only home still gets the in-process cache
+        write_atomic(_cache_path(), json.dumps({"key": _session_key(), "hardware": asdict(hw)}, indent=1))
+    return hw
+
+
+def measure_local(*, fresh: bool = False) -> Hardware:
+    """This machine: measured bandwidth and matmul peaks, cached for the process and, per boot, on disk.
+
+    ``fresh=True`` measures now and refreshes both caches: what a benchmark wants, so that its roofline reflects
+    the machine under the load of the same run.
+    """
+    if fresh:
+        _local_cached.cache_clear()
+        hw = _measure_and_save()
+        _local_cached()  # re-reads the file just written (or measures, if the home is read-only)
+        return hw
+    return _local_cached()

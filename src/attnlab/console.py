@@ -1,0 +1,88 @@
+"""Tables for the terminal that never cut a figure.
+
+Rich shrinks a table that is wider than the terminal by cutting cells to ``524,2…``. Here each column is at least
+as wide as its longest word (a figure, a unit), so cells may wrap between words but never lose characters; when
+even that does not fit, each row is printed as one wrapped line of ``header: value`` pairs instead. Output that
+is not a terminal (a pipe, a file) gets the table at its full width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass
+class Grid:
+    """What a table shows: a title, column headers, rows of strings, a caption."""
+
+    title: str
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    caption: str = ""
+    right: tuple[int, ...] = ()  # indexes of right-justified columns (figures)
+
+    def add_row(self, *cells: str) -> None:
+        if len(cells) != len(self.header):
+            raise ValueError(f"a row of {len(cells)} cells for {len(self.header)} columns")
+        self.rows.append([str(c) for c in cells])
+
+
+STYLE = dict(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+
+
+def _overhead(n_columns: int) -> int:
+    """Characters of a row that are not cells: measured on a table of one-character columns in ``STYLE``."""
+    table = Table(**STYLE)
+    for _ in range(n_columns):
+        table.add_column(width=1)
+    return Console(width=10**4).measure(table).maximum - n_columns
+
+
+def column_widths(grid: Grid, width: int) -> list[int] | None:
+    """Widths that fit ``width`` columns without cutting a word, or None if none do."""
+    columns = [[grid.header[i]] + [row[i] for row in grid.rows] for i in range(len(grid.header))]
+    natural = [max(len(line) for cell in col for line in cell.splitlines() or [""]) for col in columns]
+    least = [max([len(word) for cell in col for word in cell.split()] or [1]) for col in columns]
+    room = width - _overhead(len(columns))
+    if sum(natural) <= room:
+        return natural
+    if sum(least) > room:
+        return None
+    widths, spare = list(least), room - sum(least)
+    # Unwrap the columns that need the fewest extra characters first: as few cells as possible wrap.
+    for i in sorted(range(len(widths)), key=lambda j: natural[j] - least[j]):
+        grow = min(natural[i] - widths[i], spare)
+        widths[i] += grow
+        spare -= grow
+    return widths
+
+
+def render(grid: Grid, widths: list[int]) -> Table:
+    table = Table(title=grid.title, caption=grid.caption or None, **STYLE)
+    for i, (name, w) in enumerate(zip(grid.header, widths, strict=True)):
+        table.add_column(name, width=w, justify="right" if i in grid.right else "left", overflow="fold")
+    for row in grid.rows:
+        table.add_row(*row)
+    return table
+
+
+def print_grid(grid: Grid, console: Console | None = None) -> None:
+    """Print ``grid`` as a table that fits the terminal, or as one line per row where no table fits."""
+    console = console or Console()
+    if not console.is_terminal:  # a pipe or a file: never squeeze
+        full = column_widths(grid, 10**9) or []  # the natural widths: nothing is wider than that
+        console = Console(file=console.file, width=sum(full) + _overhead(len(full)), highlight=False)
+    widths = column_widths(grid, console.width)
+    if widths is not None:
+        console.print(render(grid, widths))
+        return
+    console.print(Text(grid.title, style="italic"))
+    for row in grid.rows:
+        console.print("; ".join(f"{h}: {c}" for h, c in zip(grid.header, row, strict=True)))
+    if grid.caption:
+        console.print(Text(grid.caption, style="dim"))

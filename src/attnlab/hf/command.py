@@ -1,0 +1,126 @@
+"""``attnlab convert``: check the options of the chosen target, convert with a progress bar (stderr), print the
+summary as a table or JSON.
+
+``--to gqa`` (the default): ``--kv-heads G [--method M] [--calib FILE]`` -> ``hf.checkpoint.convert_checkpoint``.
+``--to mla``: ``--kv-lora-rank R [--rope-dim D] [--planes P] [--calib FILE]`` ->
+``hf.mla_checkpoint.convert_checkpoint_to_mla``. An option of the other target is refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..convert.mla_model import PLANES
+
+TARGETS = ("gqa", "mla")
+_OPTIONS = {"gqa": ("--kv-heads", "--method"), "mla": ("--kv-lora-rank", "--rope-dim", "--planes")}
+
+
+def check_options(to: str, given: dict[str, object]) -> None:
+    """``given``: option name -> value (None when not given). Refuses an unknown target, a missing required
+    option and any option of the other target, naming it."""
+    if to not in TARGETS:
+        raise ValueError(f"--to must be one of {', '.join(TARGETS)}; got {to!r}")
+    other = TARGETS[1 - TARGETS.index(to)]
+    for name in _OPTIONS[other]:
+        if given.get(name) is not None:
+            raise ValueError(
+                f"{name} belongs to --to {other}; --to {to} takes {', '.join(_OPTIONS[to])} (and --calib)"
+            )
+    required = {"gqa": "--kv-heads", "mla": "--kv-lora-rank"}[to]
+    if given.get(required) is None:
+        raise ValueError(f"--to {to} needs {required}")
+
+
+def parse_planes(planes: str | None) -> str | int | None:
+    """``--planes``: a criterion name or an integer stride."""
+    if planes is None or planes in PLANES:
+        return planes
+    if planes.strip().isdigit():
+        return int(planes)
+    raise ValueError(
+        f"--planes must be one of {', '.join(PLANES)} or a positive integer stride; got {planes!r}"
+    )
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_cell(v)}" for k, v in value.items())
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def run_convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    to: str = "gqa",
+    kv_heads: int | None = None,
+    method: str | None = None,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
+    planes: str | None = None,
+    calib: str | Path | None = None,
+    overwrite: bool = False,
+    as_json: bool = False,
+) -> dict:
+    """``attnlab convert``: convert, then print the summary as a table (or JSON); returns the summary."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..console import Grid, print_grid
+
+    check_options(
+        to,
+        {"--kv-heads": kv_heads, "--method": method, "--kv-lora-rank": kv_lora_rank, "--rope-dim": rope_dim,
+         "--planes": planes},
+    )  # fmt: skip
+    stride = parse_planes(planes)
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=not err.is_terminal,
+    ) as bar:  # fmt: skip
+        if to == "gqa":
+            from .checkpoint import convert_checkpoint
+
+            method = method or "mean"
+            task = bar.add_task(f"converting layers ({method})", total=None)
+            summary = convert_checkpoint(
+                src, dst, kv_heads, method, calib=calib, overwrite=overwrite,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )  # fmt: skip
+            title = f"attnlab convert: {summary['model_type']} -> {kv_heads} KV heads ({method})"
+        else:
+            from .mla_checkpoint import convert_checkpoint_to_mla
+
+            task = bar.add_task("loading", total=None)
+            summary = convert_checkpoint_to_mla(
+                src, dst, kv_lora_rank, rope_dim, calib=calib, planes=stride, overwrite=overwrite,
+                progress=lambda stage, done, total: bar.update(
+                    task, description=f"{stage} (layers)", completed=done, total=total
+                ),
+            )  # fmt: skip
+            title = (
+                f"attnlab convert: {summary['model_type']} -> MLA (DeepSeek-V3), kv_lora_rank "
+                f"{kv_lora_rank}, rope_dim {summary['qk_rope_head_dim']}"
+            )
+    if summary["files_left_out"]:
+        print(
+            "attnlab: left out of the destination (weights of the source model, which the converted ones "
+            f"replace): {', '.join(summary['files_left_out'])}",
+            file=sys.stderr,
+        )
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return summary
+    grid = Grid(title, ["field", "value"])
+    for key, value in summary.items():
+        grid.add_row(key, _cell(value))
+    print_grid(grid)
+    return summary

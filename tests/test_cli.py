@@ -1,0 +1,157 @@
+"""What a new user meets on every command: help without ``<bool>``, one rule for ``--plot``, tables that never cut
+a figure, one hardware measurement per run, and one-line errors for sizes, a full disk and missing packages."""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from attnlab.bench.compare import compare_table
+from attnlab.cli import app
+from attnlab.console import Grid, column_widths, print_grid
+from attnlab.cost import compare, get_preset
+from attnlab.cost.hardware import Hardware
+
+runner = CliRunner()
+COMMANDS = [["compare"], ["convert"], ["bench", "decode"], ["bench"], []]
+
+
+def one_line_error(result, *fragments: str) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab: error:"), result.stderr
+    assert all(f in lines[0] for f in fragments), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "attnlab")
+def test_flags_show_no_bool_metavar(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0 and "--help" in result.stdout
+    assert "<bool>" not in result.stdout
+    if command == ["convert"]:
+        assert "--overwrite" in result.stdout and "<int>" in result.stdout  # values keep their type
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 120, 200])
+@pytest.mark.parametrize("model", ["llama-2-7b", "deepseek-v3", "llama-3.1-405b"])
+def test_compare_table_never_cuts_a_figure(model, width):
+    # Issue 8: at 80 columns the table printed "524,2…".
+    comparison = compare(get_preset(model), seq_len=131072, batch=64)
+    grid = compare_table(comparison)
+    console = Console(width=width, record=True, force_terminal=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    print_grid(grid, console)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+    words = " ".join(text.split())
+    for row in grid.rows:  # every figure is printed whole (a cell may wrap only between its words)
+        for cell in row:
+            for word in cell.split():
+                assert word in words, (word, width)
+    if width >= 80:  # a table down to 80 columns; below what its longest words need, one line per variant
+        assert column_widths(grid, width) is not None
+
+
+def test_piped_tables_are_never_squeezed(tmp_path):
+    grid = Grid("t", ["name", "value"], [["a" * 150, "1,234,567"]])
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:
+        print_grid(grid, Console(file=f, width=80))
+    assert "a" * 150 in out.read_text() and "1,234,567" in out.read_text()
+
+
+def test_plot_rule_is_the_same_for_compare_and_bench(tmp_path, monkeypatch):
+    # Issue 8: bench --plot wrote PNG bytes to x.jpg (and made directories) while compare --plot refused both.
+    monkeypatch.chdir(tmp_path)
+    tiny_bench = ["bench", "decode", "--kv-heads", "1", "--context", "16", "--repeats", "1", "--no-layer",
+                  "--no-mla", "--no-paged", "--cached-hardware", "--json"]  # fmt: skip
+    for command in (["compare", "--json"], tiny_bench):
+        one_line_error(runner.invoke(app, [*command, "--plot", "out/x.jpg"]), "ending in .png", "out/x.jpg")
+        assert not (tmp_path / "out").exists()  # refused before any work or any directory
+        done = runner.invoke(app, [*command, "--plot", f"new/dir/{command[0]}.png"])
+        assert done.exit_code == 0, done.output
+        assert (tmp_path / "new" / "dir" / f"{command[0]}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_local_measures_the_machine_once(monkeypatch):
+    # Issue 8: --hardware local --measure used this boot's cached bandwidth in one table and a fresh one in the
+    # other. Now one measurement serves both.
+    calls = []
+    fake = Hardware("local", {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11}, 7e9, 16 * 2**30, "test")
+
+    def measure_local(*, fresh=False):
+        calls.append(fresh)
+        return fake
+
+    monkeypatch.setattr("attnlab.bench.compare.measure_local", measure_local)
+    monkeypatch.setattr("attnlab.bench.layer.measure_local", measure_local)
+    args = [
+        "compare",
+        "--model",
+        "gpt2",
+        "--seq-len",
+        "64",
+        "--hardware",
+        "local",
+        "--measure",
+        "--dtype",
+        "fp32",
+    ]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert calls == [True]
+    doc = json.loads(result.stdout)
+    native = next(r for r in doc["rows"] if r["native"])
+    assert native["decode_step_bytes"] / native["decode_step_seconds"] == pytest.approx(7e9)
+    assert doc["local_hardware"].startswith("bandwidth 7.00 GB/s")
+
+
+def test_bench_sizes_that_cannot_be_allocated_are_one_line():
+    # Issue 8: --context 1000000000 was a RuntimeError trying to allocate 32 TB.
+    line = one_line_error(
+        runner.invoke(app, ["bench", "decode", "--context", "1000000000"]), "GiB", "--context"
+    )
+    assert re.search(r"needs about [\d,.]+ GiB", line)
+
+
+def test_allocation_failures_and_missing_packages_are_one_line(monkeypatch):
+    def oom(**kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 9 TB"
+        )
+
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", oom)
+    one_line_error(runner.invoke(app, ["compare"]), "out of memory")
+
+    def missing(**kwargs):
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", missing)
+    one_line_error(runner.invoke(app, ["compare"]), "pip install 'matplotlib>=3.7'")
+
+    def bug(**kwargs):
+        raise RuntimeError("a bug")  # not the user's doing: it must stay visible, not become a polite exit 2
+
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", bug)
+    assert runner.invoke(app, ["compare"]).exit_code == 1
+
+
+def test_full_disk_during_compare_plot_is_one_line(tmp_path):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # writes past 20 kB fail like a full disk
+
+    code = "from attnlab.cli import main; main()"
+    proc = subprocess.run([sys.executable, "-c", code, "compare", "--plot", "x.png"], cwd=tmp_path,
+                          capture_output=True, text=True, preexec_fn=limit)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "attnlab: error: x.png: File too large (nothing was written; any previous version is unchanged)"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,157 @@
+"""Tensor parallelism by heads (``attnlab.parallel.apply_tp``) under ``torchrun`` with gloo on CPU, against the
+unsharded modules in one process; and the cost model's per-rank figures against what the sharded modules hold.
+
+One launch of ``tp_worker.py`` on 2 ranks (and one on 4) runs every distributed check; the tests below read its
+record. The 2-rank launch splits KV heads for MHA and GQA-4 and replicates them for MQA; the 4-rank one also
+replicates GQA-2's (a (kv, rep) = (2, 2) view of the mesh) and runs uptraining as 2 data-parallel replicas of
+tp 2 (FSDP2 over "dp").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tp_worker import ATTENTION, MLP_DIMS, MODELS
+from train_helpers import make_llama, run_cli
+
+from attnlab.config import ModelConfig
+from attnlab.cost import kv_cache_bytes, model_param_count, param_count
+from attnlab.cost.parallel import check_tp, kv_heads_per_rank, rank_config
+from attnlab.cost.params import mlp_param_count
+from attnlab.train import UptrainOptions, uptrain
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def kv1_llama(tmp_path_factory, tokenizer) -> Path:
+    """The tiny Llama with one KV head: at tp 2 that head is replicated, the harder case to train."""
+    return make_llama(tmp_path_factory.mktemp("kv1") / "src", tokenizer, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"{n}ranks")
+def record(request, tmp_path_factory, kv1_llama, corpus) -> dict:
+    n = request.param
+    work = tmp_path_factory.mktemp(f"tp{n}")
+    out = work / "record.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), str(WORKER),
+           str(out), str(kv1_llama), str(corpus), str(work)]  # fmt: skip
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "[rank" in line)[
+        -6000:
+    ]
+    return json.loads(out.read_text())
+
+
+def one_layer(cfg) -> ModelConfig:
+    return ModelConfig(vocab_size=8, n_layers=1, attention=cfg, ffn_dim=8)
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_sharded_attention_equals_unsharded_forward_backward_and_cached_decode(record, name):
+    got = record["modules"][name]
+    assert got["forward"] < 1e-5 and got["input_grad"] < 1e-5, got
+    assert got["weight_grad"] < 1e-5, got  # relative to each weight's largest gradient
+    assert got["pending_grads"] == [], got  # replicated weights' partial gradients were summed
+    assert got["decode"] < 1e-5 and got["decode_vs_forward"] < 1e-5, got
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_each_rank_caches_its_kv_heads_and_the_cost_model_says_how_many_bytes(record, name):
+    tp, cfg = record["world_size"], ATTENTION[name]
+    got = record["modules"][name]
+    local = rank_config(one_layer(cfg), tp)
+    assert got["cache_bytes"] == [kv_cache_bytes(local, 2, 7, "fp32")] * tp
+    assert got["local_params"] == [param_count(local.attention)] * tp
+    mla = name.startswith("mla")  # no KV heads: every rank caches the whole latent
+    assert got["heads"] == [[cfg.n_heads // tp, None if mla else kv_heads_per_rank(cfg, tp)]] * tp
+    if (
+        mla or kv_heads_per_rank(cfg, tp) * tp > cfg.n_kv_heads
+    ):  # replicated: one KV head (or the latent) each
+        whole = kv_cache_bytes(one_layer(cfg), 2, 7, "fp32")
+        assert got["cache_bytes"][0] == (whole if mla else whole // cfg.n_kv_heads)
+
+
+def test_sharded_mlp_equals_unsharded_and_splits_unevenly_where_it_must(record):
+    got, tp = record["modules"]["mlp"], record["world_size"]
+    assert got["forward"] < 1e-5 and got["input_grad"] < 1e-5 and got["weight_grad"] < 1e-5, got
+    d, f = MLP_DIMS
+    chunks = [len(c) for c in torch.arange(f).chunk(tp)]  # DTensor's Shard: torch.chunk's split
+    assert got["local_params"] == [mlp_param_count(d, c, "swiglu", False) for c in chunks]
+    assert max(got["local_params"]) == mlp_param_count(d, -(-f // tp), "swiglu", False)  # the cost model's
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sharded_transformer_generates_the_one_process_greedy_tokens(record, name):
+    got, tp, cfg = record["models"][name], record["world_size"], MODELS[name]
+    assert got["loss"] < 1e-5 and got["weight_grad"] < 1e-5, got
+    assert got["tokens_sharded"] == [got["tokens_one_process"]] * tp
+    assert got["tokens_sharded_no_cache"] == [got["tokens_one_process"]] * tp
+    assert max(got["local_params"]) == model_param_count(
+        rank_config(cfg, tp)
+    )  # rank 0: the larger vocab share
+    assert got["cache_bytes"] == [kv_cache_bytes(rank_config(cfg, tp), 2, 16, "fp32")] * tp
+
+
+def test_bad_tp_and_head_combinations_raise_before_any_collective(record):
+    bad = record["bad"]
+    for name in ("gqa_kv_heads", "mla_heads", "model_heads", "ranks"):
+        assert bad[name]["raised"] == "ValueError", (name, bad[name])
+        assert bad[name]["seconds"] < 5, (name, bad[name])  # rank 0 alone: a collective would have hung
+    tp = record["world_size"]
+    assert f"tp={tp} must divide n_kv_heads=3" in bad["gqa_kv_heads"]["message"]
+    assert f"tp={tp} must divide n_heads=" in bad["mla_heads"]["message"]
+    assert "--tp 3 must divide the number of ranks" in bad["ranks"]["message"]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory, kv1_llama, corpus) -> list[float]:
+    """The reference run: the same two steps on one process with the whole batch of 4."""
+    dst = tmp_path_factory.mktemp("one") / "dst"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opts = UptrainOptions(src=kv1_llama, dst=dst, data=corpus, steps=2, batch_size=4, seq_len=32, lr=3e-3,
+                              warmup=1, save_every=0)  # fmt: skip
+        assert uptrain(opts, progress=False)["global_batch"] == 4
+    finally:
+        torch.set_num_threads(before)
+    return [json.loads(x) for x in (dst / "uptrain_log.jsonl").read_text().splitlines()]
+
+
+def test_two_uptraining_steps_with_tp_give_the_one_process_losses(record, one_process_losses):
+    got, world = record["uptrain"], record["world_size"]
+    assert got["summary"] == {"tp": 2, "world_size": world, "fsdp": world > 2, "global_batch": 4}
+    assert got["losses"] == pytest.approx([r["loss"] for r in one_process_losses], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx([r["grad_norm"] for r in one_process_losses], rel=1e-4)
+
+
+def test_tp_without_enough_ranks_is_a_clear_error_on_one_process(tmp_path, kv1_llama, corpus):
+    opts = UptrainOptions(src=kv1_llama, dst=tmp_path / "d", data=corpus, steps=1, tp=2)
+    with pytest.raises(ValueError, match=r"--tp 2 must divide the number of ranks \(1\)"):
+        uptrain(opts, progress=False)
+    assert not (tmp_path / "d").exists()
+
+
+def test_uptrain_cli_tp_on_one_process_is_one_line_and_exit_2(tmp_path, kv1_llama, corpus):
+    result = run_cli("uptrain", kv1_llama, tmp_path / "d", "--data", corpus, "--steps", 1, "--tp", 2)
+    assert result.exit_code == 2 and "--tp 2 must divide the number of ranks (1)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+
+
+def test_check_tp_names_the_rule_that_fails():
+    check_tp(ATTENTION["gqa2"], 8)  # 8 ranks, 2 KV heads: each replicated on 4
+    with pytest.raises(ValueError, match=r"tp=3 must divide n_heads=8"):
+        check_tp(ATTENTION["mqa"], 3)
+    with pytest.raises(ValueError, match=r"tp=4 must divide n_kv_heads=6 .* or be a multiple of it"):
+        check_tp(ATTENTION["mha"].replace(n_heads=12, n_kv_heads=6, head_dim=8), 4)
+    with pytest.raises(TypeError):
+        check_tp(ATTENTION["mha"], 2.0)
