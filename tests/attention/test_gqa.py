@@ -121,14 +121,24 @@ def test_backends_agree_forward_and_backward(name):
             assert _err(g, ref_grads[n]) <= 2e-5, f"{backend} {n}"
 
 
-def test_n_kv_heads_equal_to_n_heads_is_mha():
-    mha = _build(AttentionConfig(d_model=32, n_heads=4))
-    gqa = _build(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=4))
-    assert mha.cfg == gqa.cfg and gqa.cfg.variant == "mha"
-    gqa.load_state_dict(mha.state_dict())
-    x = torch.randn(2, 5, 32)
-    assert torch.equal(gqa(x), mha(x))
-    assert _err(mha(x), textbook(mha, x)) <= 1e-5
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_n_kv_heads_equal_to_n_heads_is_mha(backend):
+    # The oracle is torch's own nn.MultiheadAttention (no RoPE, whose in_proj holds [wq; wk; wv]) with the same
+    # weights; with RoPE, the per-head textbook above. (Comparing the module with a copy of itself proved nothing.)
+    cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=4, rope=False, bias=True, backend=backend)
+    assert cfg.variant == "mha" and cfg.n_rep == 1 and cfg == cfg.replace(n_kv_heads=None)
+    ours = _build(cfg)
+    ref = torch.nn.MultiheadAttention(32, 4, bias=True, batch_first=True).eval()
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([ours.wq.weight, ours.wk.weight, ours.wv.weight]))
+        ref.in_proj_bias.copy_(torch.cat([ours.wq.bias, ours.wk.bias, ours.wv.bias]))
+        ref.out_proj.weight.copy_(ours.wo.weight)
+        ref.out_proj.bias.copy_(ours.wo.bias)
+        x = torch.randn(2, 5, 32)
+        future = torch.ones(5, 5, dtype=torch.bool).triu(diagonal=1)  # torch's mask: True = may NOT attend
+        assert _err(ours(x), ref(x, x, x, attn_mask=future, need_weights=False)[0]) <= 1e-5
+    roped = _build(cfg.replace(rope=True))
+    assert _err(roped(x), textbook(roped, x)) <= 1e-5
 
 
 def _mha_with_repeated_kv(gqa: GroupedQueryAttention) -> GroupedQueryAttention:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from attnlab import MLAConfig, MultiHeadLatentAttention
 from attnlab.cache import LatentCache
+from conftest import seeded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BACKENDS = ("reference", "sdpa", "grouped", "auto")
@@ -40,7 +41,7 @@ def _err(a, b) -> float:
 
 
 def _build(cfg: MLAConfig, **changes) -> MultiHeadLatentAttention:
-    torch.manual_seed(1)  # the same weights for every mode and backend of one config
+    torch.manual_seed(seeded(1))  # the same weights for every mode and backend of one config
     mla = MultiHeadLatentAttention(cfg.replace(**changes) if changes else cfg).eval()
     with torch.no_grad():
         for p in mla.parameters():

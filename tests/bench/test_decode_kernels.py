@@ -15,12 +15,13 @@ import torch
 from attnlab.attention.decode import chunk_bounds, finish, grouped_decode, merge, partial_attention
 from attnlab.attention.kernels import attend
 from attnlab.cache import KVCache
+from conftest import seeded
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def _qkv(b, h, n_kv, s, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seeded(seed))
     q = torch.randn(b, h, 1, d, generator=g).to(dtype)
     k = torch.randn(b, n_kv, s, d, generator=g).to(dtype)
     v = torch.randn(b, n_kv, s, d, generator=g).to(dtype)
@@ -43,7 +44,7 @@ def test_grouped_decode_equals_reference(dtype, n_kv, s, n_split):
 @pytest.mark.parametrize("mask_shape", [(2, 8, 1, 33), (1, 1, 1, 33), (2, 1, 1, 33), (33,)])
 def test_masks_and_fully_masked_rows(dtype, mask_shape):
     q, k, v = _qkv(2, 8, 2, 33, 16, dtype, seed=1)
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seeded(2))
     mask = torch.rand(mask_shape, generator=g) > 0.4
     if len(mask_shape) == 4 and mask_shape[1] == 8:
         mask[0, 3] = False  # one query row attends to nothing -> zeros
@@ -126,13 +127,22 @@ def test_auto_picks_grouped_for_decode_and_sdpa_for_prefill():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [True, False])
 def test_gradients_equal_reference(dtype, masked):
-    q, k, v = (t.requires_grad_() for t in _qkv(2, 4, 2, 11, 8, dtype, seed=7))
-    mask = torch.rand(2, 4, 1, 11, generator=torch.Generator().manual_seed(8)) > 0.3 if masked else None
-    grads = []
+    # The oracle is the reference backend's gradient in float64. float32: both backends within 1e-5 of it.
+    # bfloat16: the two backends round differently, so they are not compared with each other (that test
+    # failed for 1 base seed in 20, issue 8): each is held to the float64 gradient, relative to |g| + 1. Over
+    # 300 seeds the worst such error was 0.050 for grouped and 0.023 for reference; 0.08 is 10 bfloat16 ulps.
+    q, k, v = _qkv(2, 4, 2, 11, 8, torch.float64, seed=7)
+    mask = (
+        torch.rand(2, 4, 1, 11, generator=torch.Generator().manual_seed(seeded(8))) > 0.3 if masked else None
+    )
+
+    def grads(backend: str, as_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        x = [t.to(as_dtype).requires_grad_() for t in (q, k, v)]
+        out = attend(*x, attn_mask=mask, backend=backend)
+        return torch.autograd.grad((out.double() * torch.arange(8.0)).sum(), x)
+
+    exact = grads("reference", torch.float64)
     for backend in ("grouped", "reference"):
-        out = attend(q, k, v, attn_mask=mask, backend=backend)
-        grads.append(torch.autograd.grad((out.float() * torch.arange(8.0)).sum(), (q, k, v)))
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(
-            a.float(), b.float(), atol=1e-5 if dtype == torch.float32 else 5e-2, rtol=0
-        )
+        for g, e in zip(grads(backend, dtype), exact, strict=True):
+            err = ((g.double() - e).abs() / (e.abs() + 1)).max().item()
+            assert err <= (1e-5 if dtype == torch.float32 else 0.08), (backend, err)

@@ -10,12 +10,13 @@ import torch
 from attnlab import AttentionConfig, GroupedQueryAttention
 from attnlab.attention.decode import grouped_decode, paged_decode
 from attnlab.cache import OutOfBlocksError, PagedKVCache
+from conftest import seeded
 
 BS = 4
 
 
 def _module(n_kv=2, seed=0):
-    torch.manual_seed(seed)
+    torch.manual_seed(seeded(seed))
     attn = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=8, n_kv_heads=n_kv))
     attn.init_weights(std=0.15)
     return attn.eval()
@@ -37,7 +38,7 @@ def _check_blocks(cache: PagedKVCache) -> None:
 @pytest.mark.parametrize("n_kv", [2, 1, 8])
 def test_ragged_batch_equals_contiguous_caches_through_growth_and_freeing(n_kv):
     attn = _module(n_kv)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seeded(1))
     lengths = [5, 11, 2]
     paged = attn.new_paged_cache(n_blocks=40, block_size=BS, batch_size=3)
     assert (paged.n_kv_heads, paged.head_dim, paged.dtype) == (n_kv, 8, torch.float32)
@@ -84,7 +85,7 @@ def test_allocation_keeps_growing_rows_in_long_runs():
 
 def test_paged_decode_over_fragmented_blocks_equals_contiguous_bf16_and_fp32():
     for dtype, atol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
-        g = torch.Generator().manual_seed(2)
+        g = torch.Generator().manual_seed(seeded(2))
         k = torch.randn(2, 2, 45, 16, generator=g).to(dtype)
         v = torch.randn(2, 2, 45, 16, generator=g).to(dtype)
         cache = PagedKVCache(24, BS, 2, 16, batch_size=2, dtype=dtype, placement="scattered")
@@ -145,7 +146,7 @@ def test_bad_arguments_are_named():
 def test_mla_absorbed_over_a_paged_latent_cache_equals_contiguous_latent_caches():
     from attnlab import MLAConfig, MultiHeadLatentAttention
 
-    torch.manual_seed(3)
+    torch.manual_seed(seeded(3))
     cfg = MLAConfig(
         d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
     )
@@ -155,7 +156,7 @@ def test_mla_absorbed_over_a_paged_latent_cache_equals_contiguous_latent_caches(
     paged = mla.new_paged_cache(n_blocks=20, block_size=BS, batch_size=2)
     assert paged.nbytes == 20 * BS * cfg.cache_dim * 4  # latent rows only: values are a view of them
     contiguous = [mla.new_cache(1, 64) for _ in range(2)]
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seeded(4))
     with torch.no_grad():
         for row, n in enumerate((6, 3)):
             x = torch.randn(1, n, 64, generator=g)
@@ -179,7 +180,7 @@ def test_long_paged_prefill_in_query_blocks_equals_full_attention(monkeypatch):
     monkeypatch.setattr(decode, "QUERY_BLOCK", 3)  # 3-query blocks: the block edges are exercised
     attn = _module(2)
     paged = PagedKVCache(12, BS, 2, 8, batch_size=2)
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seeded(5))
     with torch.no_grad():
         x0 = torch.randn(1, 6, 64, generator=g)
         attn(x0, cache=paged.select([1]))  # the other row first: row 0's blocks are not the first ones

@@ -23,6 +23,7 @@ from attnlab.cli import app
 from attnlab.convert import convert_model
 from attnlab.hf import load_llama
 from attnlab.hf.checkpoint import calibration_batches
+from conftest import seeded
 
 WORDS = [
     "the",
@@ -54,7 +55,7 @@ def tree_hash(path: Path) -> str:
 
 def make_checkpoint(path: Path, kind: str = "llama", sharded: bool = False, **overrides) -> Path:
     """A small random checkpoint, with a word-level tokenizer.json for calibration."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
     cfg = config_cls(
         **{
@@ -93,14 +94,15 @@ def hf_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def calib_file(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seeded(1))
     lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (12,), generator=g)) for _ in range(16)]
     path = tmp_path_factory.mktemp("calib") / "calib.txt"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-X = torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(5))
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(seeded(5)))
 
 
 @pytest.mark.parametrize(
@@ -140,7 +142,8 @@ def test_convert_matches_attnlab_and_loads_in_transformers(
     calib = calibration_batches(src, calib_file) if method != "mean" else None
     converted = convert_model(reference, 2, method, calib=calib)
     with torch.no_grad():
-        torch.testing.assert_close(hf_logits(dst, X), converted(X), rtol=1e-5, atol=1e-5)
+        x = tokens()
+        torch.testing.assert_close(hf_logits(dst, x), converted(x), rtol=1e-5, atol=1e-5)
 
     # k/v projections rewritten (and q/o for "fit"); every other tensor copied bit for bit.
     old, new = {}, {}
@@ -163,12 +166,14 @@ def test_table_output_and_overwrite(tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("old")
+    before = tree_hash(src)
     refused = run("convert", src, dst, "--kv-heads", 4)
     assert refused.exit_code == 2 and "exists" in refused.output and (dst / "keep.txt").exists()
     done = run("convert", src, dst, "--kv-heads", 4, "--overwrite")
     assert done.exit_code == 0, done.output
     assert "n_kv_heads_after" in done.output and not (dst / "keep.txt").exists()
     assert json.loads((dst / "config.json").read_text())["num_key_value_heads"] == 4
+    assert tree_hash(src) == before  # the one relation --overwrite may replace: an unrelated directory
 
 
 @pytest.mark.parametrize(
@@ -178,6 +183,7 @@ def test_table_output_and_overwrite(tmp_path):
         (None, ["--kv-heads", 0], "--kv-heads 0"),
         (None, ["--kv-heads", 2, "--method", "median"], "--method"),
         (None, ["--kv-heads", 2, "--method", "fit"], "--calib"),
+        (None, ["--kv-heads", 2, "--method", "fit", "--calib", "missing.txt"], "calibration file not found"),
         ("no_config", ["--kv-heads", 2], "config.json"),
         ("bad_json", ["--kv-heads", 2], "malformed"),
         ("gpt2", ["--kv-heads", 2], "unsupported model_type 'gpt2'"),
@@ -345,7 +351,7 @@ def test_converted_files_get_the_umask_modes(tmp_path):
     assert modes == {"dst": 0o775} | {p.name: 0o664 for p in (tmp_path / "dst").iterdir()}
 
 
-def cli(*args, cwd: Path, fsize: int | None = None, script: str | None = None):
+def cli(*args, cwd: Path, fsize: int | None = None, script: str | None = None, signal: str = ""):
     """``attnlab`` in a subprocess, optionally with writes limited to ``fsize`` bytes (a full disk)."""
 
     def limit():
@@ -353,7 +359,7 @@ def cli(*args, cwd: Path, fsize: int | None = None, script: str | None = None):
 
     code = script or "from attnlab.cli import main; main()"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          preexec_fn=limit if fsize else None)  # fmt: skip
+                          preexec_fn=limit if fsize else None, env=os.environ | {"SIGNAL": signal})  # fmt: skip
 
 
 def test_full_disk_during_convert_is_one_line_and_leaves_nothing(tmp_path):
@@ -379,7 +385,7 @@ from attnlab.hf import io
 real = io.write_config
 def die(*args, **kwargs):
     real(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGKILL)  # mid-write: the weights are in the temporary, not yet renamed
+    os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))  # mid-write: the weights are in the temporary
 io.write_config = die
 sys.argv = ["attnlab", *sys.argv[1:]]
 from attnlab.cli import main
@@ -391,10 +397,22 @@ def test_convert_killed_mid_write_then_a_successful_run_leaves_no_temporary(tmp_
     # Issue 8: a conversion killed while writing left a hidden .DST.tmp-* of the checkpoint's size forever.
     src = make_checkpoint(tmp_path / "src")
     before = tree_hash(src)
-    killed = cli("convert", "src", "dst", "--kv-heads", 2, cwd=tmp_path, script=KILLED_CONVERT)
+    killed = cli(
+        "convert", "src", "dst", "--kv-heads", 2, cwd=tmp_path, script=KILLED_CONVERT, signal="SIGKILL"
+    )
     assert killed.returncode == -9
     (leftover,) = [p for p in tmp_path.iterdir() if p.name.startswith(".dst.tmp-")]
     assert (leftover / "model.safetensors").stat().st_size > 100_000
     done = cli("convert", "src", "dst", "--kv-heads", 2, "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"] and tree_hash(src) == before
+
+
+def test_convert_terminated_mid_write_cleans_up_itself(tmp_path):
+    # SIGTERM (kill, timeout, a scheduler) unwinds like Ctrl-C: the temporary goes at once, not on the next run.
+    make_checkpoint(tmp_path / "src")
+    stopped = cli(
+        "convert", "src", "dst", "--kv-heads", 2, cwd=tmp_path, script=KILLED_CONVERT, signal="SIGTERM"
+    )
+    assert stopped.returncode == 128 + 15 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

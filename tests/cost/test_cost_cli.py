@@ -126,11 +126,20 @@ def test_compare_errors_are_one_line_exit_2(args, message, tmp_path, monkeypatch
     assert "Traceback" not in result.output
 
 
-def test_bad_config_json_exit_2(tmp_path):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_key_value_heads=5), "num_key_value_heads=5 does not divide num_attention_heads=32"),
+        # Issue 8: a hidden_size the heads do not divide was accepted by compare.
+        (
+            dict(hidden_size=4095),
+            "hidden_size=4095 is not divisible by num_attention_heads=32 and head_dim is not given",
+        ),
+    ],
+)
+def test_bad_config_json_exit_2(tmp_path, change, message):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(HF_CONFIGS["llama-2-7b"], num_key_value_heads=5)))
+    path.write_text(json.dumps(dict(HF_CONFIGS["llama-2-7b"], **change)))
     result = runner.invoke(app, ["compare", "--model", str(path)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == (
-        "attnlab: error: llama config.json: num_key_value_heads=5 does not divide num_attention_heads=32"
-    )
+    assert result.stderr.strip() == f"attnlab: error: llama config.json: {message}"

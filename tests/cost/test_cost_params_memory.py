@@ -12,6 +12,7 @@ from attnlab.cost import decode_step_bytes, kv_cache_bytes, model_param_count, p
 from attnlab.cost.memory import dtype_bits, expected_experts_touched
 from attnlab.cost.presets import PUBLISHED_PARAMS, get_preset, preset_names
 from attnlab.model import Transformer
+from conftest import seeded
 
 
 def numel(module: torch.nn.Module) -> int:
@@ -33,7 +34,7 @@ def random_attention(rng: random.Random) -> AttentionConfig | MLAConfig:
 
 
 def test_param_count_equals_built_modules():
-    rng = random.Random(3)
+    rng = random.Random(seeded(3))
     for _ in range(40):
         cfg = random_attention(rng)
         with torch.device("meta"):
@@ -47,7 +48,7 @@ def test_param_count_equals_built_modules():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_param_count_equals_transformer(tie):
-    rng = random.Random(int(tie))
+    rng = random.Random(seeded(int(tie)))
     for _ in range(8):
         cfg = ModelConfig(
             vocab_size=rng.randint(50, 300), n_layers=rng.randint(1, 3), attention=random_attention(rng),
@@ -59,7 +60,7 @@ def test_model_param_count_equals_transformer(tie):
 
 
 def test_kv_cache_bytes_equal_cache_nbytes():
-    rng = random.Random(5)
+    rng = random.Random(seeded(5))
     for _ in range(20):
         cfg = random_attention(rng)
         module = (
@@ -84,8 +85,13 @@ def test_dtypes():
     assert dtype_bits("bf16") == dtype_bits(torch.bfloat16) == dtype_bits("bfloat16") == 16
     assert dtype_bits(torch.float8_e4m3fn) == dtype_bits("fp8") == 8
     assert dtype_bits("fp6") == 6 and dtype_bits("int4") == 4
-    cfg = AttentionConfig(d_model=32, n_heads=4)
-    assert kv_cache_bytes(cfg, 1, 3, "int4") == (2 * 32 * 3 * 4 + 7) // 8
+    cfg = AttentionConfig(d_model=32, n_heads=4)  # 64 cached values per token
+    assert kv_cache_bytes(cfg, 1, 3, "int4") == 96  # 192 values of half a byte
+    odd = AttentionConfig(d_model=6, n_heads=2, n_kv_heads=1, head_dim=3, rope=False)  # 6 values per token
+    assert (
+        kv_cache_bytes(odd, 1, 1, "fp6") == 5
+    )  # 36 bits: rounded up to whole bytes once, for the whole cache
+    assert kv_cache_bytes(odd, 1, 4, "fp6") == 18  # 144 bits, not 4 * 5 bytes
     with pytest.raises(ValueError, match="fp5"):
         kv_cache_bytes(cfg, 1, 1, "fp5")
     with pytest.raises(ValueError, match="seq_len"):
