@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-BACKENDS = ("auto", "reference", "sdpa", "grouped")
+BACKENDS = ("auto", "reference", "sdpa", "grouped", "fused")
 MLA_MODES = ("naive", "absorbed")
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")

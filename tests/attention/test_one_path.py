@@ -137,8 +137,8 @@ def test_decode_dropout_drops_the_same_weights_as_the_reference():
 
 CHOICES = {  # (device type, phase) -> backend, for every dtype
     ("cpu", "prefill"): "sdpa",
-    ("cpu", "decode"): "grouped",
-    ("cpu", "paged"): "grouped",
+    ("cpu", "decode"): "fused",
+    ("cpu", "paged"): "fused",
     ("cuda", "prefill"): "sdpa",
     ("cuda", "decode"): "sdpa",
     ("cuda", "paged"): "sdpa",

@@ -116,11 +116,11 @@ def test_empty_context_gives_zeros():
     assert (grouped_decode(q, k, v, scale=0.3) == 0).all()
 
 
-def test_auto_picks_grouped_for_decode_and_sdpa_for_prefill():
+def test_auto_picks_fused_for_decode_and_sdpa_for_prefill():
     from attnlab.attention.kernels import choose_backend, phase
 
     q, _, _ = _qkv(1, 8, 2, 16, 8, torch.float32)
-    assert choose_backend(q.device.type, q.dtype, phase(q.shape[2])) == "grouped"
+    assert choose_backend(q.device.type, q.dtype, phase(q.shape[2])) == "fused"
     assert choose_backend(q.device.type, q.dtype, phase(q.expand(1, 8, 4, 8).shape[2])) == "sdpa"
 
 

@@ -21,6 +21,9 @@ Backends:
                  KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k); for one
                  query per head (decode) ``decode.grouped_decode``: split-K over the context, log-sum-exp merge;
                  over paged K/V ``decode.paged_decode``, which reads each run of blocks in place.
+    "fused"      the C++ decode kernel of ``fused`` (CPU, float32/bfloat16, one query per head, no mask, no
+                 gradient): scores, online softmax and weighted sum in one pass over each KV block, paged rows
+                 all in one call. Where it cannot run (not built, other inputs) "grouped" runs instead.
     "auto"       ``choose_backend``: by device type, dtype and phase, in one table.
 "reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length.
 
@@ -35,9 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import PagedView
+from . import fused
 from .decode import grouped_decode, paged_decode
 
-BACKEND_NAMES = ("reference", "sdpa", "grouped")
+BACKEND_NAMES = ("reference", "sdpa", "grouped", "fused")
 PHASES = ("prefill", "decode", "paged")
 
 
@@ -64,6 +68,12 @@ def attend(
         backend = choose_backend(q.device.type, q.dtype, phase(q.shape[2], paged))
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+    if backend == "fused":
+        if attn_mask is None and fused.supports(q, k.pool if paged else k, v.pool if paged else v, dropout_p):
+            if paged:
+                return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale)
+            return fused.decode(q, k, v, scale=scale)
+        backend = "grouped"
     if paged:
         if backend == "grouped":
             return paged_decode(q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
@@ -90,9 +100,10 @@ def phase(t_q: int, paged: bool = False) -> str:
 def choose_backend(device_type: str, dtype: torch.dtype, phase: str) -> str:
     """The backend "auto" resolves to on ``device_type`` ("cpu", "cuda", ...) for ``dtype`` and ``phase``.
 
-    CPU, measured on this project's machines (docs/performance.md): for one query per head the grouped decode
-    kernel beats SDPA at every n_kv_heads, float32 and bfloat16 alike (bfloat16 SDPA with enable_gqa is the slowest,
-    up to 30x), and reads paged blocks in place; for prefill SDPA's fused flash kernel wins. Any other device
+    CPU, measured on this project's machines (docs/performance.md): for one query per head the fused C++ kernel
+    (one pass over the cache, online softmax) beats the grouped kernel and SDPA in float32 and, far more, in
+    bfloat16 (whose library matmuls are slow here), and reads paged rows in place, all rows in one call; where it
+    cannot run, "fused" runs the grouped kernel. For prefill SDPA's fused flash kernel wins. Any other device
     (CUDA, ...): SDPA, whose fused kernels read each KV head once without repeating it and never sync with the
     host, while the grouped kernels loop in Python over (batch, KV head) pairs for 16-bit dtypes; paged K/V are
     then gathered into one contiguous copy (a block-table kernel such as FlexAttention would avoid the copy).
@@ -104,7 +115,7 @@ def choose_backend(device_type: str, dtype: torch.dtype, phase: str) -> str:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     if device_type == "cpu":
-        return "sdpa" if phase == "prefill" else "grouped"
+        return "sdpa" if phase == "prefill" else "fused"
     return "sdpa"
 
 

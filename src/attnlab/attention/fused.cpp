@@ -1,0 +1,387 @@
+// The fused CPU decode kernel of attnlab (attention/fused.py builds and calls it): plain C++17 with OpenMP, no
+// PyTorch headers, so that the first-use build takes seconds; fused.py calls the one C entry point with ctypes.
+//
+// Attention (flash-decoding, Dao et al. 2023, one pass per block of cached tokens): the G queries of one KV
+// head's group are scored against a block of cached keys, the block's scores update a running maximum and
+// exp-sum (online softmax, Milakov & Gimelshein 2018), and the block's values are accumulated with the new
+// weights, so every cached key and value is read from memory once. The context of a (batch row, KV head) pair
+// is cut into chunks whose size depends on that row's length alone; chunks run in parallel and are merged by
+// log-sum-exp. Nothing depends on the batch size or on where a token is stored, so a row's result is
+// bit-identical whether it is decoded alone or in a batch, from a contiguous cache or a paged one.
+//
+// Layout: q (B, H, Dk) contiguous, H = n_kv * G, query head h*G + g reads KV head h. The key of batch row b, KV
+// head h, token t is the row `Rows::at(b, h, t)` of Dk values (strided, or through a table of slots into a
+// pool); values likewise with Dv <= Dk values (MLA's absorbed values are the first Dv of the key row: the same
+// memory). Arithmetic is float32; bfloat16 is widened on load and the output rounded once (to nearest even).
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace attnlab_fused {
+
+// GCC/Clang vector extensions: 8 float lanes (an AVX register; SSE pairs or scalar code on other targets).
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+struct bf16 {  // bfloat16 storage: the top 16 bits of a float32
+  uint16_t bits;
+};
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+// Work below this many bytes read runs on one thread: a second thread saves little there, and on a loaded
+// machine the region would wait for whichever thread the scheduler left out.
+constexpr int64_t kParallelBytes = 1 << 20;
+
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8f load(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8f load(const bf16* p) {  // widen: a 16-bit shift puts the bits on top of a float32
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8f f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline bf16 narrow<bf16>(float x) {  // round to nearest even, NaN kept quiet (as c10::BFloat16)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+// r[i] = a[i][0] + ... + a[i][7] for eight vectors, always added in the same order.
+inline v8f hadd(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+inline v8f sums8(const v8f* a) {
+  const v8f u0 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));  // per 128-bit half: partial sums of a0..a3
+  const v8f u1 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+inline float hsum(v8f a) {
+  const v8f z = splat(0.f);
+  const v8f parts[8] = {a, z, z, z, z, z, z, z};
+  return sums8(parts)[0];
+}
+inline float hmax(v8f a) {
+  v8f b = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+  a = a > b ? a : b;
+  b = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  a = a > b ? a : b;
+  b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+  a = a > b ? a : b;
+  return a[0];
+}
+
+// 2^x for x <= 0 (scores minus their maximum, in log2 units): x = n + f with n an integer and |f| <= 1/2;
+// 2^f by its Taylor polynomial of degree 7 (relative error < 2e-8), 2^n written into the exponent bits.
+inline v8f exp2_neg(v8f x) {
+  x = x < splat(-126.f) ? splat(-126.f) : x;  // below the smallest normal float: as good as 0 here
+  const v8f magic = splat(12582912.f);         // 1.5 * 2^23: adding it rounds to an integer
+  const v8f n = (x + magic) - magic;
+  const v8f f = x - n;
+  v8f p = splat(1.5252734e-5f);
+  p = p * f + splat(1.5403530e-4f);
+  p = p * f + splat(1.3333558e-3f);
+  p = p * f + splat(9.6181291e-3f);
+  p = p * f + splat(5.5504109e-2f);
+  p = p * f + splat(2.4022651e-1f);
+  p = p * f + splat(6.9314718e-1f);
+  p = p * f + splat(1.0f);
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Where the cached rows live: strided (table == nullptr), or paged: a pool (n_kv, slots, D) whose token t of
+// batch row b sits at slot table[b * table_stride + t / block] + t % block.
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t row_stride, head_stride, token_stride;  // in elements
+  const int64_t* table = nullptr;
+  int64_t table_stride = 0, block = 1;
+
+  const T* at(int64_t b, int64_t h, int64_t t) const {
+    if (table == nullptr) return base + b * row_stride + h * head_stride + t * token_stride;
+    const int64_t slot = table[b * table_stride + t / block] + t % block;
+    return base + h * head_stride + slot * token_stride;
+  }
+};
+
+// Tokens t0 .. t0+n-1 into float rows of `width` (>= dim; the padding columns stay zero from allocation).
+template <typename T>
+void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dim, float* dst,
+           int64_t width) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = rows.at(b, h, t0 + j);
+    float* out = dst + j * width;
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) store(out + d, load(src + d));
+    for (; d < dim; ++d) out[d] = widen(src[d]);
+  }
+}
+
+// Scores of 2 queries x 4 tokens: eight FMA chains, six loads per eight FMAs.
+inline void scores_2x4(const float* q0, const float* q1, const float* k, int64_t width, float* s0, float* s1) {
+  v8f a[8];
+  for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
+  for (int64_t d = 0; d < width; d += 8) {
+    const v8f x0 = load(q0 + d), x1 = load(q1 + d);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const v8f kv = load(k + j * width + d);
+      a[j] += x0 * kv;
+      a[4 + j] += x1 * kv;
+    }
+  }
+  const v8f r = sums8(a);
+  for (int j = 0; j < 4; ++j) {
+    s0[j] = r[j];
+    s1[j] = r[4 + j];
+  }
+}
+
+// Scores of 1 query x 8 tokens.
+inline void scores_1x8(const float* q0, const float* k, int64_t width, float* s0) {
+  v8f a[8];
+  for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
+  for (int64_t d = 0; d < width; d += 8) {
+    const v8f x0 = load(q0 + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] += x0 * load(k + j * width + d);
+  }
+  store(s0, sums8(a));
+}
+
+// acc[g][:] += sum_j p[g][j] * v[j][:] for GT query heads: 2 x GT accumulators stay in registers while the
+// block's value rows stream past.
+template <int GT>
+void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* v, int64_t n,
+                int64_t width) {
+  for (int64_t c = 0; c < width; c += 16) {
+    v8f a[GT][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      a[g][0] = load(acc + g * acc_stride + c);
+      a[g][1] = load(acc + g * acc_stride + c + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const v8f v0 = load(v + j * width + c), v1 = load(v + j * width + c + 8);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) {
+        const v8f pj = splat(p[g * p_stride + j]);
+        a[g][0] += pj * v0;
+        a[g][1] += pj * v1;
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      store(acc + g * acc_stride + c, a[g][0]);
+      store(acc + g * acc_stride + c + 8, a[g][1]);
+    }
+  }
+}
+
+struct Item {  // one chunk [lo, hi) of the context of batch row b, KV head h
+  int64_t b, h, lo, hi;
+};
+
+struct Dims {
+  int64_t G, dk, dv, dk_pad, dv_pad, tb;
+};
+
+// Per-thread buffers of one chunk: queries (G, dk_pad), a staged block of keys (tb, dk_pad) and values
+// (tb, dv_pad), the block's scores/weights (G, tb).
+struct Scratch {
+  std::vector<float> q, k, v, s;
+  explicit Scratch(const Dims& d)
+      : q(d.G * d.dk_pad, 0.f), k(d.tb * d.dk_pad, 0.f), v(d.tb * d.dv_pad, 0.f), s(d.G * d.tb, 0.f) {}
+};
+
+// One chunk: part (G, dv_pad + 2) receives, per query, the unnormalised output, the maximum score and the
+// exp-sum (scores in log2 units: the queries were scaled by log2(e)).
+template <typename T>
+void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, const Item& it, Scratch& w,
+                  float* part) {
+  const int64_t G = d.G, tb = d.tb, stride = d.dv_pad + 2;
+  for (int64_t g = 0; g < G; ++g) {
+    std::fill(part + g * stride, part + g * stride + d.dv_pad, 0.f);
+    part[g * stride + d.dv_pad] = kNegInf;
+    part[g * stride + d.dv_pad + 1] = 0.f;
+  }
+  float* s = w.s.data();
+  for (int64_t t0 = it.lo; t0 < it.hi; t0 += tb) {
+    const int64_t n = std::min(tb, it.hi - t0);
+    stage(keys, it.b, it.h, t0, n, d.dk, w.k.data(), d.dk_pad);
+    stage(values, it.b, it.h, t0, n, d.dv, w.v.data(), d.dv_pad);
+    if (n < tb) {  // rows past the chunk's end: zeros (their weights are set to 0 below)
+      std::fill(w.k.begin() + n * d.dk_pad, w.k.end(), 0.f);
+      std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
+    }
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2)
+      for (int64_t j = 0; j < tb; j += 4)
+        scores_2x4(&w.q[g * d.dk_pad], &w.q[(g + 1) * d.dk_pad], &w.k[j * d.dk_pad], d.dk_pad, s + g * tb + j,
+                   s + (g + 1) * tb + j);
+    if (g < G)
+      for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[g * d.dk_pad], &w.k[j * d.dk_pad], d.dk_pad, s + g * tb + j);
+    for (g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
+      float* sg = s + g * tb;
+      float* st = part + g * stride;
+      for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
+      v8f mx = load(sg);
+      for (int64_t j = 8; j < tb; j += 8) mx = mx > load(sg + j) ? mx : load(sg + j);
+      const float m_old = st[d.dv_pad], m_new = std::max(m_old, hmax(mx));
+      for (int64_t j = 0; j < tb; j += 8) store(sg + j, exp2_neg(load(sg + j) - splat(m_new)));
+      for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
+      v8f lsum = splat(0.f);
+      for (int64_t j = 0; j < tb; j += 8) lsum += load(sg + j);
+      const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
+      if (alpha != 1.f)
+        for (int64_t c = 0; c < d.dv_pad; c += 8) store(st + c, load(st + c) * splat(alpha));
+      st[d.dv_pad] = m_new;
+      st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
+    }
+    g = 0;
+    for (; g + 4 <= G; g += 4) accumulate<4>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
+    if (G - g == 3) accumulate<3>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
+    if (G - g == 2) accumulate<2>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
+    if (G - g == 1) accumulate<1>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
+  }
+}
+
+// Tokens per chunk for a row of `len` tokens: a function of the length alone (results must not depend on the
+// batch), large enough to amortise a chunk's setup, small enough that one row keeps both cores busy.
+inline int64_t chunk_tokens(int64_t len) { return std::min<int64_t>(2048, std::max<int64_t>(256, (len + 7) / 8)); }
+
+// Tokens per staged block: keys and values of a block in ~64 KiB (level-2 cache), a multiple of 8.
+inline int64_t block_tokens(int64_t dk_pad, int64_t dv_pad) {
+  return std::max<int64_t>(8, std::min<int64_t>(128, (65536 / (4 * (dk_pad + dv_pad))) / 8 * 8));
+}
+
+// Attention of q (B, H, dk) over rows [lo[b], hi[b]) of every batch row into out (B, H, dv).
+template <typename T>
+void decode(const T* q, int64_t B, int64_t H, int64_t n_kv, int64_t dk, int64_t dv, const Rows<T>& keys,
+            const Rows<T>& values, const int64_t* lo, const int64_t* hi, float scale, T* out, int max_threads) {
+  Dims d{H / n_kv, dk, dv, round_up(dk, 16), round_up(dv, 16), 0};
+  d.tb = block_tokens(d.dk_pad, d.dv_pad);
+  std::vector<Item> items;
+  std::vector<int64_t> first(B * n_kv + 1, 0);  // the chunks of pair bh are items first[bh] .. first[bh+1]-1
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ch = chunk_tokens(std::max<int64_t>(0, hi[b] - lo[b]));
+    tokens += std::max<int64_t>(0, hi[b] - lo[b]);
+    for (int64_t h = 0; h < n_kv; ++h) {
+      for (int64_t t = lo[b]; t < hi[b]; t += ch) items.push_back({b, h, t, std::min(hi[b], t + ch)});
+      first[b * n_kv + h + 1] = static_cast<int64_t>(items.size());
+    }
+  }
+  const int64_t G = d.G, stride = d.dv_pad + 2, n_items = static_cast<int64_t>(items.size());
+  std::vector<float> parts(std::max<int64_t>(1, n_items * G * stride));
+  const float qscale = scale * kLog2e;  // scores in log2 units: exp2 instead of exp
+  const int64_t bytes = tokens * n_kv * (dk + dv) * static_cast<int64_t>(sizeof(T));
+  const int n_threads = bytes < kParallelBytes ? 1 : std::max(1, std::min<int>(max_threads, static_cast<int>(n_items)));
+#pragma omp parallel num_threads(n_threads)
+  {
+    Scratch w(d);
+    int64_t q_of = -1;  // the (b, h) whose queries are in w.q
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      const Item& it = items[i];
+      if (q_of != it.b * n_kv + it.h) {
+        q_of = it.b * n_kv + it.h;
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = q + (it.b * H + it.h * G + g) * dk;
+          for (int64_t c = 0; c < dk; ++c) w.q[g * d.dk_pad + c] = widen(src[c]) * qscale;
+        }
+      }
+      attend_chunk(d, keys, values, it, w, parts.data() + i * G * stride);
+    }
+  }
+  // Merge the chunks of every (row, KV head): out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c.
+  std::vector<float> o(d.dv_pad);
+  for (int64_t bh = 0; bh < B * n_kv; ++bh) {
+    for (int64_t g = 0; g < G; ++g) {
+      float m = kNegInf;
+      for (int64_t c = first[bh]; c < first[bh + 1]; ++c) m = std::max(m, parts[(c * G + g) * stride + d.dv_pad]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float l = 0.f;
+      for (int64_t c = first[bh]; c < first[bh + 1]; ++c) {
+        const float* pc = parts.data() + (c * G + g) * stride;
+        if (pc[d.dv_pad] == kNegInf) continue;
+        const float wgt = std::exp2(pc[d.dv_pad] - m);
+        l += wgt * pc[d.dv_pad + 1];
+        for (int64_t k = 0; k < dv; ++k) o[k] += wgt * pc[k];
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with nothing to attend to gets zeros
+      T* dst = out + ((bh / n_kv) * H + (bh % n_kv) * G + g) * dv;
+      for (int64_t k = 0; k < dv; ++k) dst[k] = narrow<T>(o[k] * inv);
+    }
+  }
+}
+
+}  // namespace attnlab_fused
+
+// The one entry point (ctypes): dtype 0 = float32, 1 = bfloat16. Keys k_strides = (row, head, token) in
+// elements, values likewise; table nullptr for strided caches, else (B, table_stride) slots of `block` tokens
+// (strides then: row unused, head, token). Row b attends to its tokens [lo[b], hi[b]). Returns 0.
+extern "C" int attnlab_decode(int dtype, const void* q, int64_t B, int64_t H, int64_t n_kv, int64_t dk,
+                              int64_t dv, const void* k, const int64_t* k_strides, const void* v,
+                              const int64_t* v_strides, const int64_t* table, int64_t table_stride,
+                              int64_t block, const int64_t* lo, const int64_t* hi, float scale, void* out,
+                              int threads) {
+  namespace fk = attnlab_fused;
+  if (n_kv <= 0 || H % n_kv != 0 || dv > dk) return 1;
+  if (dtype == 0) {
+    fk::Rows<float> kr{static_cast<const float*>(k), k_strides[0], k_strides[1], k_strides[2], table,
+                       table_stride, block};
+    fk::Rows<float> vr{static_cast<const float*>(v), v_strides[0], v_strides[1], v_strides[2], table,
+                       table_stride, block};
+    fk::decode(static_cast<const float*>(q), B, H, n_kv, dk, dv, kr, vr, lo, hi, scale, static_cast<float*>(out),
+               threads);
+    return 0;
+  }
+  if (dtype == 1) {
+    using T = fk::bf16;
+    fk::Rows<T> kr{static_cast<const T*>(k), k_strides[0], k_strides[1], k_strides[2], table, table_stride, block};
+    fk::Rows<T> vr{static_cast<const T*>(v), v_strides[0], v_strides[1], v_strides[2], table, table_stride, block};
+    fk::decode(static_cast<const T*>(q), B, H, n_kv, dk, dv, kr, vr, lo, hi, scale, static_cast<T*>(out), threads);
+    return 0;
+  }
+  return 2;
+}

@@ -1,0 +1,196 @@
+"""The fused CPU decode kernel (``fused.cpp``): built at first use, with the PyTorch kernels as the fallback.
+
+One query per head over a contiguous or paged cache in a single pass: per (batch row, KV head), the group's
+queries are scored against each block of cached keys, an online softmax updates a running maximum and exp-sum,
+and the block's values are accumulated, so every cached byte is read once (GQA, MQA and MLA's absorbed form,
+whose values are the first columns of its key rows). Paged batches are attended together, in one call. See the
+C++ file for the algorithm.
+
+Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP,
+``-O3 -march=native``) into PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``, else
+``~/.cache/torch_extensions``) under a name that carries a hash of the source, the flags, PyTorch's version and
+the CPU model, so a build is reused by later processes on the same machine only. The source includes no
+PyTorch header (it is one C function called through ``ctypes``), so the build takes a few seconds, not a minute.
+When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
+takes the PyTorch kernels of ``decode`` instead; the reason is reported once (a ``RuntimeWarning``) and stays
+queryable: ``available()`` is False and ``status()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("fused.cpp")
+# -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_state: dict[str, object] = {"lib": None, "tried": False, "status": "not built yet", "build_s": None}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def extension_name() -> str:
+    """The name the build is cached under: changes with the source, the flags, PyTorch and the CPU."""
+    key = "\n".join([_SOURCE.read_text(), " ".join(_FLAGS), torch.__version__, _cpu_model()])
+    return "attnlab_fused_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _build() -> str:
+    """Compile (or find the cached build of) the kernel; the path of the shared library."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=extension_name(),
+        sources=[str(_SOURCE)],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernel, building it on the first call; None (reported once) when it cannot be built."""
+    if _state["tried"]:
+        return _state["lib"]  # type: ignore[return-value]
+    with _lock:
+        if _state["tried"]:
+            return _state["lib"]  # type: ignore[return-value]
+        if os.environ.get("ATTNLAB_FUSED", "1") == "0":
+            _state.update(tried=True, status="disabled by ATTNLAB_FUSED=0: the PyTorch kernels run")
+            return None
+        start = time.perf_counter()
+        try:
+            lib = ctypes.CDLL(_build())
+            fn = lib.attnlab_decode
+        except Exception as err:  # any failure to compile or load: fall back, and say so
+            reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            _state.update(tried=True, status=f"build failed, the PyTorch kernels run: {reason}")
+            warnings.warn(
+                f"attnlab: the fused C++ decode kernel could not be built ({reason}); using the PyTorch kernels",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_int64] * 5, *[ctypes.c_void_p] * 4]
+        fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        seconds = time.perf_counter() - start
+        _state.update(
+            tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load)"
+        )
+        return lib
+
+
+def available() -> bool:
+    """Whether the fused kernel runs (builds it on the first call)."""
+    return _library() is not None
+
+
+def status() -> str:
+    """Which decode path runs and why: the fused kernel, or the PyTorch kernels and the reason."""
+    return str(_state["status"])
+
+
+def build_seconds() -> float | None:
+    """Seconds the first build-or-load of this process took (None before it, or when it failed)."""
+    return _state["build_s"]  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the build state, so that the next call builds (or fails) again; for tests."""
+    _state.update(lib=None, tried=False, status="not built yet", build_s=None)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    """Whether the kernel can take these operands: one CPU query per head, float32 or bfloat16, no gradient,
+    no dropout, no tensor subclass, no compile tracing; and the kernel built."""
+    if torch.compiler.is_compiling() or q.shape[2] != 1 or dropout_p > 0.0:
+        return False
+    for t in (q, k, v):
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in _DTYPES:
+            return False
+        if t.requires_grad and torch.is_grad_enabled():
+            return False
+    return available()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its rows (last dim) are contiguous, as every cache's are; else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _call(q, k, k_strides, v, v_strides, table, table_stride, block, lo, hi, scale) -> torch.Tensor:
+    b, h, _, dk = q.shape
+    q = q.reshape(b, h, dk).contiguous()
+    n_kv = k_strides[3]
+    out = q.new_empty(b, h, v.shape[-1])
+    ks = torch.tensor(k_strides[:3], dtype=torch.int64)
+    vs = torch.tensor(v_strides[:3], dtype=torch.int64)
+    rc = _state["lib"].attnlab_decode(  # type: ignore[union-attr]
+        _DTYPES[q.dtype], q.data_ptr(), b, h, n_kv, dk, v.shape[-1], k.data_ptr(), ks.data_ptr(), v.data_ptr(),
+        vs.data_ptr(), None if table is None else table.data_ptr(), table_stride, block, lo.data_ptr(),
+        hi.data_ptr(), float(scale), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(
+            f"fused decode: inconsistent shapes q {tuple(q.shape)}, k/v heads {n_kv} (code {rc})"
+        )
+    return out.unsqueeze(2)
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """q (B, H, 1, Dk) over k (B, n_kv, S, Dk), v (B, n_kv, S, Dv) (any strides but the last, v may be a view of
+    k's first columns) -> (B, H, 1, Dv). Call only when ``supports(q, k, v)``."""
+    k, v = _rows(k), _rows(v)
+    b, n_kv, s = k.shape[0], k.shape[1], k.shape[2]
+    lo = torch.zeros(b, dtype=torch.int64)
+    hi = torch.full((b,), s, dtype=torch.int64)
+    ks = (k.stride(0), k.stride(1), k.stride(2), n_kv)
+    vs = (v.stride(0), v.stride(1), v.stride(2), n_kv)
+    return _call(q, k, ks, v, vs, None, 0, 1, lo, hi, scale)
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, runs, lengths, *, scale: float):
+    """q (B, H, 1, Dk) over paged rows: pools (n_kv, slots, D); batch row ``i`` holds ``lengths[i]`` tokens, the
+    slots ``[start, start + n)`` of its ``runs[i]`` in order (a ``PagedView``'s fields). Every row in one call.
+
+    The runs become a table of equal blocks: every run but a row's last starts and ends on a multiple of the
+    cache's block size, so the greatest common divisor of those starts and lengths is a block size too.
+    """
+    k_pool, v_pool = _rows(k_pool), _rows(v_pool)
+    bounds = [
+        x for row in runs for i, (start, n) in enumerate(row) for x in (start, n if i < len(row) - 1 else 0)
+    ]
+    block = math.gcd(*bounds) or max([1, *lengths])
+    per_row = [[start + j for start, n in row for j in range(0, n, block)] for row in runs]
+    width = max([1, *map(len, per_row)])
+    table = torch.zeros(len(runs), width, dtype=torch.int64)
+    for i, slots in enumerate(per_row):
+        table[i, : len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    lo = torch.zeros(len(runs), dtype=torch.int64)
+    hi = torch.tensor(lengths, dtype=torch.int64)
+    n_kv = k_pool.shape[0]
+    ks = (0, k_pool.stride(0), k_pool.stride(1), n_kv)
+    vs = (0, v_pool.stride(0), v_pool.stride(1), n_kv)
+    return _call(q, k_pool, ks, v_pool, vs, table, width, block, lo, hi, scale)

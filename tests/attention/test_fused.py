@@ -1,0 +1,183 @@
+"""The fused C++ decode kernel against the reference backend, over generated shapes; its fallback.
+
+Oracle: ``attend(..., backend="reference")`` (repeat-KV, explicit float32 softmax) on the same tensors. float32
+within 1e-5; bfloat16 within bfloat16's tolerance (the kernel computes in float32 and rounds the output once, as
+the reference does). The kernel is built once per session (a few seconds; then reused from the build cache).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnlab import MLAConfig, MultiHeadLatentAttention, PagedKVCache
+from attnlab.attention import fused
+from attnlab.attention.kernels import attend, choose_backend
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_extension_is_built_and_auto_takes_it_for_cpu_decode():
+    """CI has g++ and ninja: a fallback there would hide a broken build behind passing equivalence tests."""
+    if os.environ.get("ATTNLAB_FUSED") == "0":
+        pytest.skip("ATTNLAB_FUSED=0 turns the kernel off")
+    assert fused.available(), fused.status()
+    assert fused.status().startswith("fused C++ kernel")
+    for phase in ("decode", "paged"):
+        assert choose_backend("cpu", torch.float32, phase) == "fused"
+
+
+def _inputs(draw, dtype: torch.dtype):
+    """q (B, H, 1, Dk) and the live views k, v of a preallocated cache; MLA-like (v the first Dv columns of k's
+    rows, one KV head) in a quarter of the draws."""
+    b, n_kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    s, dk = draw(st.integers(0, 700)), draw(st.integers(1, 80))
+    latent = draw(st.integers(0, 3)) == 0
+    dv = draw(st.integers(1, dk)) if latent else dk
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    spare = draw(st.integers(0, 9))  # unused cache slots after the live prefix: the view is strided
+    scale = draw(st.floats(0.25, 2.0)) * dk**-0.5  # around the usual 1/sqrt(head_dim)
+    heads = 1 if latent else n_kv
+    q = torch.randn(b, heads * group, 1, dk, generator=gen).to(dtype)
+    buf_k = torch.randn(b, heads, s + spare, dk, generator=gen).to(dtype)
+    buf_v = torch.randn(b, heads, s + spare, dk, generator=gen).to(dtype)
+    k = buf_k[:, :, :s]
+    v = k[..., :dv] if latent else buf_v[:, :, :s]
+    return q, k, v, scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(data=st.data())
+def test_contiguous_decode_equals_the_reference(dtype, data):
+    q, k, v, scale = _inputs(data.draw, DTYPES[dtype])
+    out = attend(q, k, v, scale=scale, backend="fused")
+    if k.shape[2] == 0:  # nothing to attend to: zeros (the rule for a fully masked row)
+        assert torch.equal(out, torch.zeros_like(out))
+        return
+    torch.testing.assert_close(out, attend(q, k, v, scale=scale, backend="reference"), **TOL[DTYPES[dtype]])
+    for row in range(q.shape[0]):  # a row's result does not depend on the rows beside it
+        sl = slice(row, row + 1)
+        assert torch.equal(out[sl], fused.decode(q[sl], k[sl], v[sl], scale=scale))
+
+
+def _paged(draw, dtype: torch.dtype):
+    """A paged cache whose rows have drawn lengths, filled in two pieces each, in a pool whose free blocks are
+    handed out in a drawn (scattering) order; with the same rows as contiguous tensors."""
+    b, n_kv, group = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    dk, block = draw(st.integers(2, 48)), draw(st.sampled_from([1, 3, 16, 64]))
+    lengths = draw(st.lists(st.integers(0, 300), min_size=b, max_size=b))
+    latent = draw(st.booleans())
+    dv = draw(st.integers(1, dk)) if latent else dk
+    n_blocks = max(1, sum(-(-n // block) for n in lengths) + draw(st.integers(0, 6)))
+    heads = 1 if latent else n_kv
+    cache = PagedKVCache(
+        n_blocks, block, heads, dk, batch_size=b, dtype=dtype, values_in_keys=latent,
+        value_dim=dv if latent else None,
+    )  # fmt: skip
+    order = draw(st.permutations(range(n_blocks)))
+
+    def take(table: list[int], wanted: int) -> int:  # the drawn order, not the allocator's runs
+        chosen = next(x for x in order if x in cache._free)
+        cache._free.remove(chosen)
+        return chosen
+
+    cache._take = take
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    keys = [torch.randn(1, heads, n, dk, generator=gen).to(dtype) for n in lengths]
+    vals = [torch.randn(1, heads, n, dk, generator=gen).to(dtype) for n in lengths]
+    cuts = [draw(st.integers(0, n)) for n in lengths]
+    for row, cut in enumerate(cuts):  # the second piece is written after the other rows grew
+        cache.select([row]).update(keys[row][:, :, :cut], None if latent else vals[row][:, :, :cut])
+    for row, cut in enumerate(cuts):
+        cache.select([row]).update(keys[row][:, :, cut:], None if latent else vals[row][:, :, cut:])
+    values = [r[..., :dv] for r in keys] if latent else vals
+    q = torch.randn(b, heads * group, 1, dk, generator=gen).to(dtype)
+    return q, cache.select(list(range(b))), keys, values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(data=st.data())
+def test_paged_decode_attends_every_row_at_once_and_equals_the_reference(dtype, data):
+    q, cache, keys, values = _paged(data.draw, DTYPES[dtype])
+    out = attend(q, *cache.views(), scale=0.3, backend="fused")
+    for row in range(q.shape[0]):
+        alone = fused.decode(q[row : row + 1], keys[row], values[row], scale=0.3)
+        # Same bits as the row alone from a contiguous cache: the kernel never depends on placement or batch.
+        assert torch.equal(out[row : row + 1], alone)
+        if keys[row].shape[2]:
+            ref = attend(q[row : row + 1], keys[row], values[row], scale=0.3, backend="reference")
+            torch.testing.assert_close(out[row : row + 1], ref, **TOL[DTYPES[dtype]])
+        else:
+            assert not out[row].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_absorbed_mla_decode_through_the_kernel_equals_the_reference_backend(dtype):
+    """MLA's absorbed decode is MQA over the latent rows, values being their first kv_lora_rank columns: the
+    kernel (auto) against the reference backend on the same module weights, and (float32) the naive form."""
+    dt = DTYPES[dtype]
+    cfg = MLAConfig(
+        d_model=96, n_heads=6, kv_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12
+    )
+    mlas = {name: MultiHeadLatentAttention(cfg.replace(backend=backend)) for name, backend in
+            (("fused", "fused"), ("reference", "reference"), ("naive", "reference"))}  # fmt: skip
+    mlas["fused"].init_weights(std=0.3)
+    for name, mla in mlas.items():
+        mla.load_state_dict(mlas["fused"].state_dict())
+        mla.mode = "naive" if name == "naive" else "absorbed"
+        mlas[name] = mla.to(dt).eval()
+    x = torch.randn(2, 30, 96).to(dt)
+    outs = {}
+    with torch.inference_mode():
+        for name, mla in mlas.items():
+            cache = mla.new_cache(2, 40)
+            mla(x[:, :29], cache=cache)
+            outs[name] = mla(x[:, 29:], cache=cache)
+    torch.testing.assert_close(outs["fused"], outs["reference"], **TOL[dt])
+    if dt == torch.float32:
+        torch.testing.assert_close(outs["fused"], outs["naive"], **TOL[dt])
+
+
+def test_inputs_the_kernel_does_not_take_run_the_grouped_kernel():
+    """A mask, a gradient or dropout: "fused" answers through the grouped kernel, so the result stays right."""
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.rand(2, 1, 1, 9) > 0.3
+    want = attend(q, k, v, attn_mask=mask, backend="reference")
+    torch.testing.assert_close(attend(q, k, v, attn_mask=mask, backend="fused"), want, rtol=1e-5, atol=1e-5)
+    qg = q.clone().requires_grad_()
+    attend(qg, k, v, backend="fused").sum().backward()
+    assert qg.grad is not None and qg.grad.abs().sum() > 0
+
+
+def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monkeypatch, tmp_path):
+    """No compiler (CXX pointing nowhere) and a fresh build directory: the build fails, one warning says so,
+    ``available()`` is False with the reason in ``status()``, and "fused" and "auto" give the reference's
+    results through the PyTorch kernels."""
+    for key, value in fused._state.items():  # restored after the test: the built kernel stays in use
+        monkeypatch.setitem(fused._state, key, value)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    fused.reset()
+    q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = attend(q, k, v, backend="fused")
+        auto = attend(q, k, v)
+    assert [str(w.message) for w in caught if "could not be built" in str(w.message)] != []
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert fused.available() is False
+    assert fused.status().startswith("build failed, the PyTorch kernels run")
+    ref = attend(q, k, v, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(auto, ref, rtol=1e-5, atol=1e-5)
