@@ -297,7 +297,22 @@ def write_docs(result: dict, command: str, doc: Path = DOC, png: Path = RESULTS 
     # The page links the plot where the repository keeps it, wherever this copy of the plot is written.
     plot(result, png)
     rel = os.path.relpath(RESULTS / "decode.png", DOC.parent)
-    write_atomic(doc, performance_page(result, plot_path=rel, command=command, notes=notes(result, command)))
+    page = performance_page(result, plot_path=rel, command=command, notes=notes(result, command))
+    write_atomic(doc, with_generation_section(page))
+
+
+def with_generation_section(page: str) -> str:
+    """The page with benchmarks/generate.py's section (from its saved JSON, if any) at the end: one page, two
+    scripts, each regenerating its own part."""
+    saved = RESULTS / "generate.json"
+    if not saved.is_file():
+        return page
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_bench", ROOT / "benchmarks" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return page.rstrip("\n") + "\n\n" + module.section(json.loads(saved.read_text())) + "\n"
 
 
 def main() -> int:

@@ -30,13 +30,26 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model": {"config", "cache", "attention"},
     "cost": {"config", "hf_config"},
     "convert": {"config", "cache", "attention", "model"},
+    "generate": {"config", "cache", "attention", "model", "cost"},
     "parallel": {"config", "cache", "attention", "model", "cost"},
     "hf": BASE | {"cache", "attention", "model", "convert"},
     "data": BASE - {"hf_config"},
     "train": BASE | {"cache", "attention", "model", "convert", "parallel", "hf", "data"},
-    "bench": BASE | {"cache", "attention", "model", "cost", "convert", "hf"},
+    "bench": BASE | {"cache", "attention", "model", "cost", "convert", "generate", "hf", "data"},
     "cli": BASE
-    | {"cache", "attention", "model", "cost", "convert", "parallel", "hf", "data", "train", "bench"},
+    | {
+        "cache",
+        "attention",
+        "model",
+        "cost",
+        "convert",
+        "generate",
+        "parallel",
+        "hf",
+        "data",
+        "train",
+        "bench",
+    },
     "__main__": {"cli"},
     "__init__": {"config", "cache", "attention", "model"},
 }
@@ -51,7 +64,16 @@ ATTENTION: dict[str, set[str]] = {
     "mla": {"gqa", "kernels", "rope", "norm"},
     "__init__": {"gqa", "mla", "kernels"},
 }
-CORE = ("config", "hf_config", "cache", "attention", "model", "cost", "convert")  # stdlib and torch only
+CORE = (
+    "config",
+    "hf_config",
+    "cache",
+    "attention",
+    "model",
+    "cost",
+    "convert",
+    "generate",
+)  # stdlib and torch only
 ONLY_IN = {"transformers": {"bench"}, "typer": {"cli"}}  # third-party packages kept to one unit
 
 

@@ -175,6 +175,10 @@ def small_attnlab(args: list[str], ws: dict[str, Path], n: int) -> list[str]:
         args[args.index("--kv-lora-rank") + 1] = "8"
         if "--rope-dim" in args:
             args[args.index("--rope-dim") + 1] = "2"
+    if args[0] == "generate":  # the workspace's model holds 32 positions
+        if "--max-new" not in args:
+            args += ["--max-new", "4"]
+        args[args.index("--max-new") + 1] = "4"
     if "--measure" in args:  # one timed layer per variant: a 4-head model has 4 variants
         args += ["--model", str(ws["tiny"]), "--seq-len", "128"]
     return args

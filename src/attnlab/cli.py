@@ -291,6 +291,36 @@ def eval_(
     run_eval(ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, as_json=as_json)
 
 
+@app.command()
+@user_errors
+def generate(
+    ckpt: Path = typer.Argument(..., help="Causal-LM checkpoint directory (with its tokenizer.json)."),
+    prompt: list[str] = typer.Option(..., "--prompt", help="Prompt text; repeat for a batch of prompts."),
+    max_new: int = typer.Option(64, "--max-new", help="New tokens per prompt at most."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", help="0: greedy; else sample at this temperature."
+    ),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Sample among the likeliest tokens of mass p."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="A token that ends a prompt's output (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the checkpoint's eos token."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), fp32 or bf16."),
+    bandwidth: float | None = typer.Option(
+        None, "--bandwidth", help="Memory bandwidth in GB/s for the roofline (default: measured here)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the tables."),
+) -> None:
+    """Generate text from a checkpoint: prefill scores the last position only; prints tokens/s, prefill and
+    decode time, and the decode phase's fraction of the bandwidth roofline."""
+    from .bench.generate import run_generate
+
+    run_generate(
+        ckpt, prompt, max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+        ignore_eos=ignore_eos, dtype=dtype, as_json=as_json, bandwidth_gbs=bandwidth,
+    )  # fmt: skip
+
+
 bench_app = typer.Typer(
     help="Time decode steps against baselines and the roofline.", no_args_is_help=True, cls=_Group
 )

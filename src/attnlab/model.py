@@ -1,4 +1,4 @@
-"""A small Llama-style decoder whose attention is any variant, and generation with the caches.
+"""A small Llama-style decoder whose attention is any variant (generation: ``attnlab.generate``).
 
 Pre-norm blocks: ``h = x + attention(attention_norm(x))``, ``out = h + feed_forward(ffn_norm(h))``, RMSNorm,
 SwiGLU MLP (``w2(silu(w1 x) * w3 x)``), RoPE inside the attention. Module names follow Meta's llama3
@@ -122,9 +122,16 @@ class Transformer(nn.Module):
         caches: list[Cache] | None = None,
         attn_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) of ``tokens`` (B, T); ``attn_mask`` (bool, True = attend) is applied in
-        every layer together with the causal rule; see the module docstring for ``position_ids``."""
+        every layer together with the causal rule; see the module docstring for ``position_ids``.
+
+        ``logits_to_keep`` > 0 scores only the last that many positions (B, logits_to_keep, vocab_size), as
+        transformers' argument of that name: a prefill needs the last position only, and the output head costs
+        a (vocab_size x d_model) product per position scored."""
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
         if tokens.ndim != 2:
@@ -136,50 +143,6 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, attn_mask=attn_mask, cache=None if caches is None else caches[i], rope=rope)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         return self.output(self.norm(x)).float()
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
-    """Next token ids (B, 1) from last-position logits (B, vocab): greedy when temperature == 0."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-
-
-@torch.no_grad()
-def generate(
-    model: Transformer,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    use_cache: bool = True,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Extend ``prompt`` (B, T) by ``max_new_tokens`` tokens; returns (B, T + max_new_tokens).
-
-    With ``use_cache`` the prompt is prefilled once and each new token is one decode step through the
-    caches; without it every step reruns the whole sequence (the slow reference the cache must match).
-    """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
-    tokens = prompt
-    caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
-    step_input = prompt
-    for _ in range(max_new_tokens):
-        logits = model(step_input if use_cache else tokens, caches=caches)[:, -1]
-        nxt = sample_next(logits, temperature, top_k, generator)
-        tokens = torch.cat((tokens, nxt), dim=1)
-        step_input = nxt
-    return tokens

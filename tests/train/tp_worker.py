@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, MultiHeadLatentAttention
 from attnlab.config import ModelConfig
-from attnlab.model import FeedForward, Transformer, generate
+from attnlab.generate import generate
+from attnlab.model import FeedForward, Transformer
 from attnlab.parallel import apply_tp
 from attnlab.train import UptrainOptions, distributed, uptrain
 
@@ -146,11 +147,20 @@ def model_checks(mesh) -> dict:
             "weight_grad": weight_grad_error(ref, sharded),
             "local_params": gathered(local_numel(sharded)),
             "cache_bytes": gathered(sum(c.nbytes for c in sharded.new_caches(2, 16))),
-            "tokens_one_process": generate(ref, prompt, 11).tolist(),
-            "tokens_sharded": gathered(generate(sharded, prompt, 11).tolist()),
-            "tokens_sharded_no_cache": gathered(generate(sharded, prompt, 11, use_cache=False).tolist()),
+            "tokens_one_process": generate(ref, prompt, 11).tokens,
+            "tokens_sharded": gathered(generate(sharded, prompt, 11).tokens),
+            "tokens_sharded_no_cache": gathered(greedy_without_cache(sharded, prompt, 11)),
         }
     return out
+
+
+@torch.no_grad()
+def greedy_without_cache(model: Transformer, prompt: torch.Tensor, n: int) -> list[list[int]]:
+    """The new tokens of greedy decoding that reruns the whole sequence every step (no cache)."""
+    tokens = prompt
+    for _ in range(n):
+        tokens = torch.cat((tokens, model(tokens)[:, -1:].argmax(-1)), dim=1)
+    return tokens[:, prompt.shape[1] :].tolist()
 
 
 def on_rank0_alone(fn) -> dict:

@@ -1,0 +1,160 @@
+"""``attnlab generate``: text from a checkpoint, with the speed of prefill and decode against the roofline.
+
+The roofline of the decode phase is the time needed to read, per step, every weight once and the cached keys and
+values (or MLA latents) of every token attended (``Generation.decode_bytes``, counted with ``attnlab.cost``) at
+the given ``--bandwidth`` or the machine's measured streaming read bandwidth (``bench.machine.measure_local``:
+measured once per boot and cached, as for ``attnlab bench``); "of roofline" is that time over the measured
+decode time (1.0 = at the limit).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..console import Grid, print_grid
+from ..cost import weight_bytes_read
+from ..generate import generate
+
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool) -> set[int]:
+    """config.json's and generation_config.json's ``eos_token_id`` (unless ``ignore_eos``), plus every
+    ``--stop`` text, each of which must be exactly one token of the vocabulary."""
+    stops: set[int] = set()
+    if not ignore_eos:
+        for name in ("config.json", "generation_config.json"):
+            path = ckpt / name
+            if not path.is_file():
+                continue
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError):
+                continue  # a malformed generation config: its eos is unknown, not fatal
+            for token in eos if isinstance(eos, list) else [eos]:
+                if isinstance(token, int) and not isinstance(token, bool):
+                    stops.add(token)
+    for text in extra:
+        token = tokenizer.token_to_id(text)
+        if token is None:
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            if len(ids) != 1:
+                raise ValueError(
+                    f"--stop {text!r} is {len(ids)} tokens in this vocabulary; give a single token"
+                )
+            token = ids[0]
+        stops.add(token)
+    return stops
+
+
+def run_generate(
+    ckpt: Path,
+    prompts: list[str],
+    *,
+    max_new: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int,
+    stop: list[str],
+    ignore_eos: bool,
+    dtype: str,
+    as_json: bool,
+    bandwidth_gbs: float | None = None,
+) -> dict[str, Any]:
+    from ..data import load_tokenizer
+    from ..hf.causal_lm import load_causal_lm
+    from .machine import measure_local
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if not prompts:
+        raise ValueError("give at least one --prompt")
+    if max_new < 1:
+        raise ValueError(f"--max-new must be >= 1, got {max_new}")
+    if bandwidth_gbs is not None and not 0 < bandwidth_gbs < float("inf"):
+        raise ValueError(f"--bandwidth must be a number of GB/s > 0, got {bandwidth_gbs}")
+    tokenizer = load_tokenizer(ckpt)
+    model = load_causal_lm(ckpt)
+    if DTYPES[dtype] is not None:
+        model = model.to(DTYPES[dtype])
+    ids = [tokenizer.encode(text).ids for text in prompts]
+    for text, row in zip(prompts, ids, strict=True):
+        if not row:
+            raise ValueError(f"--prompt {text!r} is no tokens at all")
+        if len(row) + max_new > model.cfg.max_seq_len:
+            raise ValueError(
+                f"--prompt of {len(row)} tokens + --max-new {max_new} exceeds the checkpoint's "
+                f"max_position_embeddings={model.cfg.max_seq_len}"
+            )
+    stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
+    gen = generate(
+        model, ids, max_new, temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops, seed=seed
+    )
+    bandwidth = measure_local().bandwidth if bandwidth_gbs is None else bandwidth_gbs * 1e9
+    n_bytes = gen.decode_bytes
+    param_dtype = next(model.parameters()).dtype
+    fraction = n_bytes / bandwidth / gen.decode_s if gen.decode_steps and gen.decode_s > 0 else None
+    result = {
+        "checkpoint": str(ckpt),
+        "dtype": str(param_dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "cache": gen.cache,
+        "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
+        "stop_tokens": sorted(stops),
+        "outputs": [
+            {
+                "prompt": text,
+                "prompt_tokens": len(row),
+                "tokens": new,
+                "text": tokenizer.decode(new, skip_special_tokens=True),
+                "stopped": stopped,
+            }
+            for text, row, new, stopped in zip(prompts, ids, gen.tokens, gen.stopped, strict=True)
+        ],
+        "new_tokens": gen.new_tokens,
+        "prefill_s": gen.prefill_s,
+        "decode_s": gen.decode_s,
+        "decode_steps": gen.decode_steps,
+        "decode_tokens_per_s": gen.decode_tokens_per_s if gen.decode_tokens else None,
+        "tokens_per_s": gen.tokens_per_s,
+        "weight_bytes_per_step": weight_bytes_read(model.cfg, len(prompts), param_dtype),  # all rows live
+        "decode_bytes": n_bytes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_measured": bandwidth_gbs is None,
+        "roofline_fraction": fraction,
+    }
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_result(result)
+    return result
+
+
+def print_result(result: dict[str, Any]) -> None:
+    texts = Grid("attnlab generate", ["prompt", "tokens in", "tokens out", "ended by", "text"], right=(1, 2))
+    for out in result["outputs"]:
+        ended = "stop token" if out["stopped"] else "--max-new"
+        texts.add_row(out["prompt"], str(out["prompt_tokens"]), str(len(out["tokens"])), ended, out["text"])
+    print_grid(texts)
+    speed = Grid("speed", ["phase", "seconds", "tokens/s", "note"], right=(1, 2))
+    speed.add_row("prefill + first token", f"{result['prefill_s']:.3f}", "", f"{result['cache']} cache")
+    per_s = result["decode_tokens_per_s"]
+    fraction = result["roofline_fraction"]
+    roof = (
+        f"{fraction:.2f} of the roofline ({result['decode_bytes'] / 1e9:.2f} GB over "
+        f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"{'measured' if result['bandwidth_measured'] else 'given'})"
+        if fraction is not None
+        else "no decode step"
+    )
+    speed.add_row("decode", f"{result['decode_s']:.3f}", f"{per_s:.1f}" if per_s else "", roof)
+    speed.add_row(
+        "end to end", f"{result['prefill_s'] + result['decode_s']:.3f}", f"{result['tokens_per_s']:.1f}", ""
+    )
+    speed.caption = f"{result['dtype']}, {result['threads']} threads"
+    print_grid(speed)

@@ -1,0 +1,279 @@
+"""Generation with an ``attnlab.model.Transformer``: one prompt or a batch of prompts of different lengths.
+
+Prefill runs each prompt through the model once and scores its last position only (``logits_to_keep=1``: the
+vocabulary-wide output head is a (vocab_size x d_model) product per position scored); every further token is
+one decode step through the caches. Caches:
+
+    contiguous  the prompts have one length: one ``KVCache``/``LatentCache`` per layer, the prompts prefilled
+                together; a row that stops keeps being computed (its tokens are dropped) until all rows stop.
+    paged       prompts of different lengths (no padding): one ``PagedKVCache`` per layer, each prompt prefilled
+                on its own, then all unfinished rows decoded together; a row that stops leaves the batch and
+                its blocks go back to the pool.
+
+Tokens: greedy (``temperature=0``) or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
+likeliest tokens and then to the smallest set whose probability reaches ``top_p`` (the rules of transformers'
+``TopKLogitsWarper`` and ``TopPLogitsWarper``), drawn with ``generator`` or a generator seeded with ``seed``.
+A row stops after emitting one of ``stop_tokens`` (kept in its output) or after ``max_new_tokens``.
+
+Greedy decoding of a prompt gives the same tokens alone or in any batch, from either cache (tested); samples are
+drawn for the batch's rows in order from one generator, so a sampled row depends on the rows before it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cost import kv_cache_bytes, weight_bytes_read
+from .model import Transformer
+
+CACHES = ("auto", "contiguous", "paged")
+
+
+@dataclass
+class Generation:
+    """What ``generate`` made, and how long it took."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]  # new tokens of each prompt; a stop token that ended a row is its last
+    stopped: list[bool]  # True: the row ended on a stop token; False: it reached max_new_tokens
+    prefill_s: float  # every prompt through the model and the first new token of each
+    decode_s: float  # every later token
+    decode_steps: int  # batched decode steps
+    decode_rows: int  # rows computed over all decode steps (stopped rows of a contiguous batch included)
+    kv_tokens_read: int  # cached tokens attended over all decode steps, summed over rows
+    decode_bytes: int  # what the decode steps had to read at least: see ``_Run.account``
+    cache: str  # "contiguous" or "paged"
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """New tokens made by decode steps (the first token of each row comes with its prefill)."""
+        return sum(max(0, len(t) - 1) for t in self.tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of the whole call, prefill included."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else float("nan")
+
+
+def _check_options(max_new_tokens, temperature, top_k, top_p) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """``logits`` (B, vocab) / ``temperature`` in float32, -inf outside the ``top_k`` likeliest tokens and then
+    outside the smallest set whose probability reaches ``top_p`` (transformers' Temperature, TopK and TopP
+    logits warpers, in that order, with their tie rules)."""
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(dim=-1)  # ascending: drop the unlikeliest tokens whose mass is <= 1 - p
+        drop = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False  # the likeliest token always stays
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, vocab): greedy when ``temperature == 0``."""
+    _check_options(0, temperature, top_k, top_p)
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _prompt_lists(prompts: torch.Tensor | Sequence, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dtype not in (torch.int64, torch.int32) or prompts.ndim not in (1, 2):
+            raise ValueError(
+                f"prompts must be integer token ids (T,) or (B, T), got {prompts.dtype} {tuple(prompts.shape)}"
+            )
+        rows = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, str):
+        rows = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+        if rows and all(isinstance(x, int) and not isinstance(x, bool) for x in rows):
+            rows = [rows]  # one prompt given as a flat list of ids
+    else:
+        raise TypeError(
+            f"prompts must be a tensor or a sequence of token-id sequences, got {type(prompts).__name__}"
+        )
+    if not rows:
+        raise ValueError("prompts is empty: give at least one prompt")
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [x for x in row if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} holds token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+    return rows
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompts: torch.Tensor | Sequence[Sequence[int] | torch.Tensor],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Iterable[int] = (),
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    cache: str = "auto",
+    block_size: int = 256,
+) -> Generation:
+    """Extend every prompt by up to ``max_new_tokens`` tokens; see the module docstring.
+
+    ``prompts``: token ids, (T,) or (B, T) tensor, or a sequence of prompts (lists or 1-D tensors) of any
+    lengths. ``cache``: "auto" (contiguous when all prompts have one length, else paged), "contiguous" or "paged".
+    """
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model must be an attnlab.model.Transformer, got {type(model).__name__}")
+    _check_options(max_new_tokens, temperature, top_k, top_p)
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    rows = _prompt_lists(prompts, model.cfg.vocab_size)
+    stops = set(stop_tokens)
+    if generator is None and seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    if cache == "auto":
+        cache = "contiguous" if len({len(r) for r in rows}) == 1 else "paged"
+    if cache == "contiguous" and len({len(r) for r in rows}) != 1:
+        raise ValueError("cache='contiguous' needs prompts of one length; use cache='paged' (or 'auto')")
+    if cache == "paged" and any(
+        getattr(layer.attention, "mode", "absorbed") != "absorbed" for layer in model.layers
+    ):
+        raise ValueError(
+            "prompts of different lengths (the paged cache) need MLA's absorbed mode: set every layer's "
+            "attention.mode = 'absorbed' (the result is the same), or give prompts of one length"
+        )
+    run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator))
+    if max_new_tokens > 0:
+        run.contiguous() if cache == "contiguous" else run.paged(block_size)
+    return Generation(
+        prompts=rows,
+        tokens=run.out,
+        stopped=run.stopped,
+        prefill_s=run.prefill_s,
+        decode_s=run.decode_s,
+        decode_steps=run.steps,
+        decode_rows=run.decode_rows,
+        kv_tokens_read=run.kv_tokens,
+        decode_bytes=run.bytes,
+        cache=cache,
+    )
+
+
+class _Run:
+    """The state of one ``generate`` call: the tokens made so far and the clocks."""
+
+    def __init__(
+        self, model: Transformer, rows: list[list[int]], max_new: int, stops: set[int], sampling
+    ) -> None:
+        self.model, self.rows, self.max_new, self.stops, self.sampling = model, rows, max_new, stops, sampling
+        self.out: list[list[int]] = [[] for _ in rows]
+        self.stopped = [False] * len(rows)
+        self.prefill_s = self.decode_s = 0.0
+        self.steps = self.decode_rows = self.kv_tokens = self.bytes = 0
+        self.dtype = next(model.parameters()).dtype
+
+    def _take(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Sample a token for each of ``rows`` (one logits row each); record it; return them (len(rows),)."""
+        nxt = sample_next(logits, *self.sampling)
+        for row, token in zip(rows, nxt.tolist(), strict=True):
+            if not self.done(row):
+                self.out[row].append(token)
+                self.stopped[row] = token in self.stops
+        return nxt
+
+    def account(self, batch: int, kv_tokens: int) -> None:
+        """Count one decode step of ``batch`` rows attending ``kv_tokens`` cached tokens in all: the bytes it
+        must read are the weights once (``cost.weight_bytes_read``) and those tokens' keys and values (or MLA
+        latents) in every layer (``cost.kv_cache_bytes``), the numerator of the roofline."""
+        cfg = self.model.cfg
+        self.steps += 1
+        self.decode_rows += batch
+        self.kv_tokens += kv_tokens
+        self.bytes += weight_bytes_read(cfg, batch, self.dtype) + kv_cache_bytes(
+            cfg, 1, kv_tokens, self.dtype
+        )
+
+    def done(self, row: int) -> bool:
+        return self.stopped[row] or len(self.out[row]) >= self.max_new
+
+    def contiguous(self) -> None:
+        model, b, t = self.model, len(self.rows), len(self.rows[0])
+        start = time.perf_counter()
+        caches = model.new_caches(b, t + self.max_new)
+        tokens = torch.tensor(self.rows)
+        nxt = self._take(model(tokens, caches=caches, logits_to_keep=1)[:, -1], list(range(b)))
+        self.prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        while not all(self.done(r) for r in range(b)):
+            self.account(b, b * (len(caches[0]) + 1))
+            logits = model(nxt[:, None], caches=caches)[:, -1]
+            nxt = self._take(logits, list(range(b)))
+        self.decode_s = time.perf_counter() - start
+
+    def paged(self, block_size: int) -> None:
+        model, b = self.model, len(self.rows)
+        start = time.perf_counter()
+        n_blocks = sum(-(-(len(r) + self.max_new) // block_size) for r in self.rows)
+        caches = [layer.attention.new_paged_cache(n_blocks, block_size, b) for layer in model.layers]
+        first = []
+        for row, prompt in enumerate(self.rows):
+            logits = model(torch.tensor([prompt]), caches=[c.select([row]) for c in caches], logits_to_keep=1)
+            first.append(logits[:, -1])
+        nxt = self._take(torch.cat(first), list(range(b)))
+        self.prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        last = dict(enumerate(nxt.tolist()))  # each live row's newest token
+        while True:
+            for row in [r for r in last if self.done(r)]:
+                del last[row]
+                for c in caches:
+                    c.free(row)
+            if not last:
+                break
+            active = sorted(last)
+            for c in caches:
+                c.select(active)
+            self.account(len(active), sum(caches[0].lengths[r] + 1 for r in active))
+            logits = model(torch.tensor([[last[r]] for r in active]), caches=caches)[:, -1]
+            for row, token in zip(active, self._take(logits, active).tolist(), strict=True):
+                last[row] = token
+        self.decode_s = time.perf_counter() - start

@@ -1,0 +1,283 @@
+"""attnlab.generate and ``attnlab generate``: batches against one prompt at a time, the cached loop against
+rerunning the model, greedy tokens against transformers' ``generate`` (Llama and DeepSeek-V3 with the same
+weights), sampling filters against transformers' logits warpers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from attnlab import AttentionConfig, MLAConfig, ModelConfig
+from attnlab.cli import app
+from attnlab.cost import weight_bytes_read
+from attnlab.data import train_byte_bpe
+from attnlab.generate import filter_logits, generate, sample_next
+from attnlab.hf.causal_lm import load_causal_lm, save_causal_lm
+from attnlab.model import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 101
+ATTENTION = {
+    "mha": AttentionConfig(d_model=64, n_heads=4),
+    "gqa": AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2),
+    "mqa": AttentionConfig(d_model=64, n_heads=4, n_kv_heads=1),
+    "mla": MLAConfig(
+        d_model=64, n_heads=4, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+    ),
+}
+
+
+def model(variant: str, dtype: torch.dtype = torch.float32) -> Transformer:
+    cfg = ModelConfig(vocab_size=VOCAB, n_layers=2, attention=ATTENTION[variant], ffn_dim=96, max_seq_len=512)
+    m = Transformer(cfg)
+    m.init_weights(std=0.3, seed=0)  # wide logits: greedy choices are far from ties
+    return m.to(dtype).eval()
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("variant", ATTENTION)
+@pytest.mark.parametrize("lengths", [[7, 30, 1, 18], [12, 12, 12]])
+def test_a_batch_decodes_token_for_token_as_its_prompts_one_at_a_time(variant, lengths):
+    m, rows = model(variant), prompts(lengths)
+    stop = generate(m, [rows[0]], 20).tokens[0][5]  # a token the first row emits: that row stops early
+    batch = generate(m, rows, 20, stop_tokens=[stop], block_size=8)
+    assert batch.cache == ("contiguous" if len(set(lengths)) == 1 else "paged")
+    for row, prompt in enumerate(rows):
+        alone = generate(m, [prompt], 20, stop_tokens=[stop])
+        paged = generate(m, [prompt], 20, stop_tokens=[stop], cache="paged", block_size=4)
+        assert batch.tokens[row] == alone.tokens[0] == paged.tokens[0]
+        assert batch.stopped[row] == alone.stopped[0] == (stop in alone.tokens[0])
+    assert batch.stopped[0] and batch.tokens[0][-1] == stop and len(batch.tokens[0]) <= 6
+
+
+@pytest.mark.parametrize("variant", ATTENTION)
+def test_cached_generation_equals_rerunning_the_whole_sequence(variant):
+    m, (prompt,) = model(variant), prompts([9])
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            tokens.append(int(m(torch.tensor([tokens]))[0, -1].argmax()))
+    assert generate(m, [prompt], 10).tokens[0] == tokens[9:]
+
+
+def test_prefill_scores_only_the_last_positions():
+    m = model("gqa")
+    x = torch.tensor(prompts([2, 2]))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, logits_to_keep=1), m(x)[:, -1:], rtol=1e-5, atol=1e-5)
+        assert m(x, logits_to_keep=1).shape == (2, 1, VOCAB)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        m(x, logits_to_keep=-1)
+
+
+def test_timings_and_roofline_bytes_are_accounted():
+    m, rows = model("gqa"), prompts([5, 9])
+    gen = generate(m, rows, 6, block_size=4)
+    assert gen.new_tokens == 12 and gen.decode_tokens == 10 and gen.decode_steps == 5
+    assert gen.prefill_s > 0 and gen.decode_s > 0 and gen.tokens_per_s > 0
+    # rows of 5 and 9 tokens attend to 6..10 and 10..14 cached tokens over the 5 steps
+    assert gen.kv_tokens_read == sum(range(6, 11)) + sum(range(10, 15))
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head_dim x float32
+    assert gen.decode_bytes == 5 * weight_bytes_read(m.cfg, 2, torch.float32) + gen.kv_tokens_read * per_token
+    # a step reads every parameter but the embedding table, of which it gathers one row per token
+    embedding = m.tok_embeddings.weight
+    params = sum(p.numel() * 4 for p in m.parameters()) - embedding.numel() * 4
+    assert weight_bytes_read(m.cfg, 2, torch.float32) == params + 2 * embedding.shape[1] * 4
+
+
+# ---------------------------------------------------------------------------------------- against transformers
+
+
+def _llama(tmp_path, **overrides):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=256, **overrides,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(std=0.3)
+    hf.save_pretrained(tmp_path / "llama")
+    return hf, tmp_path / "llama"
+
+
+def _deepseek(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+        first_k_dense_replace=2, n_routed_experts=0, num_mtp_layers=0, max_position_embeddings=256,
+    )  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.3 if "norm" not in name else 0.1)
+    hf.save_pretrained(tmp_path / "deepseek")
+    return hf, tmp_path / "deepseek"
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_greedy_tokens_equal_transformers_generate(tmp_path, family):
+    hf, path = _llama(tmp_path) if family == "llama" else _deepseek(tmp_path)
+    ours = load_causal_lm(path)
+    rows = prompts([11, 4, 23])
+    batch = generate(ours, rows, 16)
+    for row, prompt in enumerate(rows):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        assert batch.tokens[row] == ref[0, len(prompt) :].tolist()
+
+
+def test_a_deepseek_checkpoint_saves_like_its_source_whatever_its_rope_layout(tmp_path):
+    _, path = _deepseek(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"rope_interleave": False}))
+    model_ = load_causal_lm(path)
+    out = save_causal_lm(model_.state_dict(), model_.cfg, tmp_path / "copy", like=path)
+    again = load_causal_lm(out)
+    x = torch.tensor(prompts([13]))
+    with torch.no_grad():
+        assert torch.equal(again(x), model_(x))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.3, 5, None), (1.0, None, 0.6),
+                                                     (0.5, 20, 0.9), (1.0, 3, 0.2)])  # fmt: skip
+def test_sampling_filters_equal_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )  # fmt: skip
+
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    ref = warpers(None, logits.clone())
+    ours = filter_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(ref))
+    torch.testing.assert_close(ours[torch.isfinite(ours)], ref[torch.isfinite(ref)])
+
+
+def test_sampling_is_seeded_and_stays_inside_the_filter():
+    m, rows = model("gqa"), prompts([6, 6])
+    a = generate(m, rows, 12, temperature=1.0, top_k=4, seed=7)
+    assert a.tokens == generate(m, rows, 12, temperature=1.0, top_k=4, seed=7).tokens
+    assert a.tokens != generate(m, rows, 12, temperature=1.0, top_k=4, seed=8).tokens
+    greedy = generate(m, rows, 12).tokens
+    assert generate(m, rows, 12, temperature=0.8, top_k=1, seed=1).tokens == greedy
+    assert generate(m, rows, 12, temperature=0.8, top_p=1e-9, seed=1).tokens == greedy
+    logits = torch.randn(2000, 7, generator=torch.Generator().manual_seed(0))
+    drawn = sample_next(logits, 1.0, 2, None, torch.Generator().manual_seed(0))
+    top2 = logits.topk(2, dim=-1).indices
+    assert bool((drawn[:, None] == top2).any(dim=-1).all())
+
+
+def test_bad_arguments_are_refused_naming_the_field():
+    m = model("gqa")
+    for kwargs, field in [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(cache="ring"), "cache"),
+        (dict(block_size=0), "block_size"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            generate(m, [[1, 2]], **({"max_new_tokens": 2} | kwargs))
+    with pytest.raises(ValueError, match="empty"):
+        generate(m, [[1], []], 2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(m, [[1, VOCAB]], 2)
+    with pytest.raises(ValueError, match="one length"):
+        generate(m, [[1], [1, 2]], 2, cache="contiguous")
+    assert generate(m, [[1, 2]], 0).tokens == [[]]
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random transformers Llama saved with a byte-level BPE tokenizer trained on a little Shakespeare."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1].parent / "shared/data/shakespeare/hamlet.txt").read_text()[
+        :20000
+    ]
+    tok = train_byte_bpe([text], VOCAB + 200)
+    path = tmp_path_factory.mktemp("gen") / "ckpt"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=0,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_the_command_prints_text_speed_and_roofline_as_json(checkpoint):
+    result = CliRunner().invoke(
+        app,
+        ["generate", str(checkpoint), "--prompt", "To be, or not", "--prompt", "Good night, sweet prince",
+         "--max-new", "9", "--ignore-eos", "--bandwidth", "20", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    from attnlab.data import load_tokenizer
+
+    tok, model_ = load_tokenizer(checkpoint), load_causal_lm(checkpoint)
+    ids = [tok.encode(t).ids for t in ("To be, or not", "Good night, sweet prince")]
+    expected = generate(model_, ids, 9).tokens
+    assert [o["tokens"] for o in out["outputs"]] == expected
+    assert [o["text"] for o in out["outputs"]] == [tok.decode(t) for t in expected]
+    assert out["new_tokens"] == 18 and out["decode_steps"] == 8
+    assert out["cache"] == ("paged" if len(ids[0]) != len(ids[1]) else "contiguous")
+    assert out["bandwidth_bytes_per_s"] == 20e9 and not out["bandwidth_measured"]
+    assert out["roofline_fraction"] == pytest.approx(out["decode_bytes"] / 20e9 / out["decode_s"])
+    assert out["roofline_fraction"] > 0 and out["decode_tokens_per_s"] > 0 and out["prefill_s"] > 0
+    assert out["decode_bytes"] == 8 * out["weight_bytes_per_step"] + sum(
+        2 * 2 * 2 * 8 * 4 * (n + k) for n in map(len, ids) for k in range(1, 9)
+    )
+
+
+def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
+    result = CliRunner().invoke(app, ["generate", str(checkpoint), "--prompt", "To be", "--max-new", "3"])
+    assert result.exit_code == 0, result.output
+    assert "of the roofline" in result.stdout and "prefill" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--max-new", "0"], "--max-new must be >= 1"),
+        (["--max-new", "500"], "max_position_embeddings=128"),
+        (["--top-p", "2"], "top_p"),
+        (["--stop", "To be or not to be"], "give a single token"),
+        (["--dtype", "fp8"], "--dtype"),
+        (["--bandwidth", "0"], "--bandwidth"),
+    ],
+)
+def test_the_command_refuses_bad_input_in_one_line(checkpoint, args, message):
+    result = CliRunner().invoke(app, ["generate", str(checkpoint), "--prompt", "To be", *args])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
