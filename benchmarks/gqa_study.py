@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.atomic import write_atomic
+from attnlab.bench.generate import decode_step_times
 from attnlab.config import AttentionConfig, ModelConfig
 from attnlab.data import TokenStream, split_held_out, text_files, tokenize_files, train_byte_bpe
 from attnlab.hf import convert_checkpoint, load_causal_lm, save_llama
@@ -449,17 +450,7 @@ def decode_speed(
     torch.set_num_threads(1)
     models = {g: load_causal_lm(path).float().eval() for g, path in checkpoints.items()}
     prompt = torch.randint(0, scale.vocab, (scale.decode_batch, scale.decode_context))
-    times: dict[int, list[float]] = {g: [] for g in models}
-    nbytes = {}
-    for _ in range(repeats):
-        for g, model in models.items():
-            caches = model.new_caches(scale.decode_batch, scale.decode_context + scale.decode_steps)
-            nxt = model(prompt, caches=caches)[:, -1:].argmax(-1)
-            start = time.perf_counter()
-            for _ in range(scale.decode_steps):
-                nxt = model(nxt, caches=caches)[:, -1:].argmax(-1)
-            times[g].append(time.perf_counter() - start)
-            nbytes[g] = sum(c.nbytes for c in caches)
+    times, nbytes = decode_step_times(models, prompt, scale.decode_steps, repeats)
     out = {}
     for g, ts in times.items():
         out[g] = {

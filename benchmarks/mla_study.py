@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from attnlab.atomic import write_atomic
+from attnlab.bench.generate import decode_step_times
 from attnlab.convert import convert_model_to_mla, fold_latent_norms, logit_distance
 from attnlab.convert.mla import full_rank, max_stride
 from attnlab.convert.mla_model import choose_stride
@@ -294,17 +295,7 @@ def decode_speed(checkpoints: dict[str, Path], recipe: Recipe) -> dict[str, dict
                 layer.attention.mode = "absorbed"
     vocab = next(iter(models.values())).cfg.vocab_size
     prompt = torch.randint(0, vocab, (recipe.decode_batch, recipe.decode_context))
-    times: dict[str, list[float]] = {name: [] for name in models}
-    nbytes = {}
-    for _ in range(recipe.decode_repeats):
-        for name, model in models.items():
-            caches = model.new_caches(recipe.decode_batch, recipe.decode_context + recipe.decode_steps)
-            nxt = model(prompt, caches=caches)[:, -1:].argmax(-1)
-            start = time.perf_counter()
-            for _ in range(recipe.decode_steps):
-                nxt = model(nxt, caches=caches)[:, -1:].argmax(-1)
-            times[name].append(time.perf_counter() - start)
-            nbytes[name] = sum(c.nbytes for c in caches)
+    times, nbytes = decode_step_times(models, prompt, recipe.decode_steps, recipe.decode_repeats)
     per_token = recipe.decode_batch * (recipe.decode_context + recipe.decode_steps)
     return {
         name: {

@@ -281,3 +281,16 @@ def test_the_command_refuses_bad_input_in_one_line(checkpoint, args, message):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_decode_step_times_round_robin_and_cache_bytes():
+    # The studies' decode-speed helper: every model timed `repeats` times, caches holding prompt + steps tokens
+    # (their bytes against the cost model's count).
+    from attnlab.bench.generate import decode_step_times
+    from attnlab.cost import kv_cache_bytes
+
+    models = {v: model(v) for v in ("gqa", "mla")}
+    times, nbytes = decode_step_times(models, torch.tensor(prompts([5, 5])), steps=3, repeats=2)
+    assert {v: len(t) for v, t in times.items()} == {"gqa": 2, "mla": 2}
+    assert all(t > 0 for ts in times.values() for t in ts)
+    assert nbytes == {v: kv_cache_bytes(m.cfg, 2, 8, torch.float32) for v, m in models.items()}

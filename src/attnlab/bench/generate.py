@@ -10,6 +10,7 @@ decode time (1.0 = at the limit).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,28 @@ from ..cost import weight_bytes_read
 from ..generate import generate
 
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@torch.no_grad()
+def decode_step_times(
+    models: dict[Any, torch.nn.Module], prompt: torch.Tensor, steps: int, repeats: int
+) -> tuple[dict[Any, list[float]], dict[Any, int]]:
+    """Seconds of ``steps`` greedy decode steps after prefilling ``prompt`` (B, T), for each model ``repeats``
+    times, round robin over the models (a slow spell of a shared machine then hits every model alike); and the
+    bytes of each model's filled caches."""
+    b, t = prompt.shape
+    times: dict[Any, list[float]] = {name: [] for name in models}
+    nbytes: dict[Any, int] = {}
+    for _ in range(repeats):
+        for name, model in models.items():
+            caches = model.new_caches(b, t + steps)
+            nxt = model(prompt, caches=caches)[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            for _ in range(steps):
+                nxt = model(nxt, caches=caches)[:, -1:].argmax(-1)
+            times[name].append(time.perf_counter() - start)
+            nbytes[name] = sum(c.nbytes for c in caches)
+    return times, nbytes
 
 
 def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool) -> set[int]:
