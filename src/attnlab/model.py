@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention.gqa import GroupedQueryAttention
+from .attention.linear import Linear, project
 from .attention.mla import MultiHeadLatentAttention
 from .attention.norm import RMSNorm
 from .attention.rope import RopeAngles, token_positions
@@ -29,12 +30,13 @@ from .config import AttentionConfig, ModelConfig
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, bias: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d_model, ffn_dim, bias=bias)  # gate
-        self.w2 = nn.Linear(ffn_dim, d_model, bias=bias)  # down
-        self.w3 = nn.Linear(d_model, ffn_dim, bias=bias)  # up
+        self.w1 = Linear(d_model, ffn_dim, bias=bias)  # gate
+        self.w2 = Linear(ffn_dim, d_model, bias=bias)  # down
+        self.w3 = Linear(d_model, ffn_dim, bias=bias)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = project(x, self.w1, self.w3)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -79,7 +81,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 

@@ -95,6 +95,10 @@ def _library() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_int64] * 5, *[ctypes.c_void_p] * 4]
         fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        lin = lib.attnlab_linear
+        lin.restype = ctypes.c_int
+        lin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lin.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
         seconds = time.perf_counter() - start
         _state.update(
             tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load)"
@@ -194,3 +198,56 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ru
     ks = (0, k_pool.stride(0), k_pool.stride(1), n_kv)
     vs = (0, v_pool.stride(0), v_pool.stride(1), n_kv)
     return _call(q, k_pool, ks, v_pool, vs, table, width, block, lo, hi, scale)
+
+
+# Rows of input up to which ``linear`` beats the BLAS matrix product (measured: docs/performance.md).
+LINEAR_MAX_ROWS = 8
+_PARAM_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def linear_supports(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether ``linear`` takes these operands: a CPU float32/bfloat16 input of 1 to ``LINEAR_MAX_ROWS`` rows,
+    weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient, no compile
+    tracing; and the kernel built."""
+    if torch.compiler.is_compiling() or x.dtype not in _DTYPES or type(x) not in _PARAM_TYPES:
+        return False
+    if x.numel() > LINEAR_MAX_ROWS * x.shape[-1] or x.numel() == 0 or x.device.type != "cpu":
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
+    for t in params:
+        if t is None:
+            continue
+        if type(t) not in _PARAM_TYPES or t.device.type != "cpu" or t.dtype != x.dtype:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return available()
+
+
+def linear(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None
+) -> torch.Tensor:
+    """``torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)`` for a few rows of input: x (..., K),
+    weights (N_i, K) -> (..., sum N_i), every weight row streamed once for all rows, the weights in one parallel
+    pass. Call only when ``linear_supports(x, *weights, *biases)``."""
+    biases = biases or [None] * len(weights)
+    k = x.shape[-1]
+    for w in weights:
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"fused linear: weight of shape {tuple(w.shape)} for an input of width {k}")
+    x2 = x.reshape(-1, k).contiguous()
+    weights = [w.contiguous() for w in weights]
+    biases = [None if b is None else b.contiguous() for b in biases]
+    ns = [w.shape[0] for w in weights]
+    out = x.new_empty(*x.shape[:-1], sum(ns))
+    ptrs = (ctypes.c_void_p * len(ns))(*[w.data_ptr() for w in weights])
+    bias_ptrs = (ctypes.c_void_p * len(ns))(*[None if b is None else b.data_ptr() for b in biases])
+    rc = _state["lib"].attnlab_linear(  # type: ignore[union-attr]
+        _DTYPES[x.dtype], x2.data_ptr(), x2.shape[0], k, len(ns), ptrs, (ctypes.c_int64 * len(ns))(*ns),
+        bias_ptrs, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"fused linear: bad shapes x {tuple(x.shape)}, weights {ns} (code {rc})")
+    return out

@@ -17,6 +17,7 @@ from torch import nn
 from ..cache import Cache, KVCache, PagedKVCache
 from ..config import AttentionConfig
 from .kernels import attend, check_mask
+from .linear import Linear, project
 from .rope import RopeAngles, apply_rope, token_positions
 
 
@@ -66,10 +67,10 @@ class GroupedQueryAttention(nn.Module):
             raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.has_out_bias)
+        self.wq = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.has_out_bias)
 
     @property
     def n_heads(self) -> int:
@@ -144,9 +145,10 @@ class GroupedQueryAttention(nn.Module):
         """
         check_input("GroupedQueryAttention", x, self.cfg.d_model, self.wq.weight)
         b, t, _ = x.shape
-        q = split_heads(self.wq(x), self.head_dim)  # (B, n_heads, T, head_dim)
-        k = split_heads(self.wk(x), self.head_dim)  # (B, n_kv_heads, T, head_dim)
-        v = split_heads(self.wv(x), self.head_dim)
+        q, k, v = project(x, self.wq, self.wk, self.wv)
+        q = split_heads(q, self.head_dim)  # (B, n_heads, T, head_dim)
+        k = split_heads(k, self.head_dim)  # (B, n_kv_heads, T, head_dim)
+        v = split_heads(v, self.head_dim)
         check_step("GroupedQueryAttention", attn_mask, q, cache)
         if self.cfg.rope:
             if rope is None:

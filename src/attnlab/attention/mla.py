@@ -30,6 +30,7 @@ from ..cache import Cache, LatentCache, PagedKVCache
 from ..config import MLA_MODES, MLAConfig
 from .gqa import check_input, check_step, local_weight, merge_heads, split_heads
 from .kernels import attend
+from .linear import Linear, project
 from .norm import RMSNorm
 from .rope import RopeAngles, apply_rope, token_positions
 
@@ -42,15 +43,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.cfg = cfg
         h, d = cfg.n_heads, cfg.d_model
         if cfg.q_lora_rank:
-            self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=cfg.bias)
+            self.wq_a = Linear(d, cfg.q_lora_rank, bias=cfg.bias)
             self.q_norm = RMSNorm(cfg.q_lora_rank)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+            self.wq_b = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         else:
-            self.wq = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.bias)
+            self.wq = Linear(d, h * cfg.qk_head_dim, bias=False)
+        self.wkv_a = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.bias)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank) if cfg.kv_norm else nn.Identity()
-        self.wkv_b = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.wo = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
+        self.wkv_b = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.wo = Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
 
     @property
     def mode(self) -> str:
@@ -115,10 +116,13 @@ class MultiHeadLatentAttention(nn.Module):
         """(rotary dim, theta): the shared rotary key and each head's rotary query part."""
         return (self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries (B, T, H * qk_head_dim) and the compressed key-value rows (B, T, kv_lora_rank + rope dim):
+        the two projections of ``x`` read in one pass."""
         if self.cfg.q_lora_rank:
-            return self.wq_b(self.q_norm(self.wq_a(x)))
-        return self.wq(x)
+            q, kv = project(x, self.wq_a, self.wkv_a)
+            return self.wq_b(self.q_norm(q)), kv
+        return project(x, self.wq, self.wkv_a)
 
     def forward(
         self,
@@ -137,9 +141,10 @@ class MultiHeadLatentAttention(nn.Module):
         check_input("MultiHeadLatentAttention", x, cfg.d_model, self.wkv_a.weight)
         mode = _check_mode(cfg.mode if mode is None else mode)
         b, t, _ = x.shape
-        q = split_heads(self._queries(x), cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
+        q, kv = self._projections(x)
+        q = split_heads(q, cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        c, k_rope = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         check_step("MultiHeadLatentAttention", attn_mask, q, cache)
         if cache is not None and cache.paged and mode != "absorbed":
             raise ValueError(

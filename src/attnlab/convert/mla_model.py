@@ -266,9 +266,10 @@ def attention_scores(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q @ k.transpose(-1, -2) * hd**-0.5
     cfg = attn.cfg
-    q = attn._queries(x).view(b, t, -1, cfg.qk_head_dim).transpose(1, 2)
+    q, kv = attn._projections(x)
+    q = q.reshape(b, t, -1, cfg.qk_head_dim).transpose(1, 2)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    c, k_rope = attn.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     k_nope = (
         attn.wkv_b(attn.kv_norm(c)).view(b, t, cfg.n_heads, -1)[..., : cfg.qk_nope_head_dim].transpose(1, 2)
     )
