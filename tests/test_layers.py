@@ -60,8 +60,9 @@ ATTENTION: dict[str, set[str]] = {
     "decode": set(),
     "fused": set(),
     "kernels": {"decode", "fused"},
-    "gqa": {"kernels", "rope"},
-    "mla": {"gqa", "kernels", "rope", "norm"},
+    "linear": {"fused"},
+    "gqa": {"kernels", "linear", "rope"},
+    "mla": {"gqa", "kernels", "linear", "rope", "norm"},
     "__init__": {"gqa", "mla", "kernels"},
 }
 CORE = (
