@@ -70,6 +70,45 @@ def test_contiguous_decode_equals_the_reference(dtype, data):
         assert torch.equal(out[sl], fused.decode(q[sl], k[sl], v[sl], scale=scale))
 
 
+@pytest.mark.parametrize("block", [None, 128, 256, 32])
+@pytest.mark.parametrize("dims", [(64, 64), (576, 512)], ids=["gqa", "mla"])
+def test_float32_blocks_read_in_place_equal_the_reference(dims, block):
+    """float32 rows of a width the kernel needs no padding for (a multiple of 16) are read where they lie
+    rather than staged: contiguous caches and pages of any size (a staging block of 128 rows spans 4 pages of
+    32), with partial blocks at chunk ends staged as before; the bits equal the contiguous decode of the same
+    rows."""
+    if not fused.available():
+        pytest.skip(fused.status())
+    dk, dv = dims
+    latent = dv != dk
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1000, 300, 129]
+    heads, group = (1, 8) if latent else (2, 3)
+    keys = [torch.randn(1, heads, n, dk, generator=gen) for n in lengths]
+    vals = [r[..., :dv] if latent else torch.randn(r.shape, generator=gen) for r in keys]
+    q = torch.randn(len(lengths), heads * group, 1, dk, generator=gen)
+    if block is None:
+        spare = torch.randn(1, heads, 1010, dk, generator=gen)  # a strided live view, as a KVCache returns
+        spare[:, :, :1000] = keys[0]
+        keys[0] = spare[:, :, :1000]
+        vals[0] = keys[0][..., :dv] if latent else vals[0]
+        outs = [fused.decode(q[i : i + 1], keys[i], vals[i], scale=0.1) for i in range(len(lengths))]
+    else:
+        cache = PagedKVCache(
+            sum(-(-n // block) for n in lengths), block, heads, dk, batch_size=len(lengths),
+            values_in_keys=latent, value_dim=dv if latent else None,
+        )  # fmt: skip
+        for i in range(len(lengths)):
+            cache.select([i]).update(keys[i], None if latent else vals[i])
+        out = attend(q, *cache.select([0, 1, 2]).views(), scale=0.1, backend="fused")
+        outs = [out[i : i + 1] for i in range(len(lengths))]
+    for i, got in enumerate(outs):
+        ref = attend(q[i : i + 1], keys[i], vals[i], scale=0.1, backend="reference")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        k, v = keys[i].contiguous(), vals[i].contiguous()  # staged-or-not must not change a bit
+        assert torch.equal(got, fused.decode(q[i : i + 1], k, v, scale=0.1))
+
+
 def _paged(draw, dtype: torch.dtype):
     """A paged cache whose rows have drawn lengths, filled in two pieces each, in a pool whose free blocks are
     handed out in a drawn (scattering) order; with the same rows as contiguous tensors."""

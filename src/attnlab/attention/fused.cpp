@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace attnlab_fused {
@@ -156,15 +157,16 @@ void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int
   }
 }
 
-// Scores of 2 queries x 4 tokens: eight FMA chains, six loads per eight FMAs.
-inline void scores_2x4(const float* q0, const float* q1, const float* k, int64_t width, float* s0, float* s1) {
+// Scores of 2 queries x 4 tokens (key rows k[0..3]): eight FMA chains, six loads per eight FMAs.
+inline void scores_2x4(const float* q0, const float* q1, const float* const* k, int64_t width, float* s0,
+                       float* s1) {
   v8f a[8];
   for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
   for (int64_t d = 0; d < width; d += 8) {
     const v8f x0 = load(q0 + d), x1 = load(q1 + d);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const v8f kv = load(k + j * width + d);
+      const v8f kv = load(k[j] + d);
       a[j] += x0 * kv;
       a[4 + j] += x1 * kv;
     }
@@ -177,13 +179,13 @@ inline void scores_2x4(const float* q0, const float* q1, const float* k, int64_t
 }
 
 // Scores of 1 query x 8 tokens.
-inline void scores_1x8(const float* q0, const float* k, int64_t width, float* s0) {
+inline void scores_1x8(const float* q0, const float* const* k, int64_t width, float* s0) {
   v8f a[8];
   for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
   for (int64_t d = 0; d < width; d += 8) {
     const v8f x0 = load(q0 + d);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) a[j] += x0 * load(k + j * width + d);
+    for (int j = 0; j < 8; ++j) a[j] += x0 * load(k[j] + d);
   }
   store(s0, sums8(a));
 }
@@ -191,8 +193,8 @@ inline void scores_1x8(const float* q0, const float* k, int64_t width, float* s0
 // acc[g][:] += sum_j p[g][j] * v[j][:] for GT query heads: 2 x GT accumulators stay in registers while the
 // block's value rows stream past.
 template <int GT>
-void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* v, int64_t n,
-                int64_t width) {
+void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* const* v,
+                int64_t n, int64_t width) {
   for (int64_t c = 0; c < width; c += 16) {
     v8f a[GT][2];
 #pragma GCC unroll 4
@@ -201,7 +203,7 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
       a[g][1] = load(acc + g * acc_stride + c + 8);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const v8f v0 = load(v + j * width + c), v1 = load(v + j * width + c + 8);
+      const v8f v0 = load(v[j] + c), v1 = load(v[j] + c + 8);
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
         const v8f pj = splat(p[g * p_stride + j]);
@@ -229,9 +231,18 @@ struct Dims {
 // (tb, dv_pad), the block's scores/weights (G, tb).
 struct Scratch {
   std::vector<float> q, k, v, s;
+  std::vector<const float*> kr, vr;  // the block's key and value rows: in the cache, or in k and v
   explicit Scratch(const Dims& d)
-      : q(d.G * d.dk_pad, 0.f), k(d.tb * d.dk_pad, 0.f), v(d.tb * d.dv_pad, 0.f), s(d.G * d.tb, 0.f) {}
+      : q(d.G * d.dk_pad, 0.f), k(d.tb * d.dk_pad, 0.f), v(d.tb * d.dv_pad, 0.f), s(d.G * d.tb, 0.f),
+        kr(d.tb), vr(d.tb) {}
 };
+
+// Whether a block of n rows is read where its rows lie (contiguous or paged alike): float32 rows that need no
+// padding, and a whole block (no rows past the chunk's end to zero). Else the rows are staged: widened, padded.
+template <typename T>
+inline bool in_place(const Dims& d, int64_t n) {
+  return std::is_same<T, float>::value && d.dk == d.dk_pad && d.dv == d.dv_pad && n == d.tb;
+}
 
 // One chunk: part (G, dv_pad + 2) receives, per query, the unnormalised output, the maximum score and the
 // exp-sum (scores in log2 units: the queries were scaled by log2(e)).
@@ -247,19 +258,31 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
   float* s = w.s.data();
   for (int64_t t0 = it.lo; t0 < it.hi; t0 += tb) {
     const int64_t n = std::min(tb, it.hi - t0);
-    stage(keys, it.b, it.h, t0, n, d.dk, w.k.data(), d.dk_pad);
-    stage(values, it.b, it.h, t0, n, d.dv, w.v.data(), d.dv_pad);
-    if (n < tb) {  // rows past the chunk's end: zeros (their weights are set to 0 below)
-      std::fill(w.k.begin() + n * d.dk_pad, w.k.end(), 0.f);
-      std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
+    // the block's row pointers: into the cache (float32 rows needing no padding, a whole block), or staged rows
+    if (in_place<T>(d, n)) {
+      for (int64_t j = 0; j < tb; ++j) {
+        w.kr[j] = reinterpret_cast<const float*>(keys.at(it.b, it.h, t0 + j));
+        w.vr[j] = reinterpret_cast<const float*>(values.at(it.b, it.h, t0 + j));
+      }
+    } else {
+      for (int64_t j = 0; j < tb; ++j) {
+        w.kr[j] = w.k.data() + j * d.dk_pad;
+        w.vr[j] = w.v.data() + j * d.dv_pad;
+      }
+      stage(keys, it.b, it.h, t0, n, d.dk, w.k.data(), d.dk_pad);
+      stage(values, it.b, it.h, t0, n, d.dv, w.v.data(), d.dv_pad);
+      if (n < tb) {  // rows past the chunk's end: zeros (their weights are set to 0 below)
+        std::fill(w.k.begin() + n * d.dk_pad, w.k.end(), 0.f);
+        std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
+      }
     }
     int64_t g = 0;
     for (; g + 2 <= G; g += 2)
       for (int64_t j = 0; j < tb; j += 4)
-        scores_2x4(&w.q[g * d.dk_pad], &w.q[(g + 1) * d.dk_pad], &w.k[j * d.dk_pad], d.dk_pad, s + g * tb + j,
+        scores_2x4(&w.q[g * d.dk_pad], &w.q[(g + 1) * d.dk_pad], &w.kr[j], d.dk_pad, s + g * tb + j,
                    s + (g + 1) * tb + j);
     if (g < G)
-      for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[g * d.dk_pad], &w.k[j * d.dk_pad], d.dk_pad, s + g * tb + j);
+      for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[g * d.dk_pad], &w.kr[j], d.dk_pad, s + g * tb + j);
     for (g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
       float* sg = s + g * tb;
       float* st = part + g * stride;
@@ -278,10 +301,10 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
       st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
     }
     g = 0;
-    for (; g + 4 <= G; g += 4) accumulate<4>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
-    if (G - g == 3) accumulate<3>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
-    if (G - g == 2) accumulate<2>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
-    if (G - g == 1) accumulate<1>(part + g * stride, stride, s + g * tb, tb, w.v.data(), n, d.dv_pad);
+    for (; g + 4 <= G; g += 4) accumulate<4>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    if (G - g == 3) accumulate<3>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    if (G - g == 2) accumulate<2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    if (G - g == 1) accumulate<1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
   }
 }
 
