@@ -190,31 +190,53 @@ inline void scores_1x8(const float* q0, const float* const* k, int64_t width, fl
   store(s0, sums8(a));
 }
 
-// acc[g][:] += sum_j p[g][j] * v[j][:] for GT query heads: 2 x GT accumulators stay in registers while the
-// block's value rows stream past.
-template <int GT>
+// acc[g][:] += sum_j p[g][j] * v[j][:] for GT query heads. R rows of values per step, each with its own
+// 2 x GT accumulators (added at the end): an FMA waits ~4 cycles for the previous one into the same register,
+// so small groups need several rows in flight to keep the FMA units busy. All in registers while the block's
+// value rows stream past.
+template <int GT, int R>
 void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* const* v,
                 int64_t n, int64_t width) {
   for (int64_t c = 0; c < width; c += 16) {
-    v8f a[GT][2];
+    v8f a[R][GT][2];
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
-      a[g][0] = load(acc + g * acc_stride + c);
-      a[g][1] = load(acc + g * acc_stride + c + 8);
+      a[0][g][0] = load(acc + g * acc_stride + c);
+      a[0][g][1] = load(acc + g * acc_stride + c + 8);
+#pragma GCC unroll 4
+      for (int r = 1; r < R; ++r) a[r][g][0] = a[r][g][1] = splat(0.f);
     }
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    for (; j + R <= n; j += R) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const v8f v0 = load(v[j + r] + c), v1 = load(v[j + r] + c + 8);
+#pragma GCC unroll 4
+        for (int g = 0; g < GT; ++g) {
+          const v8f pj = splat(p[g * p_stride + j + r]);
+          a[r][g][0] += pj * v0;
+          a[r][g][1] += pj * v1;
+        }
+      }
+    }
+    for (; j < n; ++j) {
       const v8f v0 = load(v[j] + c), v1 = load(v[j] + c + 8);
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
         const v8f pj = splat(p[g * p_stride + j]);
-        a[g][0] += pj * v0;
-        a[g][1] += pj * v1;
+        a[0][g][0] += pj * v0;
+        a[0][g][1] += pj * v1;
       }
     }
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
-      store(acc + g * acc_stride + c, a[g][0]);
-      store(acc + g * acc_stride + c + 8, a[g][1]);
+#pragma GCC unroll 4
+      for (int r = 1; r < R; ++r) {
+        a[0][g][0] += a[r][g][0];
+        a[0][g][1] += a[r][g][1];
+      }
+      store(acc + g * acc_stride + c, a[0][g][0]);
+      store(acc + g * acc_stride + c + 8, a[0][g][1]);
     }
   }
 }
@@ -301,10 +323,10 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
       st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
     }
     g = 0;
-    for (; g + 4 <= G; g += 4) accumulate<4>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
-    if (G - g == 3) accumulate<3>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
-    if (G - g == 2) accumulate<2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
-    if (G - g == 1) accumulate<1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
+    if (G - g == 1) accumulate<1, 4>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
   }
 }
 
