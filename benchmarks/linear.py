@@ -1,0 +1,123 @@
+"""Decode-step linear layers: the fused C++ few-row product (``attention.fused.linear``) against ``F.linear``
+(the BLAS matrix product) on the weight shapes of a SmolLM-135M-shaped model, cold and in one process (issue 13).
+
+A decode step reads every weight once, so what matters is how fast a product streams a weight that is not in
+cache: each timed call takes the next of enough copies of the weight to fill 256 MB, more than the last-level
+cache. Rows 1, 4 and 8 (a batch of sequences decoded together); float32 and bfloat16; both in alternating
+order, median of ``--repeats`` calls each. Prints a table (GB/s = weight bytes / time) and writes
+benchmarks/results/linear.json.
+
+    python benchmarks/linear.py
+    python benchmarks/linear.py --rows 1 --dtypes fp32 --repeats 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+# (name, out_features, in_features): SmolLM-135M's projections (q and wq+wk+wv of GQA-3 in one pass, the MLP's
+# gate+up in one pass, down) and its output head (vocabulary 49152).
+SHAPES = [
+    ("wq", 576, 576),
+    ("wq+wk+wv", 960, 576),
+    ("w1+w3", 3072, 576),
+    ("w2", 576, 1536),
+    ("output", 49152, 576),
+]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def timed(product, x: torch.Tensor, weights: list[torch.Tensor], repeats: int) -> float:
+    """Median seconds of ``product(x, w)``, each call on the next weight copy (not in cache)."""
+    times = []
+    for i in range(repeats):
+        w = weights[i % len(weights)]
+        start = time.perf_counter()
+        product(x, w)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from attnlab.attention import fused
+
+    return fused.linear(x, [w])
+
+
+def run(rows_list: list[int], dtypes: list[str], repeats: int) -> list[dict]:
+    from attnlab.attention import fused
+
+    if not fused.available():
+        raise SystemExit(f"the fused kernel is not available: {fused.status()}")
+    out = []
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        for name, n, k in SHAPES:
+            nbytes = n * k * torch.finfo(dtype).bits // 8
+            copies = [torch.randn(n, k).to(dtype) for _ in range(max(2, 256_000_000 // nbytes))]
+            for rows in rows_list:
+                x = torch.randn(rows, k).to(dtype)
+                fused_s, blas_s = [], []
+                for _ in range(3):  # alternating rounds, so both see the same machine
+                    fused_s.append(timed(ours, x, copies, repeats))
+                    blas_s.append(timed(F.linear, x, copies, repeats))
+                t_ours, t_blas = min(fused_s), min(blas_s)
+                row = {
+                    "dtype": dname,
+                    "weight": name,
+                    "shape": [n, k],
+                    "rows": rows,
+                    "fused_us": round(t_ours * 1e6, 1),
+                    "blas_us": round(t_blas * 1e6, 1),
+                    "fused_gbps": round(nbytes / t_ours / 1e9, 2),
+                    "blas_gbps": round(nbytes / t_blas / 1e9, 2),
+                    "speedup": round(t_blas / t_ours, 3),
+                }
+                out.append(row)
+                print(
+                    f"{dname} {name:9} {n}x{k} rows {rows}: fused {row['fused_gbps']:5.1f} GB/s, "
+                    f"F.linear {row['blas_gbps']:5.1f} GB/s, {row['speedup']:.2f}x",
+                    flush=True,
+                )
+            del copies
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,8", help="comma list of input rows")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per round (median kept)")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "linear.json")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    from attnlab.atomic import write_atomic
+
+    dtypes = args.dtypes.split(",")
+    if bad := [d for d in dtypes if d not in DTYPES]:
+        parser.error(f"--dtypes: unknown {bad}; choose from {', '.join(DTYPES)}")
+    rows = run([int(r) for r in args.rows.split(",")], dtypes, args.repeats)
+    result = {
+        "command": "python benchmarks/linear.py " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "load": [round(x, 2) for x in os.getloadavg()],
+        "rows": rows,
+    }
+    write_atomic(args.json, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
