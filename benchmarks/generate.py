@@ -270,9 +270,14 @@ def section(result: dict) -> str:
     missing = [c for c in TARGETS if c not in result["contexts"]]
     skipped = [v for v in VARIANTS if v not in result["variants"]]
     short = [v for v in result["variants"] if v not in result.get("long_variants", result["variants"])]
-    if missing or skipped or short:
-        lines += ["", f"Not measured in this run (time on the shared machine): contexts {missing}, variants "
-                      f"{skipped}; contexts above 4096 for {short}."]  # fmt: skip
+    gaps = [f"contexts {', '.join(map(str, missing))}" if missing else "",
+            f"variants {', '.join(skipped)}" if skipped else "",
+            f"contexts above 4096 for {', '.join(short)}" if short else ""]  # fmt: skip
+    if any(gaps):
+        lines += [
+            "",
+            f"Not measured in this run (time on the shared machine): {'; '.join(g for g in gaps if g)}.",
+        ]
     lines += ["", END]
     return "\n".join(lines)
 
