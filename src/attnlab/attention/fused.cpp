@@ -464,7 +464,6 @@ void linear_rows(const float* xf, int64_t M, int64_t K, const T* w, const T* bia
         y[m * y_stride + col + n + i] = narrow<T>(r[i] + (bias == nullptr ? 0.f : widen(bias[n + i])));
     }
   }
-  (void)N;
 }
 
 // y (M, sum of ns) = x (M, K) times the n_w weights (ns[i], K) side by side, plus their biases (or nullptr).

@@ -34,6 +34,7 @@ _SOURCE = Path(__file__).with_name("fused.cpp")
 # -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # a parameter is a plain tensor to the kernels
 _lock = threading.Lock()
 _state: dict[str, object] = {"lib": None, "tried": False, "status": "not built yet", "build_s": None}
 
@@ -126,17 +127,28 @@ def reset() -> None:
     _state.update(lib=None, tried=False, status="not built yet", build_s=None)
 
 
+def _plain_operands(tensors, dtypes) -> bool:
+    """Every tensor (None skipped) a plain CPU tensor or parameter (no subclass: not a DTensor) of one of
+    ``dtypes``, with no gradient to record; and not compile tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN_TYPES or t.device.type != "cpu" or t.dtype not in dtypes:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
+
+
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> bool:
     """Whether the kernel can take these operands: one CPU query per head, float32 or bfloat16, no gradient,
     no dropout, no tensor subclass, no compile tracing; and the kernel built."""
-    if torch.compiler.is_compiling() or q.shape[2] != 1 or dropout_p > 0.0:
+    if q.shape[2] != 1 or dropout_p > 0.0:
         return False
-    for t in (q, k, v):
-        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in _DTYPES:
-            return False
-        if t.requires_grad and torch.is_grad_enabled():
-            return False
-    return available()
+    return _plain_operands((q, k, v), _DTYPES) and available()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -203,28 +215,15 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ru
 # Rows of input up to which ``linear`` is used: it beats the BLAS product by 1.4-2.5x (float32) at 8 rows on the
 # shapes of benchmarks/linear.py (benchmarks/results/linear.json).
 LINEAR_MAX_ROWS = 8
-_PARAM_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def linear_supports(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes these operands: a CPU float32/bfloat16 input of 1 to ``LINEAR_MAX_ROWS`` rows,
     weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient, no compile
     tracing; and the kernel built."""
-    if torch.compiler.is_compiling() or x.dtype not in _DTYPES or type(x) not in _PARAM_TYPES:
+    if x.dtype not in _DTYPES or x.numel() > LINEAR_MAX_ROWS * x.shape[-1] or x.numel() == 0:
         return False
-    if x.numel() > LINEAR_MAX_ROWS * x.shape[-1] or x.numel() == 0 or x.device.type != "cpu":
-        return False
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        return False
-    for t in params:
-        if t is None:
-            continue
-        if type(t) not in _PARAM_TYPES or t.device.type != "cpu" or t.dtype != x.dtype:
-            return False
-        if grad and t.requires_grad:
-            return False
-    return available()
+    return _plain_operands((x, *params), (x.dtype,)) and available()
 
 
 def linear(
