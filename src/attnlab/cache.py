@@ -114,6 +114,11 @@ class _Cache:
         """(t,) positions of ``t`` new tokens: every row continues from ``len(self)``."""
         return torch.arange(self.pos, self.pos + t, device=device)
 
+    def claim(self, batch: int, n_new: int, dtype: torch.dtype) -> int:
+        """Reserve the next ``n_new`` slots of every row for a caller that writes them itself (the fused decode
+        step of ``attnlab.model.Block``); returns the first slot. Raises, changing nothing, where ``append`` would."""
+        return self._reserve(batch, n_new, dtype, "k")[0]
+
     def _reserve(self, batch: int, n_new: int, dtype: torch.dtype, name: str) -> tuple[int, int]:
         owner = type(self).__name__
         if batch != self.batch_size:

@@ -8,16 +8,23 @@ checkpoint key maps stay short. Shapes: tokens (B, T) int64 -> logits (B, T, voc
 Positions: ``position_ids`` (T,) or (B, T) if given (a left-padded batch: ``attention_mask.cumsum(-1) - 1``; packed
 sequences: restarting at 0 per document, with a block-diagonal ``attn_mask``), else following the caches, else
 0 .. T - 1. The RoPE angles are computed once per forward and shared by the layers (once per rotary shape).
+
+Decode steps: a GQA/MHA/MQA block given one new token per row and a contiguous ``KVCache`` runs as one call of
+the fused C++ block kernel (``fused.BlockStep``: norms, projections, RoPE, cache write, attention, MLP) instead of
+~25 PyTorch ops, when nothing is hooked on its modules and no gradient is recorded (``_FusedPlan``); the result
+equals the module-by-module forward up to the order of float32 sums (tests/test_block_step.py).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import fused
 from .attention.gqa import GroupedQueryAttention
 from .attention.linear import Linear, project
 from .attention.mla import MultiHeadLatentAttention
@@ -25,6 +32,14 @@ from .attention.norm import RMSNorm
 from .attention.rope import RopeAngles, token_positions
 from .cache import Cache, KVCache, LatentCache
 from .config import AttentionConfig, ModelConfig
+
+_LINEARS = (Linear, nn.Linear)
+
+
+def _global_hooks() -> bool:
+    """Whether any module-wide forward hook is registered (``nn.modules.module.register_module_forward_hook``)."""
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 class FeedForward(nn.Module):
@@ -37,6 +52,115 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.w1, self.w3)
         return self.w2(F.silu(gate) * up)
+
+
+class _FusedPlan:
+    """A block's decode step as one call of the fused kernel (``fused.BlockStep``), when it can take it: a
+    GQA/MHA/MQA block of this file's modules with nothing hooked on them, whose attention would take the fused
+    kernel anyway (backend "auto" or "fused"), one new token per row over a contiguous ``KVCache``, in eval mode,
+    operands ``fused.block_supports``. Anything else runs module by module.
+
+    Built once per block and kept outside it (in ``_PLANS``; the module stays picklable), because gathering the
+    operands costs ~20 module attribute lookups of microseconds each. Every step checks cheaply that the plan is
+    still the block's: the same submodules and parameter tensors at the same addresses (``Module.to`` swaps a
+    parameter's data in place), no hooks, no gradient to record.
+    """
+
+    def __init__(self, block: Block) -> None:
+        attn, ffn = block.attention, block.feed_forward
+        norms = (block.attention_norm, block.ffn_norm)
+        self.modules: tuple[nn.Module, ...] = (attn, ffn, *norms)
+        self.guards: list[tuple[dict, str, object]] = [
+            (block._modules, n, m) for n, m in block.named_children()
+        ]
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.step: fused.BlockStep | None = None
+        self.rope_spec = None
+        if type(attn) is not GroupedQueryAttention or type(ffn) is not FeedForward:
+            return
+        linears = (attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w3, ffn.w2)
+        self.modules += linears
+        for parent in (attn, ffn):
+            self.guards += [(parent._modules, n, m) for n, m in parent.named_children()]
+        for m in (*norms, *linears):
+            self.guards += [(m._parameters, n, p) for n, p in m._parameters.items()]
+        self.params = tuple(p for m in (*norms, *linears) for p in m._parameters.values() if p is not None)
+        self.addresses = tuple(p.data_ptr() for p in self.params)
+        if (
+            any(type(m) is not RMSNorm for m in norms)
+            or any(type(m) not in _LINEARS for m in linears)
+            or attn.cfg.backend not in ("auto", "fused")
+            or block.attention_norm.eps != block.ffn_norm.eps
+            or not all(p.is_contiguous() for p in self.params)
+            or not fused.block_supports(
+                torch.empty(1, 1, attn.cfg.d_model, dtype=attn.wq.weight.dtype), *self.params
+            )
+        ):
+            return
+        self.rope_spec = attn.rope_spec
+        self.step = fused.BlockStep(
+            block.attention_norm.weight,
+            (*(m.weight for m in linears[:3]), *(m.bias for m in linears[:3])),
+            (attn.wo.weight, attn.wo.bias),
+            block.ffn_norm.weight,
+            (*(m.weight for m in linears[4:]), *(m.bias for m in linears[4:])),
+            head_dim=attn.head_dim,
+            eps=block.attention_norm.eps,
+            scale=1.0 / math.sqrt(attn.head_dim),
+        )
+
+    def current(self) -> bool:
+        return all(d.get(k) is v for d, k, v in self.guards) and all(
+            p.data_ptr() == a for p, a in zip(self.params, self.addresses, strict=True)
+        )
+
+    @staticmethod
+    def of(block: Block, x: torch.Tensor, cache: KVCache) -> _FusedPlan | None:
+        """The block's plan if its fused step can take this call, else None."""
+        if type(x) is not torch.Tensor or not x.is_cpu or x.ndim != 3 or x.shape[1] != 1:
+            return None
+        plan = _PLANS.get(block)
+        if plan is None or not plan.current():
+            plan = _PLANS[block] = _FusedPlan(block)
+        step = plan.step
+        if step is None or x.dtype != step.dtype or not 1 <= x.shape[0] <= fused.LINEAR_MAX_ROWS:
+            return None
+        if (
+            cache.dtype != x.dtype
+            or not cache.k.is_cpu
+            or (cache.n_kv_heads, cache.head_dim) != (step.n_kv, step.head_dim)
+        ):
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in plan.modules) or _global_hooks():
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in plan.params)):
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        return plan
+
+    def run(
+        self,
+        block: Block,
+        x: torch.Tensor,
+        cache: KVCache,
+        position_ids: torch.Tensor | None,
+        rope: RopeAngles | None,
+    ) -> torch.Tensor:
+        angles = None
+        if self.rope_spec is not None:
+            if rope is None:
+                rope = RopeAngles(token_positions(position_ids, cache, x.shape[0], 1, x.device))
+            angles = rope.get(*self.rope_spec)
+        pos = cache.claim(x.shape[0], 1, x.dtype)
+        try:
+            return self.step(x.contiguous(), angles, cache.k, cache.v, pos)  # type: ignore[misc]
+        except BaseException:
+            cache.pos = pos  # a failed step leaves the cache as it was
+            raise
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _FusedPlan] = weakref.WeakKeyDictionary()
 
 
 class Block(nn.Module):
@@ -61,6 +185,10 @@ class Block(nn.Module):
         position_ids: torch.Tensor | None = None,
         rope: RopeAngles | None = None,
     ) -> torch.Tensor:
+        if attn_mask is None and type(cache) is KVCache and not self.training:
+            step = _FusedPlan.of(self, x, cache)
+            if step is not None:
+                return step.run(self, x, cache, position_ids, rope)
         a = self.attention(
             self.attention_norm(x), attn_mask=attn_mask, cache=cache, position_ids=position_ids, rope=rope
         )

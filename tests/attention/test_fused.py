@@ -15,9 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnlab import MLAConfig, MultiHeadLatentAttention, PagedKVCache
+from attnlab import AttentionConfig, MLAConfig, ModelConfig, MultiHeadLatentAttention, PagedKVCache
 from attnlab.attention import fused
 from attnlab.attention.kernels import attend, choose_backend
+from attnlab.model import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -220,3 +221,17 @@ def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monke
     ref = attend(q, k, v, backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(auto, ref, rtol=1e-5, atol=1e-5)
+    # a model's decode steps (fused block steps when built) run module by module, with the same logits
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=50, n_layers=2, attention=AttentionConfig(32, 4, 2), ffn_dim=48, max_seq_len=16
+    )
+    model = Transformer(cfg).eval()
+    tokens = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        caches = model.new_caches(1)
+        model(tokens[:, :5], caches=caches)
+        step = model(tokens[:, 5:], caches=caches)
+        whole = model(tokens)[:, 5:]
+    torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)

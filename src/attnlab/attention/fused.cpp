@@ -493,6 +493,126 @@ void linear(const T* x, int64_t M, int64_t K, int64_t n_w, const T* const* ws, c
   }
 }
 
+
+// ---- One decoder block's decode step (attnlab.model.Block): pre-norm attention and SwiGLU MLP in one call.
+//
+// For a few rows of one new token each (batch rows), over a contiguous KV cache: RMSNorm, the q/k/v projections,
+// RoPE (half-split pairs), the new key and value written into the cache, attention over the cache (decode
+// above), the output projection and the residual, then RMSNorm, the gate and up projections, SiLU(gate) * up,
+// the down projection and the residual. Each step rounds to the storage type where PyTorch's modules do (every
+// module's output, RMSNorm's normalised input before its gain, SiLU before the product), so the block agrees
+// with the module-by-module forward up to the order of the sums. The point is the per-op overhead: a step of a
+// small model is ~25 PyTorch ops per block, each a dispatch and an allocation; here it is one call.
+
+struct BlockDims {
+  int64_t M, D, H, n_kv, hd, F, pos;  // rows, model width, query/KV heads, head dim, MLP width, cache position
+  int64_t k_strides[3], v_strides[3];  // cache strides (row, head, token) in elements
+  int64_t rope_stride;                 // between the rows' cos/sin (0: shared); cos == nullptr: no RoPE
+  float eps, scale;
+};
+
+// The block's tensors, in the order of attnlab_block's pointer array.
+template <typename T>
+struct BlockTensors {
+  const T* x;
+  const T *attn_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo, *bo;
+  const T *ffn_norm, *w1, *w3, *w2, *b1, *b3, *b2;
+  const float *cos, *sin;
+  T *cache_k, *cache_v, *out;
+};
+
+// y (M, D) = weight * narrow(x / rms(x)), the arithmetic in float32 (RMSNorm of attention/norm.py).
+template <typename T>
+void rms_norm(const T* x, const T* weight, int64_t M, int64_t D, float eps, T* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xm = x + m * D;
+    double ss = 0.0;
+    for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(widen(xm[i])) * widen(xm[i]);
+    const float r = 1.f / std::sqrt(static_cast<float>(ss / D) + eps);
+    for (int64_t i = 0; i < D; ++i) y[m * D + i] = narrow<T>(widen(weight[i]) * widen(narrow<T>(widen(xm[i]) * r)));
+  }
+}
+
+// Rotate one head vector of `hd` values by the pairs (i, i + hd/2) (apply_rope of attention/rope.py).
+template <typename T>
+void rope(const T* x, const float* cos, const float* sin, int64_t hd, T* y) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = widen(x[i]), b = widen(x[i + half]);
+    y[i] = narrow<T>(a * cos[i] - b * sin[i]);
+    y[i + half] = narrow<T>(b * cos[i + half] + a * sin[i + half]);
+  }
+}
+
+template <typename T>
+void block(const BlockDims& d, const BlockTensors<T>& t, int threads) {
+  const int64_t M = d.M, D = d.D, hd = d.hd, qw = d.H * hd, kw = d.n_kv * hd, F = d.F;
+  std::vector<T> xn(M * D), qkv(M * (qw + 2 * kw)), q(M * qw), att(M * qw), h(M * D), gu(M * 2 * F), act(M * F);
+  // attention: norm, projections, RoPE, the cache write, attention over the cache, output projection
+  rms_norm(t.x, t.attn_norm, M, D, d.eps, xn.data());
+  {
+    const T* ws[3] = {t.wq, t.wk, t.wv};
+    const T* bs[3] = {t.bq, t.bk, t.bv};
+    const int64_t ns[3] = {qw, kw, kw};
+    linear(xn.data(), M, D, 3, ws, ns, bs, qkv.data(), threads);
+  }
+  const int64_t row = qw + 2 * kw;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* qm = qkv.data() + m * row;
+    const T* km = qm + qw;
+    const T* vm = km + kw;
+    for (int64_t head = 0; head < d.n_kv; ++head) {
+      T* kd = t.cache_k + m * d.k_strides[0] + head * d.k_strides[1] + d.pos * d.k_strides[2];
+      T* vd = t.cache_v + m * d.v_strides[0] + head * d.v_strides[1] + d.pos * d.v_strides[2];
+      if (t.cos != nullptr)
+        rope(km + head * hd, t.cos + m * d.rope_stride, t.sin + m * d.rope_stride, hd, kd);
+      else
+        std::copy(km + head * hd, km + (head + 1) * hd, kd);
+      std::copy(vm + head * hd, vm + (head + 1) * hd, vd);
+    }
+    for (int64_t head = 0; head < d.H; ++head) {
+      if (t.cos != nullptr)
+        rope(qm + head * hd, t.cos + m * d.rope_stride, t.sin + m * d.rope_stride, hd, q.data() + m * qw + head * hd);
+      else
+        std::copy(qm + head * hd, qm + (head + 1) * hd, q.data() + m * qw + head * hd);
+    }
+  }
+  {
+    const Rows<T> keys{t.cache_k, d.k_strides[0], d.k_strides[1], d.k_strides[2]};
+    const Rows<T> values{t.cache_v, d.v_strides[0], d.v_strides[1], d.v_strides[2]};
+    const std::vector<int64_t> lo(M, 0), hi(M, d.pos + 1);
+    decode(q.data(), M, d.H, d.n_kv, hd, hd, keys, values, lo.data(), hi.data(), d.scale, att.data(), threads);
+  }
+  {
+    const T* ws[1] = {t.wo};
+    const T* bs[1] = {t.bo};
+    const int64_t ns[1] = {D};
+    linear(att.data(), M, qw, 1, ws, ns, bs, h.data(), threads);
+  }
+  for (int64_t i = 0; i < M * D; ++i) h[i] = narrow<T>(widen(t.x[i]) + widen(h[i]));
+  // MLP: norm, gate and up in one pass, SiLU(gate) * up, down projection, residual
+  rms_norm(h.data(), t.ffn_norm, M, D, d.eps, xn.data());
+  {
+    const T* ws[2] = {t.w1, t.w3};
+    const T* bs[2] = {t.b1, t.b3};
+    const int64_t ns[2] = {F, F};
+    linear(xn.data(), M, D, 2, ws, ns, bs, gu.data(), threads);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < F; ++i) {
+      const float g = widen(gu[m * 2 * F + i]);
+      const T silu = narrow<T>(g / (1.f + std::exp(-g)));
+      act[m * F + i] = narrow<T>(widen(silu) * widen(gu[m * 2 * F + F + i]));
+    }
+  {
+    const T* ws[1] = {t.w2};
+    const T* bs[1] = {t.b2};
+    const int64_t ns[1] = {D};
+    linear(act.data(), M, F, 1, ws, ns, bs, t.out, threads);
+  }
+  for (int64_t i = 0; i < M * D; ++i) t.out[i] = narrow<T>(widen(h[i]) + widen(t.out[i]));
+}
+
 }  // namespace attnlab_fused
 
 // The one entry point (ctypes): dtype 0 = float32, 1 = bfloat16. Keys k_strides = (row, head, token) in
@@ -539,6 +659,35 @@ extern "C" int attnlab_linear(int dtype, const void* x, int64_t M, int64_t K, in
     using T = fk::bf16;
     fk::linear(static_cast<const T*>(x), M, K, n_w, reinterpret_cast<const T* const*>(ws), ns,
                reinterpret_cast<const T* const*>(biases), static_cast<T*>(y), threads);
+    return 0;
+  }
+  return 2;
+}
+
+// One decoder block's decode step (see `block` above). dims: M, D, H, n_kv, head_dim, F, pos, the cache's key
+// strides (row, head, token), value strides, the cos/sin row stride; ptrs: x, attention norm, wq, wk, wv, bq, bk,
+// bv, wo, bo, MLP norm, w1, w3, w2, b1, b3, b2 (biases nullptr: none), cos, sin (float32, nullptr: no RoPE),
+// cache keys, cache values, out (M, D); all contiguous but the caches. Returns 0.
+extern "C" int attnlab_block(int dtype, const int64_t* dims, void* const* ptrs, float eps, float scale, int threads) {
+  namespace fk = attnlab_fused;
+  fk::BlockDims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
+                  {dims[7], dims[8], dims[9]}, {dims[10], dims[11], dims[12]}, dims[13], eps, scale};
+  if (d.M < 1 || d.n_kv < 1 || d.H % d.n_kv != 0 || d.hd % 2 != 0 || d.pos < 0) return 1;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto p = [&](int i) { return static_cast<T*>(ptrs[i]); };
+    const fk::BlockTensors<T> t{p(0),  p(1),  p(2),  p(3),  p(4),  p(5),  p(6),  p(7),
+                                p(8),  p(9),  p(10), p(11), p(12), p(13), p(14), p(15),
+                                p(16), static_cast<const float*>(ptrs[17]), static_cast<const float*>(ptrs[18]),
+                                p(19), p(20), p(21)};
+    fk::block(d, t, threads);
+  };
+  if (dtype == 0) {
+    run(float{});
+    return 0;
+  }
+  if (dtype == 1) {
+    run(fk::bf16{});
     return 0;
   }
   return 2;

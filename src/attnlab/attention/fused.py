@@ -4,7 +4,8 @@ One query per head over a contiguous or paged cache in a single pass: per (batch
 queries are scored against each block of cached keys, an online softmax updates a running maximum and exp-sum,
 and the block's values are accumulated, so every cached byte is read once (GQA, MQA and MLA's absorbed form,
 whose values are the first columns of its key rows). Paged batches are attended together, in one call. See the
-C++ file for the algorithm.
+C++ file for the algorithm. The same library holds the few-row matrix-vector product of decode-time linear layers
+(``linear``) and a decoder block's whole decode step (``BlockStep``, used by ``attnlab.model.Block``).
 
 Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP,
 ``-O3 -march=native``) into PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``, else
@@ -100,6 +101,16 @@ def _library() -> ctypes.CDLL | None:
         lin.restype = ctypes.c_int
         lin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lin.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
+        blk = lib.attnlab_block
+        blk.restype = ctypes.c_int
+        blk.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_float,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
         seconds = time.perf_counter() - start
         _state.update(
             tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load)"
@@ -251,3 +262,138 @@ def linear(
     if rc != 0:
         raise ValueError(f"fused linear: bad shapes x {tuple(x.shape)}, weights {ns} (code {rc})")
     return out
+
+
+def block_supports(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """Whether ``BlockStep`` takes a decode step of ``x`` (B, 1, D): 1 to ``LINEAR_MAX_ROWS`` rows of one token,
+    CPU float32/bfloat16, every tensor (weights, biases, the cache) plain and of x's dtype, no gradient, no
+    compile tracing; and the kernel built."""
+    if x.dtype not in _DTYPES or x.ndim != 3 or x.shape[1] != 1 or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS:
+        return False
+    return _plain_operands((x, *tensors), (x.dtype,)) and available()
+
+
+class BlockStep:
+    """One pre-norm decoder block's decode step in one kernel call (``attnlab.model.Block``; see ``block`` in
+    fused.cpp): RMSNorm, q/k/v projections, RoPE, the cache write, attention over the cache, output projection and
+    residual, RMSNorm, SwiGLU MLP and residual.
+
+    Built once from the block's tensors, whose shapes are checked here (the kernel trusts them) and whose
+    addresses are kept in the argument arrays, then called for every token: a layer's ~25 PyTorch ops and ~20
+    module attribute lookups become one call. ``qkv`` = (wq, wk, wv, bq, bk, bv), ``out_proj`` = (wo, bo),
+    ``mlp`` = (w1, w3, w2, b1, b3, b2) (gate, up, down), a bias None for none; all contiguous, of one dtype.
+    Use only while ``block_supports`` them; the caller rebuilds the step when a tensor is replaced.
+    """
+
+    def __init__(
+        self,
+        attn_norm: torch.Tensor,
+        qkv: tuple[torch.Tensor | None, ...],
+        out_proj: tuple[torch.Tensor, torch.Tensor | None],
+        ffn_norm: torch.Tensor,
+        mlp: tuple[torch.Tensor | None, ...],
+        *,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        wq, wk, wv, bq, bk, bv = qkv
+        wo, bo = out_proj
+        w1, w3, w2, b1, b3, b2 = mlp
+        d = attn_norm.shape[0]
+        self.n_heads, self.n_kv, self.head_dim = wq.shape[0] // head_dim, wk.shape[0] // head_dim, head_dim
+        ffn, qw, kw = w1.shape[0], wq.shape[0], wk.shape[0]
+        expect = {
+            "attention norm": (attn_norm, (d,)),
+            "wq": (wq, (self.n_heads * head_dim, d)),
+            "wk": (wk, (self.n_kv * head_dim, d)),
+            "wv": (wv, (kw, d)),
+            "wo": (wo, (d, qw)),
+            "ffn norm": (ffn_norm, (d,)),
+            "w1": (w1, (ffn, d)),
+            "w3": (w3, (ffn, d)),
+            "w2": (w2, (d, ffn)),
+        }
+        for name, bias, n in (("bq", bq, qw), ("bk", bk, kw), ("bv", bv, kw), ("bo", bo, d)):
+            if bias is not None:
+                expect[name] = (bias, (n,))
+        for name, bias, n in (("b1", b1, ffn), ("b3", b3, ffn), ("b2", b2, d)):
+            if bias is not None:
+                expect[name] = (bias, (n,))
+        for name, (t, shape) in expect.items():
+            if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != wq.dtype:
+                raise ValueError(
+                    f"fused block step: {name} is {tuple(t.shape)} {t.dtype}, expected contiguous {shape} {wq.dtype}"
+                )
+        if self.n_heads == 0 or self.n_kv == 0 or self.n_heads % self.n_kv or head_dim % 2:
+            raise ValueError(
+                f"fused block step: {self.n_heads} query heads over {self.n_kv} KV heads of dim {head_dim}"
+            )
+        self.dtype, self.d_model = wq.dtype, d
+        self._tensors = (attn_norm, wq, wk, wv, bq, bk, bv, wo, bo, ffn_norm, w1, w3, w2, b1, b3, b2)
+        # pointers: x, the 16 above, cos, sin, cache keys, cache values, out (the per-call ones set in __call__)
+        self._ptrs = (ctypes.c_void_p * 22)(
+            None, *[None if t is None else t.data_ptr() for t in self._tensors]
+        )
+        self._dims = (ctypes.c_int64 * 14)(0, d, self.n_heads, self.n_kv, head_dim, ffn)
+        self._eps, self._scale = ctypes.c_float(eps), ctypes.c_float(scale)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        pos: int,
+    ) -> torch.Tensor:
+        """x (B, 1, D) contiguous -> (B, 1, D). ``rope``: float32 cos, sin of the new tokens, (1, head_dim) shared
+        or (B, 1, head_dim) per row; None: no RoPE. ``cache_k``/``cache_v`` (B, n_kv, max_seq_len, head_dim) with
+        contiguous rows: the new key (after RoPE) and value are written at ``pos``, and every row attends to its
+        tokens 0 .. ``pos``."""
+        b = x.shape[0]
+        if (
+            x.shape != (b, 1, self.d_model)
+            or not x.is_contiguous()
+            or cache_k.shape[:2] != (b, self.n_kv)
+            or cache_k.shape[3] != self.head_dim
+            or cache_v.shape != cache_k.shape
+            or cache_k.stride(-1) != 1
+            or cache_v.stride(-1) != 1
+            or not 0 <= pos < cache_k.shape[2]
+        ):
+            raise ValueError(
+                f"fused block step: x {tuple(x.shape)}, cache {tuple(cache_k.shape)} at position {pos} for "
+                f"{self.n_kv} KV heads of dim {self.head_dim} and width {self.d_model}"
+            )
+        out = torch.empty_like(x)
+        ptrs, dims = self._ptrs, self._dims
+        ptrs[0], ptrs[19], ptrs[20], ptrs[21] = (
+            x.data_ptr(),
+            cache_k.data_ptr(),
+            cache_v.data_ptr(),
+            out.data_ptr(),
+        )
+        dims[0], dims[6] = b, pos
+        dims[7:10], dims[10:13] = cache_k.stride()[:3], cache_v.stride()[:3]
+        if rope is None:
+            ptrs[17] = ptrs[18] = None
+        else:
+            cos, sin = rope
+            rows = cos.numel() // self.head_dim
+            if (
+                cos.dtype != torch.float32
+                or not cos.is_contiguous()
+                or not sin.is_contiguous()
+                or rows not in (1, b)
+            ):
+                raise ValueError(
+                    f"fused block step: cos/sin must be contiguous float32 (1 or {b} rows), got {cos.shape}"
+                )
+            ptrs[17], ptrs[18] = cos.data_ptr(), sin.data_ptr()
+            dims[13] = self.head_dim if rows > 1 else 0
+        rc = _state["lib"].attnlab_block(  # type: ignore[union-attr]
+            _DTYPES[self.dtype], dims, ptrs, self._eps, self._scale, torch.get_num_threads()
+        )
+        if rc != 0:
+            raise ValueError(f"fused block step: the kernel rejected dims {list(dims)} (code {rc})")
+        return out
