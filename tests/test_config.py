@@ -82,7 +82,7 @@ MLA = dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_
 
 def test_mla_defaults_and_properties():
     cfg = MLAConfig(**MLA)
-    assert (cfg.q_lora_rank, cfg.mode, cfg.backend, cfg.variant) == (0, "absorbed", "auto", "mla")
+    assert (cfg.q_lora_rank, cfg.mode, cfg.backend, cfg.variant) == (0, "auto", "auto", "mla")
     assert cfg.qk_head_dim == 24
     assert cfg.softmax_scale == 24**-0.5
     assert cfg.cache_dim == 32 + 8
@@ -93,7 +93,7 @@ def test_mla_defaults_and_properties():
     ("kwargs", "error", "match"),
     [
         ({"qk_rope_head_dim": 7}, ValueError, "MLAConfig.qk_rope_head_dim=7 must be even"),
-        ({"mode": "fast"}, ValueError, "MLAConfig.mode must be one of naive, absorbed; got 'fast'"),
+        ({"mode": "fast"}, ValueError, "MLAConfig.mode must be one of auto, naive, absorbed; got 'fast'"),
         ({"backend": "xla"}, ValueError, "MLAConfig.backend must be one of .*'xla'"),
         ({"q_lora_rank": -1}, ValueError, "MLAConfig.q_lora_rank must be >= 0, got -1"),
         ({"kv_lora_rank": 0}, ValueError, "MLAConfig.kv_lora_rank must be >= 1, got 0"),

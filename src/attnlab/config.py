@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BACKENDS = ("auto", "reference", "sdpa", "grouped", "fused")
-MLA_MODES = ("naive", "absorbed")
+MLA_MODES = ("auto", "naive", "absorbed")
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 
@@ -129,7 +129,8 @@ class MLAConfig:
 
     Each token is cached as a normalised latent of ``kv_lora_rank`` values plus one rotary key of
     ``qk_rope_head_dim`` values shared by all heads. ``mode`` picks how attention is computed from that cache:
-    "naive" decompresses per-head keys and values; "absorbed" folds ``wkv_b`` into the query and the output.
+    "naive" decompresses per-head keys and values; "absorbed" folds ``wkv_b`` into the query and the output;
+    "auto" (the default) picks per call, by FLOPs (``mode_for``): absorbed for decode steps, naive for prefill.
     """
 
     d_model: int
@@ -143,7 +144,7 @@ class MLAConfig:
     bias: bool = False  # bias on wq / wq_a / wkv_a / wo (DeepSeek's attention_bias)
     dropout: float = 0.0
     backend: str = "auto"
-    mode: str = "absorbed"
+    mode: str = "auto"
     kv_norm: bool = True  # RMSNorm on the latent (DeepSeek); False keeps K/V linear in x (attnlab.convert)
 
     def __post_init__(self) -> None:
@@ -163,6 +164,22 @@ class MLAConfig:
         _check_choice(owner, "backend", self.backend, BACKENDS)
         _check_choice(owner, "mode", self.mode, MLA_MODES)
         _check_bool(owner, ("bias", self.bias), ("kv_norm", self.kv_norm))
+
+    def mode_for(self, t_q: int, paged: bool = False, mode: str | None = None) -> str:
+        """The mode ("naive" or "absorbed") a call of ``t_q`` new tokens per row runs in: ``mode`` (default: the
+        config's) unless it is "auto".
+
+        "auto": absorbed over a paged cache (naive needs a contiguous latent) and wherever it costs no more FLOPs.
+        Per head and cached token, naive pays the decompression once, ``2 r (d_nope + d_v)``, whatever ``t_q``;
+        absorbed pays for each query the wider dot products, ``2 (2 r - d_nope - d_v)`` more (scores over
+        ``r + d_rope`` instead of ``d_nope + d_rope``, values over ``r`` instead of ``d_v``). So naive wins once
+        ``t_q (2 r - d_nope - d_v) > r (d_nope + d_v)``: from 81 queries at rank 320 and 64 + 64 dims, from 171
+        at DeepSeek-V3's 512 and 128 + 128; a decode step (one query) is absorbed."""
+        mode = self.mode if mode is None else mode
+        if mode != "auto":
+            return mode
+        r, dims = self.kv_lora_rank, self.qk_nope_head_dim + self.v_head_dim
+        return "naive" if not paged and t_q * (2 * r - dims) > r * dims else "absorbed"
 
     @property
     def qk_head_dim(self) -> int:

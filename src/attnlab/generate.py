@@ -175,11 +175,11 @@ def generate(
     if cache == "contiguous" and len({len(r) for r in rows}) != 1:
         raise ValueError("cache='contiguous' needs prompts of one length; use cache='paged' (or 'auto')")
     if cache == "paged" and any(
-        getattr(layer.attention, "mode", "absorbed") != "absorbed" for layer in model.layers
+        getattr(layer.attention, "mode", "auto") == "naive" for layer in model.layers
     ):
         raise ValueError(
             "prompts of different lengths (the paged cache) need MLA's absorbed mode: set every layer's "
-            "attention.mode = 'absorbed' (the result is the same), or give prompts of one length"
+            "attention.mode = 'auto' or 'absorbed' (the result is the same), or give prompts of one length"
         )
     run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator))
     if max_new_tokens > 0:

@@ -16,7 +16,7 @@ from conftest import seeded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BACKENDS = ("reference", "sdpa", "grouped", "auto")
-MODES = ("naive", "absorbed")
+MODES = ("naive", "absorbed", "auto")
 CONFIGS = {
     "q_full": MLAConfig(
         d_model=32, n_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
@@ -143,6 +143,41 @@ def test_mode_can_switch_mid_sequence_on_one_cache():
     assert _err(torch.cat([first, *rest], dim=1), full) <= 1e-5
 
 
+def test_auto_mode_picks_by_flops_and_runs_what_it_picks(monkeypatch):
+    """ "auto": naive once t_q (2 r - d_nope - d_v) > r (d_nope + d_v) (the decompression is paid once, the
+    absorbed form's wider products per query), absorbed for decode steps and paged caches; results equal."""
+    cfg = MLAConfig(
+        d_model=576, n_heads=9, kv_lora_rank=320, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64
+    )
+    assert [cfg.mode_for(t) for t in (1, 80, 81, 512)] == ["absorbed", "absorbed", "naive", "naive"]
+    assert cfg.mode_for(512, paged=True) == "absorbed"
+    assert (
+        cfg.replace(mode="naive").mode_for(1) == "naive" and cfg.mode_for(512, mode="absorbed") == "absorbed"
+    )
+    v3 = cfg.replace(kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128)
+    assert (v3.mode_for(170), v3.mode_for(171)) == ("absorbed", "naive")
+    narrow = cfg.replace(kv_lora_rank=64)  # 2 r <= d_nope + d_v: absorbed never costs more
+    assert narrow.mode_for(10**6) == "absorbed"
+    small = CONFIGS["q_full"]  # r 16, d_nope 8, d_v 6: naive from 13 queries (12 * 18 < 16 * 14 < 13 * 18)
+    assert (small.mode_for(12), small.mode_for(13)) == ("absorbed", "naive")
+    mla = _build(small)
+    assert mla.mode == "auto"
+    ran = []
+    for name in ("_naive", "_absorbed"):
+        real = getattr(MultiHeadLatentAttention, name)
+        monkeypatch.setattr(
+            MultiHeadLatentAttention, name, lambda self, *a, _n=name, _r=real: ran.append(_n) or _r(self, *a)
+        )
+    x = torch.randn(1, 15, 32)
+    with torch.no_grad():
+        full = mla(x)
+        cache = mla.new_cache(batch_size=1, max_seq_len=15)
+        steps = [mla(x[:, :13], cache=cache), mla(x[:, 13:14], cache=cache), mla(x[:, 14:], cache=cache)]
+        want = mla(x, mode="absorbed")
+    assert ran == ["_naive", "_naive", "_absorbed", "_absorbed", "_absorbed"]
+    assert _err(torch.cat(steps, dim=1), full) <= 1e-5 and _err(full, want) <= 1e-5
+
+
 def test_cache_holds_only_latent_and_rotary_key():
     cfg = CONFIGS["q_lora"]
     mla = _build(cfg)
@@ -256,9 +291,9 @@ def test_bad_input_names_field_and_value():
         mla(torch.randn(1, 4, 30))
     with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the weights are torch.float32"):
         mla(torch.randn(1, 4, 32, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"mode must be 'naive' or 'absorbed', got 'fast'"):
+    with pytest.raises(ValueError, match=r"mode must be 'auto', 'naive' or 'absorbed', got 'fast'"):
         mla.mode = "fast"  # refused where it is set (the mode lives in mla.cfg, which is validated)
-    with pytest.raises(ValueError, match=r"mode must be 'naive' or 'absorbed', got 'fast'"):
+    with pytest.raises(ValueError, match=r"mode must be 'auto', 'naive' or 'absorbed', got 'fast'"):
         mla(torch.randn(1, 4, 32), mode="fast")
     with pytest.raises(TypeError, match=r"cfg must be an MLAConfig, got AttentionConfig"):
         from attnlab import AttentionConfig

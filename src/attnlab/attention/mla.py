@@ -16,8 +16,9 @@ query is moved into latent space once, and attention runs as MQA over the cached
 head of width kv_lora_rank + qk_rope_head_dim, values being the latent itself.
 
 The mode is the config's (``cfg.mode``, also readable and settable as ``module.mode``) unless a call passes
-``mode=``. Both modes read the same cache through ``attend``; over a paged cache only "absorbed" runs (naive
-decompresses a contiguous latent). Head counts are read from the weights (``wq``/``wq_b``, ``wkv_b``, ``wo``), so
+``mode=``; "auto" (the default) picks one of the two per call by FLOPs (``MLAConfig.mode_for``): absorbed for
+decode steps, naive for prefill. Both modes read the same cache through ``attend``; over a paged cache only
+"absorbed" runs (naive decompresses a contiguous latent). Head counts are read from the weights (``wq``/``wq_b``, ``wkv_b``, ``wo``), so
 a module sharded by heads runs unchanged.
 """
 
@@ -55,7 +56,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     @property
     def mode(self) -> str:
-        """ "naive" or "absorbed": the mode a call uses unless it passes ``mode=`` (kept in ``cfg`` only)."""
+        """ "auto", "naive" or "absorbed": the mode a call uses unless it passes ``mode=`` (kept in ``cfg`` only)."""
         return self.cfg.mode
 
     @mode.setter
@@ -136,11 +137,13 @@ class MultiHeadLatentAttention(nn.Module):
         mode: str | None = None,
     ) -> torch.Tensor:
         """``x`` (B, T, d_model) -> (B, T, d_model); same calling rules as ``GroupedQueryAttention``, and
-        ``mode`` ("naive" or "absorbed") for this call only (default: ``self.mode``)."""
+        ``mode`` ("auto", "naive" or "absorbed") for this call only (default: ``self.mode``)."""
         cfg = self.cfg
         check_input("MultiHeadLatentAttention", x, cfg.d_model, self.wkv_a.weight)
-        mode = _check_mode(cfg.mode if mode is None else mode)
         b, t, _ = x.shape
+        mode = cfg.mode_for(
+            t, cache is not None and cache.paged, _check_mode(cfg.mode if mode is None else mode)
+        )
         q, kv = self._projections(x)
         q = split_heads(q, cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -200,5 +203,5 @@ class MultiHeadLatentAttention(nn.Module):
 
 def _check_mode(mode: object) -> str:
     if mode not in MLA_MODES:
-        raise ValueError(f"MultiHeadLatentAttention.mode must be 'naive' or 'absorbed', got {mode!r}")
+        raise ValueError(f"MultiHeadLatentAttention.mode must be 'auto', 'naive' or 'absorbed', got {mode!r}")
     return mode

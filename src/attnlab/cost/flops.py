@@ -134,7 +134,7 @@ def attention_flops(
             softmax=SOFTMAX_FLOPS * pairs,
         )
         r = cfg.kv_lora_rank
-        if cfg.mode == "naive":
+        if cfg.mode_for(t) == "naive":
             flops = AttentionFlops(
                 k_proj=2 * b * kv_len * r * h * cfg.qk_nope_head_dim,  # wkv_b on every cached latent
                 v_proj=2 * b * kv_len * r * h * cfg.v_head_dim,
