@@ -15,9 +15,9 @@ from conftest import seeded
 BS = 4
 
 
-def _module(n_kv=2, seed=0):
+def _module(n_kv=2, seed=0, backend="auto"):
     torch.manual_seed(seeded(seed))
-    attn = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=8, n_kv_heads=n_kv))
+    attn = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=8, n_kv_heads=n_kv, backend=backend))
     attn.init_weights(std=0.15)
     return attn.eval()
 
@@ -178,7 +178,7 @@ def test_long_paged_prefill_in_query_blocks_equals_full_attention(monkeypatch):
     import attnlab.attention.decode as decode
 
     monkeypatch.setattr(decode, "QUERY_BLOCK", 3)  # 3-query blocks: the block edges are exercised
-    attn = _module(2)
+    attn = _module(2, backend="grouped")  # "auto" gives a paged prefill to SDPA
     paged = PagedKVCache(12, BS, 2, 8, batch_size=2)
     g = torch.Generator().manual_seed(seeded(5))
     with torch.no_grad():
@@ -189,3 +189,39 @@ def test_long_paged_prefill_in_query_blocks_equals_full_attention(monkeypatch):
         y = torch.randn(1, 5, 64, generator=g)  # a second chunk of prompt continues the row
         full = attn(torch.cat((x, y), dim=1))[:, 17:]
         torch.testing.assert_close(attn(y, cache=paged), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_prefill_runs_sdpa_over_the_gathered_rows_and_equals_full_attention(monkeypatch, dtype):
+    """ "auto" on a CPU: a paged call of several queries per row goes to SDPA over the gathered rows; a fresh
+    prompt (every row as long as its new tokens) needs no mask (the plain causal rule), a continued prompt or a
+    ragged batch has one; all equal attention without a cache."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: calls.append(kw.get("attn_mask") is None) or sdpa(*a, **kw),
+    )
+    attn = _module(2).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    g = torch.Generator().manual_seed(seeded(6))
+    with torch.no_grad():
+        paged = PagedKVCache(16, BS, 2, 8, batch_size=2, dtype=dtype)
+        x = torch.randn(1, 10, 64, generator=g).to(dtype)
+        torch.testing.assert_close(attn(x, cache=paged.select([0])), attn(x), **tol)
+        assert calls[0] is True  # a fresh prompt: causal, no mask
+        y = torch.randn(1, 3, 64, generator=g).to(dtype)
+        full = attn(torch.cat((x, y), dim=1))[:, 10:]
+        calls.clear()
+        torch.testing.assert_close(attn(y, cache=paged.select([0])), full, **tol)
+        assert calls == [False]  # continuing a row: a mask of what each query may see
+        # a ragged batch: rows of 13 and 4 tokens get 2 more each, in one call
+        z0 = torch.randn(1, 4, 64, generator=g).to(dtype)
+        attn(z0, cache=paged.select([1]))
+        new = torch.randn(2, 2, 64, generator=g).to(dtype)
+        got = attn(new, cache=paged.select([0, 1]))
+        torch.testing.assert_close(got[:1], attn(torch.cat((x, y, new[:1]), dim=1))[:, 13:], **tol)
+        torch.testing.assert_close(got[1:], attn(torch.cat((z0, new[1:]), dim=1))[:, 4:], **tol)

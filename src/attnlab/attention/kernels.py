@@ -23,9 +23,11 @@ Backends:
                  over paged K/V ``decode.paged_decode``, which reads each run of blocks in place.
     "fused"      the C++ decode kernel of ``fused`` (CPU, float32/bfloat16, one query per head, no mask, no
                  gradient): scores, online softmax and weighted sum in one pass over each KV block, paged rows
-                 all in one call. Where it cannot run (not built, other inputs) "grouped" runs instead.
+                 all in one call. Where it cannot run (not built, other inputs) "grouped" runs instead, but for
+                 a paged prefill (several queries per row), which "sdpa" runs over the gathered rows.
     "auto"       ``choose_backend``: by device type, dtype and phase, in one table.
-"reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length.
+"reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length (none when every
+row is a fresh prompt of one length: then the plain causal rule).
 
 Host syncs: a data-dependent branch (``bool(tensor)``) is free on a CPU in eager mode, and the kernels use it to
 skip work nobody needs; on a GPU it stalls the stream and under ``torch.compile`` it breaks the graph, so there
@@ -73,12 +75,14 @@ def attend(
             if paged:
                 return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale)
             return fused.decode(q, k, v, scale=scale)
-        backend = "grouped"
+        # A paged prefill (several queries per row): SDPA's flash kernel over the gathered rows beats the grouped
+        # kernel's blocks of queries, by far in bfloat16. Anything else the fused kernel cannot take: grouped.
+        backend = "sdpa" if paged and q.shape[2] > 1 else "grouped"
     if paged:
         if backend == "grouped":
             return paged_decode(q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
         k, v, attn_mask = _gathered(q, k, v, is_causal)
-        is_causal = False
+        is_causal = is_causal and attn_mask is None
     if attn_mask is not None and not _may_sync(q):
         # Masked-out slots may hold anything (padding, an unused cache slot: inf, NaN), but 0 * inf is NaN in any
         # matmul: without a host sync to test the output, zero the keys and values no query attends, up front.
@@ -139,9 +143,13 @@ def _gathered(
     q: torch.Tensor, k: PagedView, v: PagedView, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Paged K/V as contiguous (B, n_kv_heads, longest row, D) copies, and the mask (B, 1, T_q, longest row) of
-    the keys each query may see: those of its row, and with ``is_causal`` none after its own position."""
+    the keys each query may see: those of its row, and with ``is_causal`` none after its own position. The mask
+    is None when every row holds the longest row's tokens and needs no more than the plain causal rule (every
+    row a fresh prompt of one length): flash kernels skip the blocks above the diagonal only without a mask."""
     kc, vc = k.gather(), v.gather()
     t_q, s = q.shape[2], kc.shape[2]
+    if all(n == s for n in k.lengths) and (not is_causal or t_q == s):
+        return kc, vc, None
     lengths = torch.tensor(k.lengths, device=q.device)  # a host-to-device copy, not a sync
     # (B, T_q): the newest key each query may see; the new tokens are the last T_q of their row.
     newest = lengths[:, None] - (t_q - torch.arange(t_q, device=q.device) if is_causal else 1)

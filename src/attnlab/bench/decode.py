@@ -3,14 +3,16 @@
 Every row times its contenders round-robin in one run (``timing.interleaved``) and records median milliseconds,
 so speedups are ratios measured side by side. Rows by ``kind``:
 
-    attention  ``attend`` alone, q (B, n_heads, 1, D) over the live prefix of a ``KVCache``: "grouped" (ours),
-               SDPA with ``enable_gqa=True`` on the same tensors, the repeat-KV "reference", and "grouped" again
-               over a cache with 4x the ``max_seq_len`` (cost must follow the live length, not the buffer).
+    attention  ``attend`` alone, q (B, n_heads, 1, D) over the live prefix of a ``KVCache``: "fused" (ours: the
+               C++ kernel, or the grouped kernel where it could not be built, see ``machine.decode_path``), the
+               PyTorch "grouped" kernel, SDPA with ``enable_gqa=True`` on the same tensors, the repeat-KV
+               "reference", and "fused" again over a cache with 4x the ``max_seq_len`` (cost must follow the
+               live length, not the buffer).
     layer      a whole ``GroupedQueryAttention`` decode step vs Hugging Face ``LlamaAttention`` (sdpa), same
                weights, same cache contents.
     mla        ``MultiHeadLatentAttention`` naive vs absorbed vs Hugging Face ``DeepseekV3Attention`` (DeepSeek-V2-Lite
                attention dims by default).
-    paged      ``attend`` (grouped) over a contiguous cache vs over the views of a ``PagedKVCache`` holding the
+    paged      ``attend`` ("fused") over a contiguous cache vs over the views of a ``PagedKVCache`` holding the
                same keys/values (rows prefilled, then grown in lockstep), and over one whose blocks are placed
                scattered (``placement="scattered"``: the worst case, one run, hence one chunk, per block).
     e2e        tokens/s of decode steps of a small ``attnlab.model.Transformer`` per attention variant, batch 1
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..attention import fused
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.kernels import attend
 from ..attention.mla import MultiHeadLatentAttention
@@ -119,13 +122,14 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
     q = torch.randn(b, h, 1, d, generator=gen).to(dt)
     scale = d**-0.5
     contenders = {
+        "fused": lambda: attend(q, k, v, scale=scale, backend="fused"),
         "grouped": lambda: attend(q, k, v, scale=scale, backend="grouped"),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
         "reference": lambda: attend(q, k, v, scale=scale, backend="reference"),
-        "grouped_4x_buffer": lambda: attend(q, big_k, big_v, scale=scale, backend="grouped"),
+        "fused_4x_buffer": lambda: attend(q, big_k, big_v, scale=scale, backend="fused"),
     }
     with torch.inference_mode():
-        err = _max_err(contenders["grouped"](), contenders["reference"]())
+        err = _max_err(contenders["fused"](), contenders["reference"]())
         times = interleaved(contenders, repeats=grid.repeats)
     cfg = AttentionConfig(d_model=h * d, n_heads=h, n_kv_heads=n_kv, head_dim=d)
     fl = attention_flops(cfg, b, 1, context)
@@ -138,9 +142,9 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
         times,
         n_bytes,
         flops,
-        ours="grouped",
+        ours="fused",
         err=err,
-        baselines=("sdpa", "reference"),
+        baselines=("grouped", "sdpa", "reference"),
     )
 
 
@@ -268,9 +272,9 @@ def paged_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, 
     scale = d**-0.5
     paged_kv, scattered_kv = paged.views(), scattered.views()
     contenders = {
-        "paged": lambda: attend(q, *paged_kv, scale=scale, backend="grouped"),
-        "contiguous": lambda: attend(q, k, v, scale=scale, backend="grouped"),
-        "paged_scattered": lambda: attend(q, *scattered_kv, scale=scale, backend="grouped"),
+        "paged": lambda: attend(q, *paged_kv, scale=scale, backend="fused"),
+        "contiguous": lambda: attend(q, k, v, scale=scale, backend="fused"),
+        "paged_scattered": lambda: attend(q, *scattered_kv, scale=scale, backend="fused"),
     }
     with torch.inference_mode():
         ref = contenders["contiguous"]()
@@ -390,7 +394,15 @@ def machine(hw: Hardware) -> dict[str, Any]:
         torch=torch.__version__,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
         l3_bytes=_l3_bytes(),
+        decode_path=decode_path(),
+        load_average=[round(x, 2) for x in os.getloadavg()],  # 1, 5, 15 minutes: the machine is shared
     )
+
+
+def decode_path() -> str:
+    """Which kernel "fused" (and "auto" for CPU decode) runs, and why: builds the C++ kernel if not yet tried."""
+    fused.available()
+    return fused.status()
 
 
 def estimated_bytes(grid: DecodeGrid) -> int:

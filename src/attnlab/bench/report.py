@@ -14,7 +14,7 @@ from typing import Any
 from ..atomic import save_figure
 
 COLUMNS = {
-    "attention": ("grouped", "sdpa", "reference", "grouped_4x_buffer"),
+    "attention": ("fused", "grouped", "sdpa", "reference", "fused_4x_buffer"),
     "layer": ("ours", "hf_llama_sdpa"),
     "mla": ("absorbed", "naive", "hf_deepseek_v3"),
     "paged": ("paged", "contiguous", "paged_scattered"),
@@ -82,6 +82,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
     console = Console()
     hw = result["machine"]["hardware"]
+    console.print(f"decode path: {result['machine'].get('decode_path', 'unknown')}")
     console.print(
         f"machine: {hw['name']}: read bandwidth {hw['bandwidth'] / 1e9:.1f} GB/s, matmul peak "
         + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in hw["peak_flops"].items())
@@ -117,7 +118,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> Path:
             ax.set_visible(False)
             continue
         x = [r["n_kv_heads"] for r in sel]
-        for name, style in (("reference", "s:"), ("sdpa", "^--"), ("grouped", "o-")):
+        for name, style in (("reference", "s:"), ("sdpa", "^--"), ("grouped", "v-."), ("fused", "o-")):
             ax.plot(x, [r["ms"][name] for r in sel], style, label=name)
         ax.plot(x, [r["roofline_ms"] for r in sel], "k-", lw=2, alpha=0.5, label="roofline")
         ax.set(
@@ -168,7 +169,9 @@ def performance_page(result: dict[str, Any], *, plot_path: str, command: str, no
         "## Machine",
         "",
         f"- {hw['name']} ({m['processor']}), torch {m['torch']}, {m['threads']} threads, "
-        f"OMP_WAIT_POLICY={m.get('omp_wait_policy', 'unset')}",
+        f"OMP_WAIT_POLICY={m.get('omp_wait_policy', 'unset')}"
+        + (f", load average at the start {m['load_average']}" if "load_average" in m else ""),
+        f"- decode kernel (`fused`): {m.get('decode_path', 'not recorded')}",
         f"- measured streaming read bandwidth: **{hw['bandwidth'] / 1e9:.1f} GB/s**; matmul peak: "
         + ", ".join(f"**{k} {hw['peak_flops'][k] / 1e9:.0f} GFLOP/s**" for k in ("fp32", "bf16"))
         + f" (source: {hw['source']})",
