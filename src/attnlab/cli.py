@@ -349,7 +349,8 @@ def bench_decode(
 ) -> None:
     """One decode step with a filled cache: ms, GB/s, fraction of the roofline, speedups over the baselines.
 
-    On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE (see docs/performance.md).
+    Leave OMP_WAIT_POLICY unset: with PASSIVE every fused kernel call must wake sleeping OpenMP workers
+    (a whole decode step measured ~1.6x slower; see benchmarks/decode.py).
     """
     from .bench.command import run_bench_decode
 
