@@ -2,7 +2,8 @@
 
     python benchmarks/decode.py                 # the representative grid (the page records how long it took)
     python benchmarks/decode.py --quick         # a 1-2 minute subset
-    python benchmarks/decode.py --from-json     # rebuild the page and plot from the saved JSON (seconds)
+    python benchmarks/decode.py --from-json     # rebuild the page and plot from the saved JSON (seconds), the
+                                                # rooflines recomputed with the current definition
 
 The issue's full grid (n_kv_heads 32..1 x batch 1-8 x context 512-16384 x fp32/bf16, each against three
 baselines) is far larger; the representative grid below keeps every n_kv_heads, both dtypes and
@@ -368,8 +369,13 @@ def main() -> int:
     command = "python benchmarks/decode.py" + (" --quick" if args.quick else "")
     command += "".join(f" --{k} {v}" for k, v in (("repeats", args.repeats), ("threads", args.threads)) if v)
     if args.from_json:
+        from attnlab.bench.decode import rescore
+        from attnlab.cost import Hardware
+
         result = json.loads(args.json.read_text())
         command = result.get("command", command)
+        rescore(result["rows"], Hardware(**result["machine"]["hardware"]))  # the current roofline definition
+        write_atomic(args.json, json.dumps(result, indent=1))
     else:
         result = run(args.quick, args.cached_hardware, args.repeats)
         result["command"] = command
