@@ -374,8 +374,10 @@ def main() -> int:
 
         result = json.loads(args.json.read_text())
         command = result.get("command", command)
+        before = json.dumps(result, indent=1)
         rescore(result["rows"], Hardware(**result["machine"]["hardware"]))  # the current roofline definition
-        write_atomic(args.json, json.dumps(result, indent=1))
+        if json.dumps(result, indent=1) != before:  # saved rows of an older definition: bring them up to date
+            write_atomic(args.json, json.dumps(result, indent=1))
     else:
         result = run(args.quick, args.cached_hardware, args.repeats)
         result["command"] = command
