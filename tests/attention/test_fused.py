@@ -40,7 +40,7 @@ def test_the_extension_is_built_and_auto_takes_it_for_cpu_decode():
 def _inputs(draw, dtype: torch.dtype):
     """q (B, H, 1, Dk) and the live views k, v of a preallocated cache; MLA-like (v the first Dv columns of k's
     rows, one KV head) in a quarter of the draws."""
-    b, n_kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    b, n_kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 9))
     s, dk = draw(st.integers(0, 700)), draw(st.integers(1, 80))
     latent = draw(st.integers(0, 3)) == 0
     dv = draw(st.integers(1, dk)) if latent else dk

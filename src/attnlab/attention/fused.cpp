@@ -15,6 +15,9 @@
 // memory). Arithmetic is float32; bfloat16 is widened on load and the output rounded once (to nearest even).
 
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -49,12 +52,18 @@ inline v8f load(const float* p) {
   return v;
 }
 inline v8f load(const bf16* p) {  // widen: a 16-bit shift puts the bits on top of a float32
+#if defined(__AVX2__)
+  // one zero-extending load and one shift (GCC splits __builtin_convertvector into five instructions)
+  const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<v8f>(_mm256_castsi256_ps(u));
+#else
   v8h h;
   std::memcpy(&h, p, sizeof h);
   const v8u u = __builtin_convertvector(h, v8u) << 16;
   v8f f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+#endif
 }
 inline void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 inline float widen(float x) { return x; }
@@ -204,62 +213,98 @@ inline void scores_1x8(const float* q0, const float* const* k, int64_t width, fl
   store(s0, sums8(a));
 }
 
-// acc[g][:] += sum_j p[g][j] * v[j][:] for GT query heads. R rows of values per step, each with its own
-// 2 x GT accumulators (added at the end): an FMA waits ~4 cycles for the previous one into the same register,
-// so small groups need several rows in flight to keep the FMA units busy. All in registers while the block's
-// value rows stream past.
+// r[0..3] = the sums of a0..a3 (the upper lanes are partial sums: ignore them).
+inline v8f sums4(v8f a0, v8f a1, v8f a2, v8f a3) {
+  const v8f u = hadd(hadd(a0, a1), hadd(a2, a3));
+  return u + __builtin_shufflevector(u, u, 4, 5, 6, 7, 0, 1, 2, 3);
+}
+
+// Scores of 3 queries x 4 tokens: twelve FMA chains (enough to cover the FMA latency on two pipes), seven loads
+// per twelve FMAs. s receives the three rows of four scores at s, s + s_stride, s + 2 s_stride.
+inline void scores_3x4(const float* q, int64_t q_stride, const float* const* k, int64_t width, float* s,
+                       int64_t s_stride) {
+  v8f a[12];
+  for (int i = 0; i < 12; ++i) a[i] = splat(0.f);
+  const float* q0 = q;
+  const float* q1 = q + q_stride;
+  const float* q2 = q + 2 * q_stride;
+  for (int64_t d = 0; d < width; d += 8) {
+    v8f x0 = load(q0 + d), x1 = load(q1 + d), x2 = load(q2 + d);
+    pin(x0);
+    pin(x1);
+    pin(x2);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      v8f kv = load(k[j] + d);
+      pin(kv);
+      a[j] += x0 * kv;
+      a[4 + j] += x1 * kv;
+      a[8 + j] += x2 * kv;
+    }
+  }
+  const v8f r = sums8(a);
+  const v8f r2 = sums4(a[8], a[9], a[10], a[11]);
+  for (int j = 0; j < 4; ++j) {
+    s[j] = r[j];
+    s[s_stride + j] = r[4 + j];
+    s[2 * s_stride + j] = r2[j];
+  }
+}
+
+// acc[g][c:c+16] += sum_j p[g][j] * v[j][c:c+16] for GT query heads: one 16-column slice of the values. R rows
+// of values per step, each with its own 2 x GT accumulators (added at the end): an FMA waits ~4 cycles for the
+// previous one into the same register, so small groups need several rows in flight to keep the FMA units busy.
+// All in registers while the slice of the block's value rows streams past.
 template <int GT, int R>
 void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* const* v,
-                int64_t n, int64_t width) {
-  for (int64_t c = 0; c < width; c += 16) {
-    v8f a[R][GT][2];
+                int64_t n, int64_t c) {
+  v8f a[R][GT][2];
 #pragma GCC unroll 4
-    for (int g = 0; g < GT; ++g) {
-      a[0][g][0] = load(acc + g * acc_stride + c);
-      a[0][g][1] = load(acc + g * acc_stride + c + 8);
+  for (int g = 0; g < GT; ++g) {
+    a[0][g][0] = load(acc + g * acc_stride + c);
+    a[0][g][1] = load(acc + g * acc_stride + c + 8);
 #pragma GCC unroll 4
-      for (int r = 1; r < R; ++r) a[r][g][0] = a[r][g][1] = splat(0.f);
-    }
-    int64_t j = 0;
-    for (; j + R <= n; j += R) {
+    for (int r = 1; r < R; ++r) a[r][g][0] = a[r][g][1] = splat(0.f);
+  }
+  int64_t j = 0;
+  for (; j + R <= n; j += R) {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const v8f v0 = load(v[j + r] + c), v1 = load(v[j + r] + c + 8);
-#pragma GCC unroll 4
-        for (int g = 0; g < GT; ++g) {
-          const v8f pj = splat(p[g * p_stride + j + r]);
-          a[r][g][0] += pj * v0;
-          a[r][g][1] += pj * v1;
-        }
-      }
-    }
-    for (; j < n; ++j) {
-      const v8f v0 = load(v[j] + c), v1 = load(v[j] + c + 8);
+    for (int r = 0; r < R; ++r) {
+      const v8f v0 = load(v[j + r] + c), v1 = load(v[j + r] + c + 8);
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
-        const v8f pj = splat(p[g * p_stride + j]);
-        a[0][g][0] += pj * v0;
-        a[0][g][1] += pj * v1;
+        const v8f pj = splat(p[g * p_stride + j + r]);
+        a[r][g][0] += pj * v0;
+        a[r][g][1] += pj * v1;
       }
     }
+  }
+  for (; j < n; ++j) {
+    const v8f v0 = load(v[j] + c), v1 = load(v[j] + c + 8);
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
-#pragma GCC unroll 4
-      for (int r = 1; r < R; ++r) {
-        a[0][g][0] += a[r][g][0];
-        a[0][g][1] += a[r][g][1];
-      }
-      store(acc + g * acc_stride + c, a[0][g][0]);
-      store(acc + g * acc_stride + c + 8, a[0][g][1]);
+      const v8f pj = splat(p[g * p_stride + j]);
+      a[0][g][0] += pj * v0;
+      a[0][g][1] += pj * v1;
     }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g) {
+#pragma GCC unroll 4
+    for (int r = 1; r < R; ++r) {
+      a[0][g][0] += a[r][g][0];
+      a[0][g][1] += a[r][g][1];
+    }
+    store(acc + g * acc_stride + c, a[0][g][0]);
+    store(acc + g * acc_stride + c + 8, a[0][g][1]);
   }
 }
 
 // acc[:] += sum_j p[j] * v[j][:] for one query, NV vectors (the whole padded value row) at a time: the block's
 // value rows are read in order, row after row, which is what the hardware prefetcher follows when they come from
-// memory (the column slices of `accumulate` read every row's first line, then every row's second, ...: a strided
-// pattern, 1.2-1.7x slower from memory for groups of up to 8 queries). Small rows take two rows per step, each
-// with its own accumulators (FMA latency); rows of up to 16 vectors fill the registers with one.
+// memory (column slices read every row's first lines, then every row's next ones: a strided pattern, 2-3x slower
+// than this from memory, faster than it once the block is in cache). Small rows take two rows per step, each with
+// its own accumulators (FMA latency); rows of up to 16 vectors fill the registers with one.
 template <int NV>
 void accumulate_rows(float* acc, const float* p, const float* const* v, int64_t n) {
   constexpr int R = NV <= 8 ? 2 : 1;
@@ -303,11 +348,6 @@ inline bool accumulate_rows(int64_t width, float* acc, const float* p, const flo
   }
 }
 
-// Queries per KV head up to which the values are accumulated row by row, one query at a time (beyond it the
-// column slices' reuse of each loaded value across queries wins: 16 and 32 queries of 128 dims measured equal or
-// slower row by row).
-constexpr int64_t kRowOrderGroups = 8;
-
 struct Item {  // one chunk [lo, hi) of the context of batch row b, KV head h
   int64_t b, h, lo, hi;
 };
@@ -348,7 +388,8 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
   for (int64_t t0 = it.lo; t0 < it.hi; t0 += tb) {
     const int64_t n = std::min(tb, it.hi - t0);
     // the block's row pointers: into the cache (float32 rows needing no padding, a whole block), or staged rows
-    if (in_place<T>(d, n)) {
+    const bool staged = !in_place<T>(d, n);
+    if (!staged) {
       for (int64_t j = 0; j < tb; ++j) {
         w.kr[j] = reinterpret_cast<const float*>(keys.at(it.b, it.h, t0 + j));
         w.vr[j] = reinterpret_cast<const float*>(values.at(it.b, it.h, t0 + j));
@@ -365,13 +406,20 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
         std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
       }
     }
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2)
-      for (int64_t j = 0; j < tb; j += 4)
+    // query triples, then pairs, then a single query (load-bound: avoided unless G is odd)
+    int64_t G3 = G / 3 * 3;
+    if (G - G3 == 1 && G3 >= 3) G3 -= 3;
+    const int64_t G2 = G3 + (G - G3) / 2 * 2;
+    for (int64_t j = 0; j < tb; j += 4) {
+      for (int64_t g = 0; g < G3; g += 3)
+        scores_3x4(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
+      for (int64_t g = G3; g < G2; g += 2)
         scores_2x4(&w.q[g * d.dk_pad], &w.q[(g + 1) * d.dk_pad], &w.kr[j], d.dk_pad, s + g * tb + j,
                    s + (g + 1) * tb + j);
-    if (g < G)
-      for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[g * d.dk_pad], &w.kr[j], d.dk_pad, s + g * tb + j);
+    }
+    if (G2 < G)
+      for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &w.kr[j], d.dk_pad, s + G2 * tb + j);
+    int64_t g;
     for (g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
       float* sg = s + g * tb;
       float* st = part + g * stride;
@@ -389,15 +437,18 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
       st[d.dv_pad] = m_new;
       st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
     }
-    if (G <= kRowOrderGroups && d.dv_pad <= 128) {
-      for (g = 0; g < G; ++g) accumulate_rows(d.dv_pad, part + g * stride, s + g * tb, w.vr.data(), n);
-      continue;
+    // Values read in place come from memory: the first query takes them row by row (the order the prefetcher
+    // follows), which leaves the block in cache for the others' column slices (four queries share each load).
+    // Staged values are already in cache: column slices for all.
+    int64_t g0 = 0;
+    if (!staged && accumulate_rows(d.dv_pad, part, s, w.vr.data(), n)) g0 = 1;
+    for (int64_t c = 0; c < d.dv_pad; c += 16) {
+      g = g0;
+      for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
+      if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
+      if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
+      if (G - g == 1) accumulate<1, 4>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
     }
-    g = 0;
-    for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
-    if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
-    if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
-    if (G - g == 1) accumulate<1, 4>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, d.dv_pad);
   }
 }
 
