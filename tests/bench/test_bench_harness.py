@@ -51,6 +51,17 @@ def test_every_contender_agrees_with_its_baseline(tiny_result):
     json.dumps(tiny_result)  # JSON-ready
 
 
+def test_a_fresh_result_is_what_rescoring_its_saved_rows_gives(tiny_result):
+    """``decode.py --from-json`` rescores saved rows (rounded milliseconds); a run's own rows must already be that
+    fixed point, or the page it wrote would not regenerate from its JSON."""
+    from attnlab.bench.decode import rescore
+    from attnlab.cost import Hardware
+
+    rows = json.loads(json.dumps(tiny_result["rows"]))
+    rescore(rows, Hardware(**tiny_result["machine"]["hardware"]))
+    assert rows == tiny_result["rows"]
+
+
 def test_page_and_plot(tiny_result, tmp_path):
     png = plot(tiny_result, tmp_path / "decode.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -180,13 +180,14 @@ def rescore(rows: list[dict], hw: Hardware) -> None:
 
 def _finish_row(row, hw, times, n_bytes, flops, *, ours, err, baselines) -> dict:
     roof = roofline_seconds(hw, flops, n_bytes, row["dtype"])  # the fastest this step could run on ``hw``
+    ms = _ms(times)
     row.update(
-        ms=_ms(times),
+        ms=ms,
         bytes=int(n_bytes),
         flops=int(flops),
         roofline_ms=_sig(roof * 1e3),
         achieved_gbps=_sig(n_bytes / times[ours] / 1e9),
-        roofline_fraction=_sig(roof / times[ours]),
+        roofline_fraction=_sig(roof / (ms[ours] / 1e3)),  # from the saved time, as `rescore` computes it
         speedup={name: _sig(times[name] / times[ours]) for name in baselines},
         max_abs_err=err,
     )
