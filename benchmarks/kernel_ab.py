@@ -1,0 +1,176 @@
+"""A/B of two versions of the fused decode kernel (``fused.cpp``) in one process, warm and cold.
+
+    python benchmarks/kernel_ab.py --base 7654ed3            # this checkout's kernel against a commit's
+    python benchmarks/kernel_ab.py --base old.cpp --contexts 4096 --dtypes fp32
+
+Both sources are built (cached like the package's own build) and called through the same Python entry
+(``attnlab.attention.fused.decode``), alternating which goes first in every round so neither is favoured by the
+order. Two states per call:
+
+- warm: right after the same call, so the KV rows are in the caches wherever they fit (flatters small shapes);
+- cold: right after reading a buffer larger than the last-level cache, so the KV comes from memory, as in
+  ``benchmarks/decode.py``, whose round-robin contenders evict each other's data.
+
+Prints one row per shape (median ms of each version and state, and base / new) and writes the JSON result.
+Absolute times on a shared machine drift by tens of percent within an hour; compare versions only within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from attnlab.atomic import write_atomic
+from attnlab.attention import fused
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = ROOT / "src" / "attnlab" / "attention" / "fused.cpp"
+RESULTS = ROOT / "benchmarks" / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {"fp32": 1e-5, "bf16": 2e-2}  # max |new - base|: float32 sums in another order, bf16 output rounding
+
+
+def _source(spec: str, tmp: Path) -> Path:
+    """A kernel source: a file, or a git revision of this checkout's kernel."""
+    if Path(spec).is_file():
+        return Path(spec)
+    rel = KERNEL.relative_to(ROOT).as_posix()
+    try:
+        text = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{spec}:{rel}"], capture_output=True, text=True, check=True
+        ).stdout
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(
+            f"--base {spec!r}: neither a file nor a revision holding {rel} ({err.stderr.strip()})"
+        ) from None
+    path = tmp / f"fused_{spec.replace('/', '_')}.cpp"
+    path.write_text(text)
+    return path
+
+
+def _build(source: Path):
+    """The kernel library built from ``source`` (the package's loader, pointed at another file)."""
+    saved = fused._SOURCE, dict(fused._state)
+    fused._SOURCE = source
+    fused._state.update(tried=False, lib=None)
+    try:
+        lib = fused._library()
+        if lib is None:
+            raise SystemExit(f"{source}: {fused.status()}")
+        return lib
+    finally:
+        fused._SOURCE = saved[0]
+        fused._state.clear()
+        fused._state.update(saved[1])
+
+
+def measure(libs: dict, dtype: str, context: int, n_kv: int, args, flush: torch.Tensor) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    dt, h, d = DTYPES[dtype], args.n_heads, args.head_dim
+    q = torch.randn(1, h, 1, d, generator=gen).to(dt)
+    k = torch.randn(1, n_kv, context, d, generator=gen).to(dt)
+    v = torch.randn(1, n_kv, context, d, generator=gen).to(dt)
+    scale = d**-0.5
+    saved = fused._state["lib"]
+
+    def call(name: str) -> torch.Tensor:
+        fused._state["lib"] = libs[name]
+        return fused.decode(q, k, v, scale=scale)
+
+    try:
+        outs = {name: call(name) for name in libs}
+        err = max((outs[n].float() - outs["base"].float()).abs().max().item() for n in libs)
+        if err > TOL[dtype]:
+            raise SystemExit(
+                f"{dtype} ctx {context} n_kv {n_kv}: versions differ by {err:.3g} (> {TOL[dtype]})"
+            )
+        times = {(n, s): [] for n in libs for s in ("warm", "cold")}
+        for rnd in range(args.repeats):
+            order = list(libs) if rnd % 2 == 0 else list(libs)[::-1]
+            for state in ("warm", "cold"):
+                for name in order:
+                    if state == "cold":
+                        flush.sum()
+                    else:
+                        call(name)
+                    start = time.perf_counter()
+                    call(name)
+                    times[(name, state)].append(time.perf_counter() - start)
+    finally:
+        fused._state["lib"] = saved
+    ms = {f"{n}_{s}": round(statistics.median(t) * 1e3, 4) for (n, s), t in times.items()}
+    kv_bytes = 2 * n_kv * context * d * torch.finfo(dt).bits // 8
+    return dict(dtype=dtype, context=context, n_kv_heads=n_kv, kv_bytes=kv_bytes, ms=ms, max_abs_diff=err)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the other kernel: a .cpp file or a git revision")
+    parser.add_argument("--new", default=str(KERNEL), help="the kernel under test (default: this checkout's)")
+    parser.add_argument("--contexts", default="4096,16384", help="comma list of cached tokens")
+    parser.add_argument("--kv-heads", default="8,4,2,1", help="comma list of KV heads")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
+    parser.add_argument("--n-heads", type=int, default=32, help="query heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=20, help="rounds per shape (medians kept)")
+    parser.add_argument("--flush-mib", type=int, default=256, help="buffer read before each cold call")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=RESULTS / "kernel_ab.json", help="the result file")
+    args = parser.parse_args()
+    dtypes = args.dtypes.split(",")
+    if bad := [x for x in dtypes if x not in DTYPES]:
+        parser.error(f"--dtypes: unknown {bad}, expected some of {sorted(DTYPES)}")
+    try:
+        contexts = [int(x) for x in args.contexts.split(",")]
+        kv_heads = [int(x) for x in args.kv_heads.split(",")]
+    except ValueError as err:
+        parser.error(f"--contexts / --kv-heads: comma lists of integers ({err})")
+    if bad := [n for n in kv_heads if n < 1 or args.n_heads % n]:
+        parser.error(f"--kv-heads: {bad} must divide --n-heads {args.n_heads}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"base": _build(_source(args.base, Path(tmp))), "new": _build(_source(args.new, Path(tmp)))}
+    flush = torch.ones(args.flush_mib * 2**20 // 4)
+    rows = []
+    print("dtype ctx    n_kv  KV MB | base warm  new warm  base/new | base cold  new cold  base/new")
+    for dtype in dtypes:
+        for context in contexts:
+            for n_kv in kv_heads:
+                r = measure(libs, dtype, context, n_kv, args, flush)
+                ms = r["ms"]
+                print(
+                    f"{dtype:5s} {context:6d} {n_kv:4d} {r['kv_bytes'] / 2**20:6.1f} | "
+                    f"{ms['base_warm']:9.3f} {ms['new_warm']:9.3f} {ms['base_warm'] / ms['new_warm']:8.2f}x | "
+                    f"{ms['base_cold']:9.3f} {ms['new_cold']:9.3f} {ms['base_cold'] / ms['new_cold']:8.2f}x",
+                    flush=True,
+                )
+                rows.append(r)
+    result = dict(
+        base=args.base,
+        new=args.new if args.new != str(KERNEL) else "this checkout",
+        n_heads=args.n_heads,
+        head_dim=args.head_dim,
+        batch=1,
+        threads=torch.get_num_threads(),
+        repeats=args.repeats,
+        flush_mib=args.flush_mib,
+        torch=torch.__version__,
+        rows=rows,
+    )
+    write_atomic(args.json, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
