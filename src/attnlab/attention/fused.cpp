@@ -166,39 +166,15 @@ void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int
   }
 }
 
-// Keep `v` in a register. In scores_2x4 GCC otherwise folds the loads into the FMAs and reads every query and
-// key twice (12 loads per 8 FMAs instead of 6: load-port bound, 1.28x slower with 32 queries of 128 dims). An
-// empty asm statement with the operand in an AVX register; nothing on other targets.
+// Keep `v` in a register. In the score tiles GCC otherwise folds the loads into the FMAs and reads every query
+// and key twice (2 queries: 12 loads per 8 FMAs instead of 6, load-port bound, 1.28x slower with 32 queries of
+// 128 dims). An empty asm statement with the operand in an AVX register; nothing on other targets.
 inline void pin(v8f& v) {
 #if defined(__AVX__)
   asm("" : "+x"(v));
 #else
   (void)v;
 #endif
-}
-
-// Scores of 2 queries x 4 tokens (key rows k[0..3]): eight FMA chains, six loads per eight FMAs.
-inline void scores_2x4(const float* q0, const float* q1, const float* const* k, int64_t width, float* s0,
-                       float* s1) {
-  v8f a[8];
-  for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
-  for (int64_t d = 0; d < width; d += 8) {
-    v8f x0 = load(q0 + d), x1 = load(q1 + d);
-    pin(x0);
-    pin(x1);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      v8f kv = load(k[j] + d);
-      pin(kv);
-      a[j] += x0 * kv;
-      a[4 + j] += x1 * kv;
-    }
-  }
-  const v8f r = sums8(a);
-  for (int j = 0; j < 4; ++j) {
-    s0[j] = r[j];
-    s1[j] = r[4 + j];
-  }
 }
 
 // Scores of 1 query x 8 tokens.
@@ -219,35 +195,39 @@ inline v8f sums4(v8f a0, v8f a1, v8f a2, v8f a3) {
   return u + __builtin_shufflevector(u, u, 4, 5, 6, 7, 0, 1, 2, 3);
 }
 
-// Scores of 3 queries x 4 tokens: twelve FMA chains (enough to cover the FMA latency on two pipes), seven loads
-// per twelve FMAs. s receives the three rows of four scores at s, s + s_stride, s + 2 s_stride.
-inline void scores_3x4(const float* q, int64_t q_stride, const float* const* k, int64_t width, float* s,
-                       int64_t s_stride) {
-  v8f a[12];
-  for (int i = 0; i < 12; ++i) a[i] = splat(0.f);
-  const float* q0 = q;
-  const float* q1 = q + q_stride;
-  const float* q2 = q + 2 * q_stride;
+// Scores of Q queries x 4 tokens (key rows k[0..3]), Q = 2 or 3: 4 Q FMA chains (twelve cover the FMA latency on
+// two pipes), Q + 4 loads per 4 Q FMAs. The queries are rows q + i q_stride; s receives row i of four scores at
+// s + i s_stride. Queries and keys are pinned in registers (else GCC folds the loads into the FMAs, reading each
+// twice per step).
+template <int Q>
+inline void scores_tile(const float* q, int64_t q_stride, const float* const* k, int64_t width, float* s,
+                        int64_t s_stride) {
+  static_assert(Q == 2 || Q == 3, "tiles of 2 or 3 queries");
+  v8f a[4 * Q];
+  for (int i = 0; i < 4 * Q; ++i) a[i] = splat(0.f);
   for (int64_t d = 0; d < width; d += 8) {
-    v8f x0 = load(q0 + d), x1 = load(q1 + d), x2 = load(q2 + d);
-    pin(x0);
-    pin(x1);
-    pin(x2);
+    v8f x[Q];
+#pragma GCC unroll 3
+    for (int i = 0; i < Q; ++i) {
+      x[i] = load(q + i * q_stride + d);
+      pin(x[i]);
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       v8f kv = load(k[j] + d);
       pin(kv);
-      a[j] += x0 * kv;
-      a[4 + j] += x1 * kv;
-      a[8 + j] += x2 * kv;
+#pragma GCC unroll 3
+      for (int i = 0; i < Q; ++i) a[4 * i + j] += x[i] * kv;
     }
   }
-  const v8f r = sums8(a);
-  const v8f r2 = sums4(a[8], a[9], a[10], a[11]);
+  const v8f r = sums8(a);  // queries 0 and 1
   for (int j = 0; j < 4; ++j) {
     s[j] = r[j];
     s[s_stride + j] = r[4 + j];
-    s[2 * s_stride + j] = r2[j];
+  }
+  if constexpr (Q == 3) {
+    const v8f r2 = sums4(a[8], a[9], a[10], a[11]);
+    for (int j = 0; j < 4; ++j) s[2 * s_stride + j] = r2[j];
   }
 }
 
@@ -428,15 +408,13 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
         for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
           prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
       for (int64_t g = 0; g < G3; g += 3)
-        scores_3x4(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
+        scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
       for (int64_t g = G3; g < G2; g += 2)
-        scores_2x4(&w.q[g * d.dk_pad], &w.q[(g + 1) * d.dk_pad], &w.kr[j], d.dk_pad, s + g * tb + j,
-                   s + (g + 1) * tb + j);
+        scores_tile<2>(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
     }
     if (G2 < G)
       for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &w.kr[j], d.dk_pad, s + G2 * tb + j);
-    int64_t g;
-    for (g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
+    for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
       float* sg = s + g * tb;
       float* st = part + g * stride;
       for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
@@ -459,7 +437,7 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
     int64_t g0 = 0;
     if (!staged && accumulate_rows(d.dv_pad, part, s, w.vr.data(), n)) g0 = 1;
     for (int64_t c = 0; c < d.dv_pad; c += 16) {
-      g = g0;
+      int64_t g = g0;
       for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
       if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
       if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
