@@ -56,19 +56,11 @@ def _source(spec: str, tmp: Path) -> Path:
 
 
 def _build(source: Path):
-    """The kernel library built from ``source`` (the package's loader, pointed at another file)."""
-    saved = fused._SOURCE, dict(fused._state)
-    fused._SOURCE = source
-    fused._state.update(tried=False, lib=None)
+    """The kernel library compiled from ``source``."""
     try:
-        lib = fused._library()
-        if lib is None:
-            raise SystemExit(f"{source}: {fused.status()}")
-        return lib
-    finally:
-        fused._SOURCE = saved[0]
-        fused._state.clear()
-        fused._state.update(saved[1])
+        return fused.load_library(source)
+    except Exception as err:  # a compile error in the variant under test: say which file
+        raise SystemExit(f"{source}: cannot build: {' '.join(str(err).split())[:600]}") from None
 
 
 def measure(libs: dict, dtype: str, context: int, n_kv: int, args, flush: torch.Tensor) -> dict:

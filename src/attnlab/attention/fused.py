@@ -50,24 +50,51 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def extension_name() -> str:
+def extension_name(source: Path = _SOURCE) -> str:
     """The name the build is cached under: changes with the source, the flags, PyTorch and the CPU."""
-    key = "\n".join([_SOURCE.read_text(), " ".join(_FLAGS), torch.__version__, _cpu_model()])
+    key = "\n".join([source.read_text(), " ".join(_FLAGS), torch.__version__, _cpu_model()])
     return "attnlab_fused_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _build() -> str:
+def _build(source: Path) -> str:
     """Compile (or find the cached build of) the kernel; the path of the shared library."""
     from torch.utils.cpp_extension import load
 
     return load(
-        name=extension_name(),
-        sources=[str(_SOURCE)],
+        name=extension_name(source),
+        sources=[str(source)],
         extra_cflags=_FLAGS,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
+
+
+def load_library(source: Path = _SOURCE) -> ctypes.CDLL:
+    """The kernel library compiled from ``source`` (built, or found in the extension cache), its C entry points
+    typed; raises when it cannot be built or loaded. ``_library`` keeps this process's one copy of the package's
+    kernel; benchmarks/kernel_ab.py loads two sources side by side."""
+    lib = ctypes.CDLL(_build(source))
+    fn = lib.attnlab_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_int64] * 5, *[ctypes.c_void_p] * 4]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lin = lib.attnlab_linear
+    lin.restype = ctypes.c_int
+    lin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lin.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    blk = lib.attnlab_block
+    blk.restype = ctypes.c_int
+    blk.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
+    return lib
 
 
 def _library() -> ctypes.CDLL | None:
@@ -82,8 +109,7 @@ def _library() -> ctypes.CDLL | None:
             return None
         start = time.perf_counter()
         try:
-            lib = ctypes.CDLL(_build())
-            fn = lib.attnlab_decode
+            lib = load_library()
         except Exception as err:  # any failure to compile or load: fall back, and say so
             reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             _state.update(tried=True, status=f"build failed, the PyTorch kernels run: {reason}")
@@ -93,24 +119,6 @@ def _library() -> ctypes.CDLL | None:
                 stacklevel=3,
             )
             return None
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_int64] * 5, *[ctypes.c_void_p] * 4]
-        fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        lin = lib.attnlab_linear
-        lin.restype = ctypes.c_int
-        lin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-        lin.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
-        blk = lib.attnlab_block
-        blk.restype = ctypes.c_int
-        blk.argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_float,
-            ctypes.c_float,
-            ctypes.c_int,
-        ]
         seconds = time.perf_counter() - start
         _state.update(
             tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load)"
