@@ -5,11 +5,14 @@
 
 Both sources are built (cached like the package's own build) and called through the same Python entry
 (``attnlab.attention.fused.decode``), alternating which goes first in every round so neither is favoured by the
-order. Two states per call:
+order. Three states per call:
 
 - warm: right after the same call, so the KV rows are in the caches wherever they fit (flatters small shapes);
 - cold: right after reading a buffer larger than the last-level cache, so the KV comes from memory, as in
-  ``benchmarks/decode.py``, whose round-robin contenders evict each other's data.
+  ``benchmarks/decode.py``, whose round-robin contenders evict each other's data;
+- layers: back-to-back calls over a ring of distinct caches (as many as fill ``--flush-mib``), as a model's
+  layers read theirs one after another: the KV comes from memory and the cores are busy, not waking up. The
+  time per call.
 
 Prints one row per shape (median ms of each version and state, and base / new) and writes the JSON result.
 Absolute times on a shared machine drift by tens of percent within an hour; compare versions only within a run.
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "src" / "attnlab" / "attention" / "fused.cpp"
 RESULTS = ROOT / "benchmarks" / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATES = ("warm", "cold", "layers")
 TOL = {"fp32": 1e-5, "bf16": 2e-2}  # max |new - base|: float32 sums in another order, bf16 output rounding
 
 
@@ -69,12 +73,19 @@ def measure(libs: dict, dtype: str, context: int, n_kv: int, args, flush: torch.
     q = torch.randn(1, h, 1, d, generator=gen).to(dt)
     k = torch.randn(1, n_kv, context, d, generator=gen).to(dt)
     v = torch.randn(1, n_kv, context, d, generator=gen).to(dt)
+    kv_bytes = 2 * k.nbytes
+    n_layers = max(2, -(-args.flush_mib * 2**20 // kv_bytes))
+    ring = [(k, v)] + [(torch.randn_like(k), torch.randn_like(v)) for _ in range(n_layers - 1)]
     scale = d**-0.5
     saved = fused._state["lib"]
 
-    def call(name: str) -> torch.Tensor:
+    def call(name: str, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
         fused._state["lib"] = libs[name]
         return fused.decode(q, k, v, scale=scale)
+
+    def layers(name: str) -> None:
+        for kl, vl in ring:
+            call(name, kl, vl)
 
     try:
         outs = {name: call(name) for name in libs}
@@ -83,11 +94,16 @@ def measure(libs: dict, dtype: str, context: int, n_kv: int, args, flush: torch.
             raise SystemExit(
                 f"{dtype} ctx {context} n_kv {n_kv}: versions differ by {err:.3g} (> {TOL[dtype]})"
             )
-        times = {(n, s): [] for n in libs for s in ("warm", "cold")}
+        times = {(n, s): [] for n in libs for s in STATES}
         for rnd in range(args.repeats):
             order = list(libs) if rnd % 2 == 0 else list(libs)[::-1]
-            for state in ("warm", "cold"):
+            for state in STATES:
                 for name in order:
+                    if state == "layers":
+                        start = time.perf_counter()
+                        layers(name)
+                        times[(name, state)].append((time.perf_counter() - start) / n_layers)
+                        continue
                     if state == "cold":
                         flush.sum()
                     else:
@@ -98,8 +114,15 @@ def measure(libs: dict, dtype: str, context: int, n_kv: int, args, flush: torch.
     finally:
         fused._state["lib"] = saved
     ms = {f"{n}_{s}": round(statistics.median(t) * 1e3, 4) for (n, s), t in times.items()}
-    kv_bytes = 2 * n_kv * context * d * torch.finfo(dt).bits // 8
-    return dict(dtype=dtype, context=context, n_kv_heads=n_kv, kv_bytes=kv_bytes, ms=ms, max_abs_diff=err)
+    return dict(
+        dtype=dtype,
+        context=context,
+        n_kv_heads=n_kv,
+        kv_bytes=kv_bytes,
+        layers=n_layers,
+        ms=ms,
+        max_abs_diff=err,
+    )
 
 
 def main() -> int:
@@ -112,7 +135,12 @@ def main() -> int:
     parser.add_argument("--n-heads", type=int, default=32, help="query heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20, help="rounds per shape (medians kept)")
-    parser.add_argument("--flush-mib", type=int, default=256, help="buffer read before each cold call")
+    parser.add_argument(
+        "--flush-mib",
+        type=int,
+        default=256,
+        help="buffer read before each cold call; the layers' ring fills it",
+    )
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=RESULTS / "kernel_ab.json", help="the result file")
     args = parser.parse_args()
@@ -135,18 +163,17 @@ def main() -> int:
         libs = {"base": _build(_source(args.base, Path(tmp))), "new": _build(_source(args.new, Path(tmp)))}
     flush = torch.ones(args.flush_mib * 2**20 // 4)
     rows = []
-    print("dtype ctx    n_kv  KV MB | base warm  new warm  base/new | base cold  new cold  base/new")
+    print("dtype ctx    n_kv  KV MB" + "".join(f" | base {s:6s} new {s:6s} base/new" for s in STATES))
     for dtype in dtypes:
         for context in contexts:
             for n_kv in kv_heads:
                 r = measure(libs, dtype, context, n_kv, args, flush)
                 ms = r["ms"]
-                print(
-                    f"{dtype:5s} {context:6d} {n_kv:4d} {r['kv_bytes'] / 2**20:6.1f} | "
-                    f"{ms['base_warm']:9.3f} {ms['new_warm']:9.3f} {ms['base_warm'] / ms['new_warm']:8.2f}x | "
-                    f"{ms['base_cold']:9.3f} {ms['new_cold']:9.3f} {ms['base_cold'] / ms['new_cold']:8.2f}x",
-                    flush=True,
+                cells = "".join(
+                    f" | {ms[f'base_{s}']:11.3f} {ms[f'new_{s}']:10.3f} {ms[f'base_{s}'] / ms[f'new_{s}']:7.2f}x"
+                    for s in STATES
                 )
+                print(f"{dtype:5s} {context:6d} {n_kv:4d} {r['kv_bytes'] / 2**20:6.1f}{cells}", flush=True)
                 rows.append(r)
     result = dict(
         base=args.base,
