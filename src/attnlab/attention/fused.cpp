@@ -334,12 +334,6 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-// Groups of up to this many queries prefetch the next block's keys while scoring this one: they do few FLOPs per
-// byte, so a step waits on memory; larger groups are compute-bound and the extra instructions only cost
-// (benchmarks/kernel_ab.py, 32 heads of 128, float32, KV from memory: n_kv 8 and 4 1.03-1.26x; bfloat16, staged
-// block by block, within +-4 %).
-constexpr int64_t kPrefetchQueries = 8;
-
 struct Item {  // one chunk [lo, hi) of the context of batch row b, KV head h
   int64_t b, h, lo, hi;
 };
@@ -402,11 +396,13 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
     int64_t G3 = G / 3 * 3;
     if (G - G3 == 1 && G3 >= 3) G3 -= 3;
     const int64_t G2 = G3 + (G - G3) / 2 * 2;
-    const bool prefetch = G <= kPrefetchQueries && t0 + tb < it.hi;
+    // The next block's keys, four rows per 4-key step of this block's score tiles: the tiles read four rows side
+    // by side, a pattern the hardware prefetcher follows poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from
+    // memory, float32: groups of 4 and 8 1.03-1.32x, of 16 and 32 1.03-1.25x; bfloat16, staged block by block:
+    // within the tool's spread).
     for (int64_t j = 0; j < tb; j += 4) {
-      if (prefetch)  // the next block's keys, spread over this block's score tiles
-        for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
-          prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
+      for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
+        prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
       for (int64_t g = 0; g < G3; g += 3)
         scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
       for (int64_t g = G3; g < G2; g += 2)
