@@ -166,31 +166,31 @@ def roofline_seconds(hw: Hardware, flops: float, n_bytes: float, dtype: str) -> 
     return min(step_seconds(hw, flops, n_bytes, d) for d in rates)
 
 
+def _score(row: dict, hw: Hardware, ours: str) -> None:
+    """Set a timed row's roofline (``roofline_seconds`` of its bytes and FLOPs) and the fraction of it that its
+    saved (rounded) time for ``ours`` reaches: one definition for fresh rows and rescored ones alike."""
+    roof = roofline_seconds(hw, row["flops"], row["bytes"], row["dtype"])  # the fastest this step could run
+    row.update(roofline_ms=_sig(roof * 1e3), roofline_fraction=_sig(roof / (row["ms"][ours] / 1e3)))
+
+
 def rescore(rows: list[dict], hw: Hardware) -> None:
     """Recompute every timed row's roofline (``roofline_seconds``) from its stored bytes, FLOPs and times, so that
     saved results follow the current definition."""
     for row in rows:
         if row.get("kind") in OURS and {"bytes", "flops", "ms"} <= row.keys():
-            roof = roofline_seconds(hw, row["flops"], row["bytes"], row["dtype"])
-            row.update(
-                roofline_ms=_sig(roof * 1e3),
-                roofline_fraction=_sig(roof / (row["ms"][OURS[row["kind"]]] / 1e3)),
-            )
+            _score(row, hw, OURS[row["kind"]])
 
 
 def _finish_row(row, hw, times, n_bytes, flops, *, ours, err, baselines) -> dict:
-    roof = roofline_seconds(hw, flops, n_bytes, row["dtype"])  # the fastest this step could run on ``hw``
-    ms = _ms(times)
     row.update(
-        ms=ms,
+        ms=_ms(times),
         bytes=int(n_bytes),
         flops=int(flops),
-        roofline_ms=_sig(roof * 1e3),
         achieved_gbps=_sig(n_bytes / times[ours] / 1e9),
-        roofline_fraction=_sig(roof / (ms[ours] / 1e3)),  # from the saved time, as `rescore` computes it
         speedup={name: _sig(times[name] / times[ours]) for name in baselines},
         max_abs_err=err,
     )
+    _score(row, hw, ours)
     return row
 
 
