@@ -178,7 +178,8 @@ inline void pin(v8f& v) {
 }
 
 // Scores of 1 query x 8 tokens.
-inline void scores_1x8(const float* q0, const float* const* k, int64_t width, float* s0) {
+template <typename E>
+inline void scores_1x8(const float* q0, const E* const* k, int64_t width, float* s0) {
   v8f a[8];
   for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
   for (int64_t d = 0; d < width; d += 8) {
@@ -199,8 +200,8 @@ inline v8f sums4(v8f a0, v8f a1, v8f a2, v8f a3) {
 // two pipes), Q + 4 loads per 4 Q FMAs. The queries are rows q + i q_stride; s receives row i of four scores at
 // s + i s_stride. Queries and keys are pinned in registers (else GCC folds the loads into the FMAs, reading each
 // twice per step).
-template <int Q>
-inline void scores_tile(const float* q, int64_t q_stride, const float* const* k, int64_t width, float* s,
+template <int Q, typename E>
+inline void scores_tile(const float* q, int64_t q_stride, const E* const* k, int64_t width, float* s,
                         int64_t s_stride) {
   static_assert(Q == 2 || Q == 3, "tiles of 2 or 3 queries");
   v8f a[4 * Q];
@@ -235,8 +236,8 @@ inline void scores_tile(const float* q, int64_t q_stride, const float* const* k,
 // of values per step, each with its own 2 x GT accumulators (added at the end): an FMA waits ~4 cycles for the
 // previous one into the same register, so small groups need several rows in flight to keep the FMA units busy.
 // All in registers while the slice of the block's value rows streams past.
-template <int GT, int R>
-void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const float* const* v,
+template <int GT, int R, typename E>
+void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
                 int64_t n, int64_t c) {
   v8f a[R][GT][2];
 #pragma GCC unroll 4
@@ -285,8 +286,8 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
 // memory (column slices read every row's first lines, then every row's next ones: a strided pattern, 2-3x slower
 // than this from memory, faster than it once the block is in cache). Small rows take two rows per step, each with
 // its own accumulators (FMA latency); rows of up to 16 vectors fill the registers with one.
-template <int NV>
-void accumulate_rows(float* acc, const float* p, const float* const* v, int64_t n) {
+template <int NV, typename E>
+void accumulate_rows(float* acc, const float* p, const E* const* v, int64_t n) {
   constexpr int R = NV <= 8 ? 2 : 1;
   v8f a[R][NV];
 #pragma GCC unroll 16
@@ -299,7 +300,7 @@ void accumulate_rows(float* acc, const float* p, const float* const* v, int64_t 
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
       const v8f pj = splat(p[j + r]);
-      const float* row = v[j + r];
+      const E* row = v[j + r];
 #pragma GCC unroll 16
       for (int i = 0; i < NV; ++i) a[r][i] += pj * load(row + 8 * i);
     }
@@ -314,16 +315,17 @@ void accumulate_rows(float* acc, const float* p, const float* const* v, int64_t 
 }
 
 // The row-order accumulation for one query, if the padded rows have 2 to 16 vectors (else false).
-inline bool accumulate_rows(int64_t width, float* acc, const float* p, const float* const* v, int64_t n) {
+template <typename E>
+inline bool accumulate_rows(int64_t width, float* acc, const float* p, const E* const* v, int64_t n) {
   switch (width / 8) {
-    case 2: accumulate_rows<2>(acc, p, v, n); return true;
-    case 4: accumulate_rows<4>(acc, p, v, n); return true;
-    case 6: accumulate_rows<6>(acc, p, v, n); return true;
-    case 8: accumulate_rows<8>(acc, p, v, n); return true;
-    case 10: accumulate_rows<10>(acc, p, v, n); return true;
-    case 12: accumulate_rows<12>(acc, p, v, n); return true;
-    case 14: accumulate_rows<14>(acc, p, v, n); return true;
-    case 16: accumulate_rows<16>(acc, p, v, n); return true;
+    case 2: accumulate_rows<2, E>(acc, p, v, n); return true;
+    case 4: accumulate_rows<4, E>(acc, p, v, n); return true;
+    case 6: accumulate_rows<6, E>(acc, p, v, n); return true;
+    case 8: accumulate_rows<8, E>(acc, p, v, n); return true;
+    case 10: accumulate_rows<10, E>(acc, p, v, n); return true;
+    case 12: accumulate_rows<12, E>(acc, p, v, n); return true;
+    case 14: accumulate_rows<14, E>(acc, p, v, n); return true;
+    case 16: accumulate_rows<16, E>(acc, p, v, n); return true;
     default: return false;
   }
 }
@@ -343,26 +345,86 @@ struct Dims {
 };
 
 // Per-thread buffers of one chunk: queries (G, dk_pad), a staged block of keys (tb, dk_pad) and values
-// (tb, dv_pad), the block's scores/weights (G, tb).
+// (tb, dv_pad), the block's scores/weights (G, tb), and the block's row pointers (into the cache or the staging).
+template <typename T>
 struct Scratch {
   std::vector<float> q, k, v, s;
-  std::vector<const float*> kr, vr;  // the block's key and value rows: in the cache, or in k and v
+  std::vector<const T*> kc, vc;      // rows read where they lie in the cache
+  std::vector<const float*> kr, vr;  // rows staged in k and v
   explicit Scratch(const Dims& d)
       : q(d.G * d.dk_pad, 0.f), k(d.tb * d.dk_pad, 0.f), v(d.tb * d.dv_pad, 0.f), s(d.G * d.tb, 0.f),
-        kr(d.tb), vr(d.tb) {}
+        kc(d.tb), vc(d.tb), kr(d.tb), vr(d.tb) {
+    for (int64_t j = 0; j < d.tb; ++j) {
+      kr[j] = k.data() + j * d.dk_pad;
+      vr[j] = v.data() + j * d.dv_pad;
+    }
+  }
 };
 
-// Whether a block of n rows is read where its rows lie (contiguous or paged alike): float32 rows that need no
-// padding, and a whole block (no rows past the chunk's end to zero). Else the rows are staged: widened, padded.
-template <typename T>
-inline bool in_place(const Dims& d, int64_t n) {
-  return std::is_same<T, float>::value && d.dk == d.dk_pad && d.dv == d.dv_pad && n == d.tb;
+// Whether a block of n rows is read where its rows lie (contiguous or paged alike, bfloat16 widened in registers
+// by every tile that reads it): rows that need no padding, and a whole block (no rows past the chunk's end to
+// zero). Else the rows are staged: widened, padded. Reading bfloat16 in place rather than staging every block
+// (benchmarks/kernel_ab.py, 32 heads of 128, KV from memory): groups of 4 1.15-1.25x, of 8 1.09-1.18x, of 16 and
+// 32 1.00-1.09x, though groups of 32 widen each key row eleven times instead of once.
+inline bool in_place(const Dims& d, int64_t n) { return d.dk == d.dk_pad && d.dv == d.dv_pad && n == d.tb; }
+
+// The scores of one block of n rows (kr, vr: the rows, cache element type or staged float32), its online-softmax
+// update of `part` and its values accumulated into it. `from_memory`: the rows were not staged (so still in
+// memory, or on their way): the first query then takes the values row by row (the order the hardware prefetcher
+// follows), which leaves the block in cache for the others' column slices; staged rows are in cache already.
+template <typename T, typename E>
+void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
+                  const E* const* vr, bool from_memory, Scratch<T>& w, float* part) {
+  const int64_t G = d.G, tb = d.tb, stride = d.dv_pad + 2;
+  float* s = w.s.data();
+  // query triples, then pairs, then a single query (load-bound: avoided unless G is odd)
+  int64_t G3 = G / 3 * 3;
+  if (G - G3 == 1 && G3 >= 3) G3 -= 3;
+  const int64_t G2 = G3 + (G - G3) / 2 * 2;
+  // The next block's keys, four rows per 4-key step of this block's score tiles: the tiles read four rows side
+  // by side, a pattern the hardware prefetcher follows poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from
+  // memory, float32: groups of 4 and 8 1.03-1.32x, of 16 and 32 1.03-1.25x; bfloat16, then staged block by block:
+  // within the tool's spread).
+  for (int64_t j = 0; j < tb; j += 4) {
+    for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
+      prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
+    for (int64_t g = 0; g < G3; g += 3) scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
+    for (int64_t g = G3; g < G2; g += 2) scores_tile<2>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
+  }
+  if (G2 < G)
+    for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &kr[j], d.dk_pad, s + G2 * tb + j);
+  for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
+    float* sg = s + g * tb;
+    float* st = part + g * stride;
+    for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
+    v8f mx = load(sg);
+    for (int64_t j = 8; j < tb; j += 8) mx = mx > load(sg + j) ? mx : load(sg + j);
+    const float m_old = st[d.dv_pad], m_new = std::max(m_old, hmax(mx));
+    for (int64_t j = 0; j < tb; j += 8) store(sg + j, exp2_neg(load(sg + j) - splat(m_new)));
+    for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
+    v8f lsum = splat(0.f);
+    for (int64_t j = 0; j < tb; j += 8) lsum += load(sg + j);
+    const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
+    if (alpha != 1.f)
+      for (int64_t c = 0; c < d.dv_pad; c += 8) store(st + c, load(st + c) * splat(alpha));
+    st[d.dv_pad] = m_new;
+    st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
+  }
+  int64_t g0 = 0;
+  if (from_memory && accumulate_rows(d.dv_pad, part, s, vr, n)) g0 = 1;
+  for (int64_t c = 0; c < d.dv_pad; c += 16) {
+    int64_t g = g0;
+    for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
+    if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
+    if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
+    if (G - g == 1) accumulate<1, 4>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
+  }
 }
 
 // One chunk: part (G, dv_pad + 2) receives, per query, the unnormalised output, the maximum score and the
 // exp-sum (scores in log2 units: the queries were scaled by log2(e)).
 template <typename T>
-void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, const Item& it, Scratch& w,
+void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, const Item& it, Scratch<T>& w,
                   float* part) {
   const int64_t G = d.G, tb = d.tb, stride = d.dv_pad + 2;
   for (int64_t g = 0; g < G; ++g) {
@@ -370,75 +432,23 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
     part[g * stride + d.dv_pad] = kNegInf;
     part[g * stride + d.dv_pad + 1] = 0.f;
   }
-  float* s = w.s.data();
   for (int64_t t0 = it.lo; t0 < it.hi; t0 += tb) {
     const int64_t n = std::min(tb, it.hi - t0);
-    // the block's row pointers: into the cache (float32 rows needing no padding, a whole block), or staged rows
-    const bool staged = !in_place<T>(d, n);
-    if (!staged) {
+    if (in_place(d, n)) {
       for (int64_t j = 0; j < tb; ++j) {
-        w.kr[j] = reinterpret_cast<const float*>(keys.at(it.b, it.h, t0 + j));
-        w.vr[j] = reinterpret_cast<const float*>(values.at(it.b, it.h, t0 + j));
+        w.kc[j] = keys.at(it.b, it.h, t0 + j);
+        w.vc[j] = values.at(it.b, it.h, t0 + j);
       }
-    } else {
-      for (int64_t j = 0; j < tb; ++j) {
-        w.kr[j] = w.k.data() + j * d.dk_pad;
-        w.vr[j] = w.v.data() + j * d.dv_pad;
-      }
-      stage(keys, it.b, it.h, t0, n, d.dk, w.k.data(), d.dk_pad);
-      stage(values, it.b, it.h, t0, n, d.dv, w.v.data(), d.dv_pad);
-      if (n < tb) {  // rows past the chunk's end: zeros (their weights are set to 0 below)
-        std::fill(w.k.begin() + n * d.dk_pad, w.k.end(), 0.f);
-        std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
-      }
+      attend_block(d, keys, it, t0, n, w.kc.data(), w.vc.data(), true, w, part);
+      continue;
     }
-    // query triples, then pairs, then a single query (load-bound: avoided unless G is odd)
-    int64_t G3 = G / 3 * 3;
-    if (G - G3 == 1 && G3 >= 3) G3 -= 3;
-    const int64_t G2 = G3 + (G - G3) / 2 * 2;
-    // The next block's keys, four rows per 4-key step of this block's score tiles: the tiles read four rows side
-    // by side, a pattern the hardware prefetcher follows poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from
-    // memory, float32: groups of 4 and 8 1.03-1.32x, of 16 and 32 1.03-1.25x; bfloat16, staged block by block:
-    // within the tool's spread).
-    for (int64_t j = 0; j < tb; j += 4) {
-      for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
-        prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
-      for (int64_t g = 0; g < G3; g += 3)
-        scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
-      for (int64_t g = G3; g < G2; g += 2)
-        scores_tile<2>(&w.q[g * d.dk_pad], d.dk_pad, &w.kr[j], d.dk_pad, s + g * tb + j, tb);
+    stage(keys, it.b, it.h, t0, n, d.dk, w.k.data(), d.dk_pad);
+    stage(values, it.b, it.h, t0, n, d.dv, w.v.data(), d.dv_pad);
+    if (n < tb) {  // rows past the chunk's end: zeros (their weights are set to 0)
+      std::fill(w.k.begin() + n * d.dk_pad, w.k.end(), 0.f);
+      std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
     }
-    if (G2 < G)
-      for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &w.kr[j], d.dk_pad, s + G2 * tb + j);
-    for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
-      float* sg = s + g * tb;
-      float* st = part + g * stride;
-      for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
-      v8f mx = load(sg);
-      for (int64_t j = 8; j < tb; j += 8) mx = mx > load(sg + j) ? mx : load(sg + j);
-      const float m_old = st[d.dv_pad], m_new = std::max(m_old, hmax(mx));
-      for (int64_t j = 0; j < tb; j += 8) store(sg + j, exp2_neg(load(sg + j) - splat(m_new)));
-      for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
-      v8f lsum = splat(0.f);
-      for (int64_t j = 0; j < tb; j += 8) lsum += load(sg + j);
-      const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
-      if (alpha != 1.f)
-        for (int64_t c = 0; c < d.dv_pad; c += 8) store(st + c, load(st + c) * splat(alpha));
-      st[d.dv_pad] = m_new;
-      st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
-    }
-    // Values read in place come from memory: the first query takes them row by row (the order the prefetcher
-    // follows), which leaves the block in cache for the others' column slices (four queries share each load).
-    // Staged values are already in cache: column slices for all.
-    int64_t g0 = 0;
-    if (!staged && accumulate_rows(d.dv_pad, part, s, w.vr.data(), n)) g0 = 1;
-    for (int64_t c = 0; c < d.dv_pad; c += 16) {
-      int64_t g = g0;
-      for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
-      if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
-      if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
-      if (G - g == 1) accumulate<1, 4>(part + g * stride, stride, s + g * tb, tb, w.vr.data(), n, c);
-    }
+    attend_block(d, keys, it, t0, n, w.kr.data(), w.vr.data(), false, w, part);
   }
 }
 
@@ -475,7 +485,7 @@ void decode(const T* q, int64_t B, int64_t H, int64_t n_kv, int64_t dk, int64_t 
   const int n_threads = bytes < kParallelBytes ? 1 : std::max(1, std::min<int>(max_threads, static_cast<int>(n_items)));
 #pragma omp parallel num_threads(n_threads)
   {
-    Scratch w(d);
+    Scratch<T> w(d);
     int64_t q_of = -1;  // the (b, h) whose queries are in w.q
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
