@@ -71,25 +71,30 @@ def test_contiguous_decode_equals_the_reference(dtype, data):
         assert torch.equal(out[sl], fused.decode(q[sl], k[sl], v[sl], scale=scale))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 128, 256, 32])
-@pytest.mark.parametrize("dims", [(64, 64), (576, 512)], ids=["gqa", "mla"])
-def test_float32_blocks_read_in_place_equal_the_reference(dims, block):
-    """float32 rows of a width the kernel needs no padding for (a multiple of 16) are read where they lie
-    rather than staged: contiguous caches and pages of any size (a staging block of 128 rows spans 4 pages of
-    32), with partial blocks at chunk ends staged as before; the bits equal the contiguous decode of the same
-    rows."""
+@pytest.mark.parametrize(
+    "dims", [(64, 64, 2, 3), (64, 64, 2, 4), (576, 512, 1, 8)], ids=["gqa-3", "gqa-4", "mla"]
+)
+def test_blocks_read_in_place_equal_the_reference(dims, block, dtype):
+    """Rows of a width the kernel needs no padding for (a multiple of 16) are read where they lie rather than
+    staged, float32 and bfloat16 (widened in registers) alike: contiguous caches and pages of any size (a block
+    of 128 rows spans 4 pages of 32), with partial blocks at chunk ends staged as before; groups of 4 take their
+    own score tile. Every row equals the reference."""
     if not fused.available():
         pytest.skip(fused.status())
-    dk, dv = dims
+    dk, dv, heads, group = dims
     latent = dv != dk
+    dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)
     lengths = [1000, 300, 129]
-    heads, group = (1, 8) if latent else (2, 3)
-    keys = [torch.randn(1, heads, n, dk, generator=gen) for n in lengths]
-    vals = [r[..., :dv] if latent else torch.randn(r.shape, generator=gen) for r in keys]
-    q = torch.randn(len(lengths), heads * group, 1, dk, generator=gen)
+    keys = [torch.randn(1, heads, n, dk, generator=gen).to(dt) for n in lengths]
+    vals = [r[..., :dv] if latent else torch.randn(r.shape, generator=gen).to(dt) for r in keys]
+    q = torch.randn(len(lengths), heads * group, 1, dk, generator=gen).to(dt)
     if block is None:
-        spare = torch.randn(1, heads, 1010, dk, generator=gen)  # a strided live view, as a KVCache returns
+        spare = torch.randn(1, heads, 1010, dk, generator=gen).to(
+            dt
+        )  # a strided live view, as a KVCache returns
         spare[:, :, :1000] = keys[0]
         keys[0] = spare[:, :, :1000]
         vals[0] = keys[0][..., :dv] if latent else vals[0]
@@ -97,7 +102,7 @@ def test_float32_blocks_read_in_place_equal_the_reference(dims, block):
     else:
         cache = PagedKVCache(
             sum(-(-n // block) for n in lengths), block, heads, dk, batch_size=len(lengths),
-            values_in_keys=latent, value_dim=dv if latent else None,
+            values_in_keys=latent, value_dim=dv if latent else None, dtype=dt,
         )  # fmt: skip
         for i in range(len(lengths)):
             cache.select([i]).update(keys[i], None if latent else vals[i])
@@ -105,7 +110,7 @@ def test_float32_blocks_read_in_place_equal_the_reference(dims, block):
         outs = [out[i : i + 1] for i in range(len(lengths))]
     for i, got in enumerate(outs):
         ref = attend(q[i : i + 1], keys[i], vals[i], scale=0.1, backend="reference")
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, ref, **TOL[dt])
         k, v = keys[i].contiguous(), vals[i].contiguous()  # staged-or-not must not change a bit
         assert torch.equal(got, fused.decode(q[i : i + 1], k, v, scale=0.1))
 
