@@ -92,9 +92,8 @@ def test_blocks_read_in_place_equal_the_reference(dims, block, dtype):
     vals = [r[..., :dv] if latent else torch.randn(r.shape, generator=gen).to(dt) for r in keys]
     q = torch.randn(len(lengths), heads * group, 1, dk, generator=gen).to(dt)
     if block is None:
-        spare = torch.randn(1, heads, 1010, dk, generator=gen).to(
-            dt
-        )  # a strided live view, as a KVCache returns
+        # a strided live view, as a KVCache returns
+        spare = torch.randn(1, heads, 1010, dk, generator=gen).to(dt)
         spare[:, :, :1000] = keys[0]
         keys[0] = spare[:, :, :1000]
         vals[0] = keys[0][..., :dv] if latent else vals[0]

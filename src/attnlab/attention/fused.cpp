@@ -423,8 +423,10 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
       scores_4x2(w.q.data(), d.dk_pad, &kr[j + 2], d.dk_pad, s + j + 2, tb);
       continue;
     }
-    for (int64_t g = 0; g < G3; g += 3) scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
-    for (int64_t g = G3; g < G2; g += 2) scores_tile<2>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
+    for (int64_t g = 0; g < G3; g += 3)
+      scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
+    for (int64_t g = G3; g < G2; g += 2)
+      scores_tile<2>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
   }
   if (G2 < G)
     for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &kr[j], d.dk_pad, s + G2 * tb + j);
