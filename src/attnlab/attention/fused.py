@@ -175,23 +175,28 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def _int64s(values) -> ctypes.Array:
+    """A C array of int64 (lighter than a tensor for a handful of numbers: no dispatch, no allocator)."""
+    return (ctypes.c_int64 * len(values))(*values)
+
+
 def _call(q, k, k_strides, v, v_strides, table, table_stride, block, lo, hi, scale) -> torch.Tensor:
+    # A decode step is short (tens of microseconds to a millisecond), so this path keeps to a few cheap Python
+    # operations: (B, H, 1, D) contiguous is (B, H, D) to the kernel, and the output is allocated as returned.
     b, h, _, dk = q.shape
-    q = q.reshape(b, h, dk).contiguous()
-    n_kv = k_strides[3]
-    out = q.new_empty(b, h, v.shape[-1])
-    ks = torch.tensor(k_strides[:3], dtype=torch.int64)
-    vs = torch.tensor(v_strides[:3], dtype=torch.int64)
+    q = q.contiguous()
+    n_kv, dv = k_strides[3], v.shape[-1]
+    out = q.new_empty(b, h, 1, dv)
     rc = _state["lib"].attnlab_decode(  # type: ignore[union-attr]
-        _DTYPES[q.dtype], q.data_ptr(), b, h, n_kv, dk, v.shape[-1], k.data_ptr(), ks.data_ptr(), v.data_ptr(),
-        vs.data_ptr(), None if table is None else table.data_ptr(), table_stride, block, lo.data_ptr(),
-        hi.data_ptr(), float(scale), out.data_ptr(), torch.get_num_threads(),
+        _DTYPES[q.dtype], q.data_ptr(), b, h, n_kv, dk, dv, k.data_ptr(), _int64s(k_strides[:3]), v.data_ptr(),
+        _int64s(v_strides[:3]), None if table is None else table.data_ptr(), table_stride, block, lo, hi,
+        float(scale), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(
             f"fused decode: inconsistent shapes q {tuple(q.shape)}, k/v heads {n_kv} (code {rc})"
         )
-    return out.unsqueeze(2)
+    return out
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
@@ -199,11 +204,9 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -
     k's first columns) -> (B, H, 1, Dv). Call only when ``supports(q, k, v)``."""
     k, v = _rows(k), _rows(v)
     b, n_kv, s = k.shape[0], k.shape[1], k.shape[2]
-    lo = torch.zeros(b, dtype=torch.int64)
-    hi = torch.full((b,), s, dtype=torch.int64)
-    ks = (k.stride(0), k.stride(1), k.stride(2), n_kv)
-    vs = (v.stride(0), v.stride(1), v.stride(2), n_kv)
-    return _call(q, k, ks, v, vs, None, 0, 1, lo, hi, scale)
+    ks = (*k.stride()[:3], n_kv)
+    vs = (*v.stride()[:3], n_kv)
+    return _call(q, k, ks, v, vs, None, 0, 1, (ctypes.c_int64 * b)(), _int64s([s] * b), scale)
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, runs, lengths, *, scale: float):
@@ -223,12 +226,11 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ru
     table = torch.zeros(len(runs), width, dtype=torch.int64)
     for i, slots in enumerate(per_row):
         table[i, : len(slots)] = torch.tensor(slots, dtype=torch.int64)
-    lo = torch.zeros(len(runs), dtype=torch.int64)
-    hi = torch.tensor(lengths, dtype=torch.int64)
     n_kv = k_pool.shape[0]
     ks = (0, k_pool.stride(0), k_pool.stride(1), n_kv)
     vs = (0, v_pool.stride(0), v_pool.stride(1), n_kv)
-    return _call(q, k_pool, ks, v_pool, vs, table, width, block, lo, hi, scale)
+    lo = (ctypes.c_int64 * len(runs))()
+    return _call(q, k_pool, ks, v_pool, vs, table, width, block, lo, _int64s(lengths), scale)
 
 
 # Rows of input up to which ``linear`` is used: it beats the BLAS product by 1.4-2.5x (float32) at 8 rows on the
