@@ -289,6 +289,10 @@ def limits(result: dict) -> str:
     out.append(
         "- **Shared machine.** Contenders are timed round-robin and medians kept, so ratios are fair even when other"
         " jobs run; absolute times are not (the load average at the start of the run is in the Machine section)."
+        " In attention rows every timed call attends over a ring of distinct caches filling twice the last-level"
+        " cache (as a model's layers do; the time per cache is shown), and the repeat-KV reference, which writes"
+        " n_heads / n_kv copies of the KV, is timed after the round: timed in it, as up to the run of 2026-11-23,"
+        " the contender after it paid for writing them back (the fused kernel 1.2-1.6x slower)."
         " OpenMP's default spinning suits the fused kernels, whose every call is a parallel region:"
         " `OMP_WAIT_POLICY=PASSIVE` makes each call wake sleeping workers (a whole decode step measured ~1.6x"
         " slower with it). The policy of this run is in the Machine section."

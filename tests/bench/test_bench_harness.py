@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from attnlab.bench import DecodeGrid, interleaved, run_decode
+from attnlab.bench import DecodeGrid, decode, interleaved, run_decode
 from attnlab.bench.report import performance_page, plot
 from attnlab.cli import app
 from attnlab.config import MLAConfig
@@ -32,6 +32,14 @@ def test_interleaved_times_every_contender_round_robin():
     assert calls == ["a", "b"] * 4 and set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     with pytest.raises(ValueError, match="repeats"):
         interleaved({"a": lambda: None}, repeats=0)
+
+
+def test_attention_rows_cycle_through_caches_that_fill_twice_the_last_level_cache():
+    llc = decode._llc_bytes()
+    # one cache larger than the LLC: still two, so that no call finds its KV left in cache by the last one
+    assert decode.ring_size(2 * llc) == 2
+    assert decode.ring_size(llc // 4) == 8
+    assert decode.ring_size(1) == decode.RING_MAX
 
 
 def test_every_contender_agrees_with_its_baseline(tiny_result):
