@@ -206,7 +206,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -
     b, n_kv, s = k.shape[0], k.shape[1], k.shape[2]
     ks = (*k.stride()[:3], n_kv)
     vs = (*v.stride()[:3], n_kv)
-    return _call(q, k, ks, v, vs, None, 0, 1, (ctypes.c_int64 * b)(), _int64s([s] * b), scale)
+    return _call(q, k, ks, v, vs, None, 0, 1, _int64s([0] * b), _int64s([s] * b), scale)
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, runs, lengths, *, scale: float):
@@ -229,8 +229,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ru
     n_kv = k_pool.shape[0]
     ks = (0, k_pool.stride(0), k_pool.stride(1), n_kv)
     vs = (0, v_pool.stride(0), v_pool.stride(1), n_kv)
-    lo = (ctypes.c_int64 * len(runs))()
-    return _call(q, k_pool, ks, v_pool, vs, table, width, block, lo, _int64s(lengths), scale)
+    return _call(
+        q, k_pool, ks, v_pool, vs, table, width, block, _int64s([0] * len(runs)), _int64s(lengths), scale
+    )
 
 
 # Rows of input up to which ``linear`` is used: it beats the BLAS product by 1.4-2.5x (float32) at 8 rows on the
