@@ -40,7 +40,8 @@ def test_the_extension_is_built_and_auto_takes_it_for_cpu_decode():
 def _inputs(draw, dtype: torch.dtype):
     """q (B, H, 1, Dk) and the live views k, v of a preallocated cache; MLA-like (v the first Dv columns of k's
     rows, one KV head) in a quarter of the draws."""
-    b, n_kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 9))
+    b, n_kv = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    group = draw(st.one_of(st.integers(1, 9), st.sampled_from([16, 32])))  # 16 k: scored queries-in-lanes
     s, dk = draw(st.integers(0, 700)), draw(st.integers(1, 80))
     latent = draw(st.integers(0, 3)) == 0
     dv = draw(st.integers(1, dk)) if latent else dk
@@ -74,13 +75,15 @@ def test_contiguous_decode_equals_the_reference(dtype, data):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 128, 256, 32])
 @pytest.mark.parametrize(
-    "dims", [(64, 64, 2, 3), (64, 64, 2, 4), (576, 512, 1, 8)], ids=["gqa-3", "gqa-4", "mla"]
+    "dims",
+    [(64, 64, 2, 3), (64, 64, 2, 4), (128, 128, 1, 16), (576, 512, 1, 8), (576, 512, 1, 32)],
+    ids=["gqa-3", "gqa-4", "gqa-16", "mla", "mla-32"],
 )
 def test_blocks_read_in_place_equal_the_reference(dims, block, dtype):
     """Rows of a width the kernel needs no padding for (a multiple of 16) are read where they lie rather than
     staged, float32 and bfloat16 (widened in registers) alike: contiguous caches and pages of any size (a block
     of 128 rows spans 4 pages of 32), with partial blocks at chunk ends staged as before; groups of 4 take their
-    own score tile. Every row equals the reference."""
+    own score tile, groups of 16 and 32 (float32) the queries-in-lanes tiles. Every row equals the reference."""
     if not fused.available():
         pytest.skip(fused.status())
     dk, dv, heads, group = dims
@@ -117,7 +120,8 @@ def test_blocks_read_in_place_equal_the_reference(dims, block, dtype):
 def _paged(draw, dtype: torch.dtype):
     """A paged cache whose rows have drawn lengths, filled in two pieces each, in a pool whose free blocks are
     handed out in a drawn (scattering) order; with the same rows as contiguous tensors."""
-    b, n_kv, group = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    b, n_kv = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    group = draw(st.one_of(st.integers(1, 5), st.just(16)))
     dk, block = draw(st.integers(2, 48)), draw(st.sampled_from([1, 3, 16, 64]))
     lengths = draw(st.lists(st.integers(0, 300), min_size=b, max_size=b))
     latent = draw(st.booleans())

@@ -258,53 +258,120 @@ inline void scores_4x2(const float* q, int64_t q_stride, const E* const* k, int6
   }
 }
 
-// acc[g][c:c+16] += sum_j p[g][j] * v[j][c:c+16] for GT query heads: one 16-column slice of the values. R rows
-// of values per step, each with its own 2 x GT accumulators (added at the end): an FMA waits ~4 cycles for the
-// previous one into the same register, so small groups need several rows in flight to keep the FMA units busy.
-// All in registers while the slice of the block's value rows streams past.
-template <int GT, int R, typename E>
-void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
-                int64_t n, int64_t c) {
-  v8f a[R][GT][2];
+// Scores of 16 queries x R keys with the queries in the lanes: qt holds the group's queries transposed, (dk, G)
+// with the tile's 16 in columns 0..15, and each key element is broadcast to them. 2 + R loads per 2 R FMAs and
+// no horizontal sums, which take ~15 % of the row-wise tiles' time (single-core harness, 128 dims, groups of 16
+// and 32: 97-98 GFLOP/s against 80-83). st receives key r's 16 scores at st + r * G.
+template <int R>
+inline void scores_lanes(const float* qt, int64_t G, const float* const* k, int64_t dk, float* st) {
+  v8f a[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = splat(0.f);
+  for (int64_t d = 0; d < dk; ++d) {
+    v8f x0 = load(qt + d * G), x1 = load(qt + d * G + 8);
+    pin(x0);
+    pin(x1);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const v8f kb = splat(k[r][d]);
+      a[r][0] += kb * x0;
+      a[r][1] += kb * x1;
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    store(st + r * G, a[r][0]);
+    store(st + r * G + 8, a[r][1]);
+  }
+}
+
+// dst[c * ds + r] = src[r * ss + c] for an 8 x 8 block.
+inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
+  v8f r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = load(src + i * ss);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    store(dst + i * ds, __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    store(dst + (i + 4) * ds, __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
+// acc[g][c:c+8 NV] += sum_j p[g][j] * v[j][c:c+8 NV] for GT query heads: one slice of 8 NV value columns, all
+// in registers while the slice of the block's value rows streams past. Each row's GT weights are broadcast once
+// and each of its NV vectors loaded once, for GT NV FMAs. R rows per step, each with its own accumulators (added
+// at the end): an FMA waits ~4 cycles for the previous one into the same register, so a tile needs 8 or more
+// accumulators in flight to keep both FMA units busy; 3 x 4 (12) is the most that fits 16 registers with the
+// weights and a value vector.
+template <int GT, int NV, int R, typename E>
+void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v, int64_t n,
+                int64_t c) {
+  v8f a[R][GT][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g) {
-    a[0][g][0] = load(acc + g * acc_stride + c);
-    a[0][g][1] = load(acc + g * acc_stride + c + 8);
 #pragma GCC unroll 4
-    for (int r = 1; r < R; ++r) a[r][g][0] = a[r][g][1] = splat(0.f);
+    for (int i = 0; i < NV; ++i) {
+      a[0][g][i] = load(acc + g * acc_stride + c + 8 * i);
+#pragma GCC unroll 4
+      for (int r = 1; r < R; ++r) a[r][g][i] = splat(0.f);
+    }
   }
   int64_t j = 0;
   for (; j + R <= n; j += R) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const v8f v0 = load(v[j + r] + c), v1 = load(v[j + r] + c + 8);
+      const E* row = v[j + r] + c;
+      v8f pj[GT];
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
-        const v8f pj = splat(p[g * p_stride + j + r]);
-        a[r][g][0] += pj * v0;
-        a[r][g][1] += pj * v1;
+        pj[g] = splat(p[g * p_stride + j + r]);
+        pin(pj[g]);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) {
+        v8f x = load(row + 8 * i);
+        pin(x);
+#pragma GCC unroll 4
+        for (int g = 0; g < GT; ++g) a[r][g][i] += pj[g] * x;
       }
     }
   }
   for (; j < n; ++j) {
-    const v8f v0 = load(v[j] + c), v1 = load(v[j] + c + 8);
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
       const v8f pj = splat(p[g * p_stride + j]);
-      a[0][g][0] += pj * v0;
-      a[0][g][1] += pj * v1;
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) a[0][g][i] += pj * load(v[j] + c + 8 * i);
     }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g) {
 #pragma GCC unroll 4
-    for (int r = 1; r < R; ++r) {
-      a[0][g][0] += a[r][g][0];
-      a[0][g][1] += a[r][g][1];
+    for (int i = 0; i < NV; ++i) {
+#pragma GCC unroll 4
+      for (int r = 1; r < R; ++r) a[0][g][i] += a[r][g][i];
+      store(acc + g * acc_stride + c + 8 * i, a[0][g][i]);
     }
-    store(acc + g * acc_stride + c, a[0][g][0]);
-    store(acc + g * acc_stride + c + 8, a[0][g][1]);
   }
+}
+
+// The values of GT query heads over all `width` columns (a multiple of 16): slices of 32 columns while 4 GT
+// accumulators fit the registers, then slices of 16; rows in flight to make 8 or more accumulators.
+template <int GT, typename E>
+void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
+                      int64_t n, int64_t width) {
+  int64_t c = 0;
+  if constexpr (GT <= 3)
+    for (; c + 32 <= width; c += 32) accumulate<GT, 4, GT == 1 ? 2 : 1>(acc, acc_stride, p, p_stride, v, n, c);
+  for (; c < width; c += 16) accumulate<GT, 2, GT == 1 ? 4 : GT == 4 ? 1 : 2>(acc, acc_stride, p, p_stride, v, n, c);
 }
 
 // acc[:] += sum_j p[j] * v[j][:] for one query, NV vectors (the whole padded value row) at a time: the block's
@@ -370,16 +437,21 @@ struct Dims {
   int64_t G, dk, dv, dk_pad, dv_pad, tb;
 };
 
+// Whether float32 rows are scored with the queries in the lanes (scores_lanes): groups of a multiple of 16.
+inline bool lanes(const Dims& d) { return d.G % 16 == 0; }
+
 // Per-thread buffers of one chunk: queries (G, dk_pad), a staged block of keys (tb, dk_pad) and values
-// (tb, dv_pad), the block's scores/weights (G, tb), and the block's row pointers (into the cache or the staging).
+// (tb, dv_pad), the block's scores/weights (G, tb), and the block's row pointers (into the cache or the staging);
+// for groups scored with the queries in the lanes, the queries transposed (dk, G) and the scores as they come
+// out of the tiles (tb, G).
 template <typename T>
 struct Scratch {
-  std::vector<float> q, k, v, s;
+  std::vector<float> q, k, v, s, qt, st;
   std::vector<const T*> kc, vc;      // rows read where they lie in the cache
   std::vector<const float*> kr, vr;  // rows staged in k and v
   explicit Scratch(const Dims& d)
       : q(d.G * d.dk_pad, 0.f), k(d.tb * d.dk_pad, 0.f), v(d.tb * d.dv_pad, 0.f), s(d.G * d.tb, 0.f),
-        kc(d.tb), vc(d.tb), kr(d.tb), vr(d.tb) {
+        qt(lanes(d) ? d.dk * d.G : 0), st(lanes(d) ? d.tb * d.G : 0), kc(d.tb), vc(d.tb), kr(d.tb), vr(d.tb) {
     for (int64_t j = 0; j < d.tb; ++j) {
       kr[j] = k.data() + j * d.dk_pad;
       vr[j] = v.data() + j * d.dv_pad;
@@ -394,25 +466,22 @@ struct Scratch {
 // 32 1.00-1.09x, though groups of 32 widen each key row eleven times instead of once.
 inline bool in_place(const Dims& d, int64_t n) { return d.dk == d.dk_pad && d.dv == d.dv_pad && n == d.tb; }
 
-// The scores of one block of n rows (kr, vr: the rows, cache element type or staged float32), its online-softmax
-// update of `part` and its values accumulated into it. `from_memory`: the rows were not staged (so still in
-// memory, or on their way): the first query then takes the values row by row (the order the hardware prefetcher
-// follows), which leaves the block in cache for the others' column slices; staged rows are in cache already.
+// The scores (G, tb) of one block's key rows kr (n of them; the rest zeros): the queries in triples, then pairs,
+// then a single query (load-bound: avoided unless G is odd), 4 keys per step. Also asks for the next block's keys,
+// four rows per 4-key step: the tiles read four rows side by side, a pattern the hardware prefetcher follows
+// poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from memory, float32: groups of 4 and 8 1.03-1.32x, of 16
+// and 32 1.03-1.25x; bfloat16, then staged block by block: within the tool's spread). bfloat16 rows read in
+// place also ask for this block's values vr, four rows per step, so that they arrive while the scores are
+// computed (groups of 4 1.09-1.10x over two runs, others 1.02-1.07x); float32 values, twice the lines, lose 2-6 %
+// that way (and 2-10 % when the next block's values are asked for during this block's value tiles instead).
 template <typename T, typename E>
-void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
-                  const E* const* vr, bool from_memory, Scratch<T>& w, float* part) {
-  const int64_t G = d.G, tb = d.tb, stride = d.dv_pad + 2;
+void scores_in_rows(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
+                    const E* const* vr, Scratch<T>& w) {
+  const int64_t G = d.G, tb = d.tb;
   float* s = w.s.data();
-  // query triples, then pairs, then a single query (load-bound: avoided unless G is odd)
   int64_t G3 = G / 3 * 3;
   if (G - G3 == 1 && G3 >= 3) G3 -= 3;
   const int64_t G2 = G3 + (G - G3) / 2 * 2;
-  // The next block's keys, four rows per 4-key step of this block's score tiles: the tiles read four rows side
-  // by side, a pattern the hardware prefetcher follows poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from
-  // memory, float32: groups of 4 and 8 1.03-1.32x, of 16 and 32 1.03-1.25x; bfloat16, then staged block by block:
-  // within the tool's spread). bfloat16 rows read in place also ask for this block's values, four rows per
-  // step, so that they arrive while the scores are computed (groups of 4 1.09-1.10x over two runs, others
-  // 1.02-1.07x); float32 values, twice the lines, lose 2-6 % that way.
   for (int64_t j = 0; j < tb; j += 4) {
     for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
       prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
@@ -430,6 +499,49 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
   }
   if (G2 < G)
     for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &kr[j], d.dk_pad, s + G2 * tb + j);
+}
+
+// The same scores for float32 rows and groups of a multiple of 16 (`lanes`): tiles of 16 queries x 6 keys, then x 4
+// (so that the rest of the block is a multiple of 4), into w.st (tb, G), transposed into w.s at the end; the next
+// block's keys asked for as above, as many rows per step as the step's tiles read.
+template <typename T>
+void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, const float* const* kr,
+                     Scratch<T>& w) {
+  const int64_t G = d.G, tb = d.tb;
+  float* st = w.st.data();
+  int64_t six = tb / 6;
+  while ((tb - 6 * six) % 4 != 0) --six;
+  for (int64_t j = 0; j < tb;) {
+    const int64_t rows = j < 6 * six ? 6 : 4;
+    for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + rows, it.hi); ++r)
+      prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
+    for (int64_t g = 0; g < G; g += 16) {
+      if (rows == 6) scores_lanes<6>(&w.qt[g], G, &kr[j], d.dk, st + j * G + g);
+      else scores_lanes<4>(&w.qt[g], G, &kr[j], d.dk, st + j * G + g);
+    }
+    j += rows;
+  }
+  for (int64_t j = 0; j < tb; j += 8)
+    for (int64_t g = 0; g < G; g += 8) transpose8(st + j * G + g, G, w.s.data() + g * tb + j, tb);
+}
+
+// The scores of one block of n rows (kr, vr: the rows, cache element type or staged float32), its online-softmax
+// update of `part` and its values accumulated into it. `from_memory`: the rows were not staged (so still in
+// memory, or on their way): the first query then takes the values row by row (the order the hardware prefetcher
+// follows), which leaves the block in cache for the others' column slices; staged rows are in cache already.
+template <typename T, typename E>
+void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
+                  const E* const* vr, bool from_memory, Scratch<T>& w, float* part) {
+  const int64_t G = d.G, tb = d.tb, stride = d.dv_pad + 2;
+  float* s = w.s.data();
+  bool scored = false;
+  if constexpr (std::is_same<E, float>::value) {
+    if (lanes(d)) {
+      scores_in_lanes(d, keys, it, t0, kr, w);
+      scored = true;
+    }
+  }
+  if (!scored) scores_in_rows(d, keys, it, t0, n, kr, vr, w);
   for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
     float* sg = s + g * tb;
     float* st = part + g * stride;
@@ -449,13 +561,13 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
   }
   int64_t g0 = 0;
   if (from_memory && accumulate_rows(d.dv_pad, part, s, vr, n)) g0 = 1;
-  for (int64_t c = 0; c < d.dv_pad; c += 16) {
-    int64_t g = g0;
-    for (; g + 4 <= G; g += 4) accumulate<4, 1>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
-    if (G - g == 3) accumulate<3, 2>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
-    if (G - g == 2) accumulate<2, 2>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
-    if (G - g == 1) accumulate<1, 4>(part + g * stride, stride, s + g * tb, tb, vr, n, c);
-  }
+  // the other queries in threes (3 x 32-column tiles), four at the end rather than a triple and a single
+  const int64_t quad = (G - g0) % 3 == 1 && G - g0 >= 4 ? 4 : 0;
+  int64_t g = g0;
+  for (; g + 3 <= G - quad; g += 3) accumulate_heads<3>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad);
+  if (quad) accumulate_heads<4>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad);
+  if (G - g == 2) accumulate_heads<2>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad);
+  if (G - g == 1) accumulate_heads<1>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad);
 }
 
 // One chunk: part (G, dv_pad + 2) receives, per query, the unnormalised output, the maximum score and the
@@ -533,6 +645,9 @@ void decode(const T* q, int64_t B, int64_t H, int64_t n_kv, int64_t dk, int64_t 
           const T* src = q + (it.b * H + it.h * G + g) * dk;
           for (int64_t c = 0; c < dk; ++c) w.q[g * d.dk_pad + c] = widen(src[c]) * qscale;
         }
+        if (lanes(d))
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t c = 0; c < dk; ++c) w.qt[c * G + g] = w.q[g * d.dk_pad + c];
       }
       attend_chunk(d, keys, values, it, w, parts.data() + i * G * stride);
     }
