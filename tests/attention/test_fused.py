@@ -197,6 +197,69 @@ def test_absorbed_mla_decode_through_the_kernel_equals_the_reference_backend(dty
         torch.testing.assert_close(outs["fused"], outs["naive"], **TOL[dt])
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "float32-tiles"])
+@pytest.mark.parametrize("page", [None, 1, 16, 48, 256])
+@pytest.mark.parametrize(
+    "dims",
+    [(128, 128, 2, 8), (128, 128, 1, 32), (64, 64, 1, 20), (32, 16, 3, 9), (576, 512, 1, 16)],
+    ids=["gqa-8", "mqa-32", "gqa-20", "small", "mla"],
+)
+def test_bfloat16_on_the_amx_tiles_and_off_them_equals_the_reference(dims, page, tiles):
+    """Where the CPU has AMX, bfloat16 steps with groups of 8 or more queries (keys a multiple of 32 wide) run on
+    the tile unit: scores of exact bfloat16 products summed in float32, weights rounded to bfloat16. Both that
+    path and the float32 tiles (``use_amx(False)``) equal the reference within bfloat16's tolerance, for padded
+    groups (9, 20), MLA's latent rows, rows of lengths that end mid-tile and mid-block, contiguous caches and pages
+    of 1 to 256 tokens (pages under 16 tokens are staged tile by tile); and every row's result is the same bits
+    alone or in a batch, from pages or a contiguous cache."""
+    if tiles and not fused.amx():
+        pytest.skip(f"no AMX tiles here ({fused.status()})")
+    dk, dv, heads, group = dims
+    latent, dt = dv != dk, torch.bfloat16
+    gen = torch.Generator().manual_seed(dk + group)
+    lengths = [700, 129, 33, 1]
+    keys = [torch.randn(1, heads, n, dk, generator=gen).to(dt) for n in lengths]
+    vals = [r[..., :dv] if latent else torch.randn(r.shape, generator=gen).to(dt) for r in keys]
+    q = torch.randn(len(lengths), heads * group, 1, dk, generator=gen).to(dt)
+    with fused.use_amx(tiles):
+        assert fused.amx() is tiles
+        if page is None:
+            outs = [fused.decode(q[i : i + 1], keys[i], vals[i], scale=0.1) for i in range(len(lengths))]
+        else:
+            cache = PagedKVCache(
+                sum(-(-n // page) for n in lengths), page, heads, dk, batch_size=len(lengths),
+                values_in_keys=latent, value_dim=dv if latent else None, dtype=dt,
+            )  # fmt: skip
+            for i in range(len(lengths)):
+                cache.select([i]).update(keys[i], None if latent else vals[i])
+            out = attend(q, *cache.select(list(range(len(lengths)))).views(), scale=0.1, backend="fused")
+            outs = [out[i : i + 1] for i in range(len(lengths))]
+        for i, got in enumerate(outs):
+            ref = attend(q[i : i + 1], keys[i], vals[i], scale=0.1, backend="reference")
+            torch.testing.assert_close(got, ref, **TOL[dt])
+            alone = fused.decode(q[i : i + 1], keys[i].contiguous(), vals[i].contiguous(), scale=0.1)
+            assert torch.equal(got, alone)
+
+
+def test_the_tile_path_is_reported_and_can_be_turned_off():
+    """``amx()`` follows ``use_amx`` and is restored after it; the two paths give different bits (the tiles round
+    the weights to bfloat16) but the same result within bfloat16's tolerance; float32 never takes the tiles."""
+    if not fused.amx():
+        pytest.skip(f"no AMX tiles here ({fused.status()})")
+    assert "AMX" in fused.status()
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 16, 1, 64, generator=gen)
+    k, v = torch.randn(1, 1, 300, 64, generator=gen), torch.randn(1, 1, 300, 64, generator=gen)
+    on = fused.decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=0.125)
+    with fused.use_amx(False):
+        assert not fused.amx()
+        off = fused.decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=0.125)
+        f32_off = fused.decode(q, k, v, scale=0.125)
+    assert fused.amx()
+    assert not torch.equal(on, off)
+    torch.testing.assert_close(on, off, **TOL[torch.bfloat16])
+    assert torch.equal(fused.decode(q, k, v, scale=0.125), f32_off)
+
+
 def test_inputs_the_kernel_does_not_take_run_the_grouped_kernel():
     """A mask, a gradient or dropout: "fused" answers through the grouped kernel, so the result stays right."""
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)

@@ -12,6 +12,10 @@ Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension
 ``~/.cache/torch_extensions``) under a name that carries a hash of the source, the flags, PyTorch's version and
 the CPU model, so a build is reused by later processes on the same machine only. The source includes no
 PyTorch header (it is one C function called through ``ctypes``), so the build takes a few seconds, not a minute.
+On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups have 8 or more queries run on
+the tile unit (the C++ file says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends
+them to the float32 tiles instead.
+
 When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
 takes the PyTorch kernels of ``decode`` instead; the reason is reported once (a ``RuntimeWarning``) and stays
 queryable: ``available()`` is False and ``status()`` says why.
@@ -19,6 +23,7 @@ queryable: ``available()`` is False and ``status()`` says why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -84,6 +89,10 @@ def load_library(source: Path = _SOURCE) -> ctypes.CDLL:
     lin.restype = ctypes.c_int
     lin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lin.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    # kernels from before the AMX path (benchmarks/kernel_ab.py --base) lack these two
+    if hasattr(lib, "attnlab_set_amx"):
+        lib.attnlab_features.restype = lib.attnlab_set_amx.restype = ctypes.c_int
+        lib.attnlab_set_amx.argtypes = [ctypes.c_int]
     blk = lib.attnlab_block
     blk.restype = ctypes.c_int
     blk.argtypes = [
@@ -120,8 +129,11 @@ def _library() -> ctypes.CDLL | None:
             )
             return None
         seconds = time.perf_counter() - start
+        if os.environ.get("ATTNLAB_AMX", "1") == "0":
+            lib.attnlab_set_amx(0)
+        tiles = "; bfloat16 on AMX tiles" if lib.attnlab_features() & 1 else ""
         _state.update(
-            tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load)"
+            tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load{tiles})"
         )
         return lib
 
@@ -134,6 +146,29 @@ def available() -> bool:
 def status() -> str:
     """Which decode path runs and why: the fused kernel, or the PyTorch kernels and the reason."""
     return str(_state["status"])
+
+
+def amx() -> bool:
+    """Whether bfloat16 steps run on the CPU's AMX tiles (Intel Sapphire Rapids and later: the kernel built for the
+    CPU, the tile state granted by the OS, and not turned off by ``use_amx(False)`` or ``ATTNLAB_AMX=0``)."""
+    lib = _library()
+    return lib is not None and hasattr(lib, "attnlab_features") and bool(lib.attnlab_features() & 1)
+
+
+@contextlib.contextmanager
+def use_amx(on: bool):
+    """Within the block, send bfloat16 steps to the AMX tiles (where the CPU has them) or not: to compare or test
+    the two paths on one machine. Process-wide: not for use while other threads decode."""
+    lib = _library()
+    if lib is None or not hasattr(lib, "attnlab_set_amx"):
+        yield
+        return
+    before = amx()
+    lib.attnlab_set_amx(int(on))
+    try:
+        yield
+    finally:
+        lib.attnlab_set_amx(int(before))
 
 
 def build_seconds() -> float | None:
