@@ -111,12 +111,75 @@ inline v8f sums8(const v8f* a) {
   return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
-inline float hsum(v8f a) {
-  const v8f z = splat(0.f);
-  const v8f parts[8] = {a, z, z, z, z, z, z, z};
-  return sums8(parts)[0];
+
+// ---- The attention tiles' vectors: W float lanes, 16 (an AVX-512 register) where the compiler targets AVX-512,
+// else 8 (an AVX register; SSE pairs or scalar code elsewhere). Twice the lanes, twice the FMAs per instruction, and
+// 32 registers instead of 16 for larger tiles.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
-inline float hmax(v8f a) {
+inline vf vload(const bf16* p) {  // widen, as load(const bf16*)
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<vf>(_mm512_castsi512_ps(u));
+#else
+  return load(p);
+#endif
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Keep `v` in a register. In the score tiles GCC otherwise folds the loads into the FMAs and reads every query
+// and key twice (2 queries: 12 loads per 8 FMAs instead of 6, load-port bound, 1.28x slower with 32 queries of
+// 128 dims). An empty asm statement with the operand in a vector register; nothing on other targets.
+template <typename V>
+inline void pin(V& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// r[i] = the sum of a[i]'s lanes for n <= W vectors (lanes of r past n: zero), always added in the same order.
+inline vf vsums(const vf* a, int n) {
+#if defined(__AVX512F__)
+  auto hadd16 = [](vf x, vf y) {  // lanes 0-7: pairs of x's lanes, 8-15: of y's
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  };
+  vf u[16];
+  for (int i = 0; i < 16; ++i) u[i] = i < n ? a[i] : splat<vf>(0.f);
+  for (int len = 16; len > 1; len /= 2)
+    for (int i = 0; i < len / 2; ++i) u[i] = hadd16(u[2 * i], u[2 * i + 1]);
+  return u[0];
+#else
+  v8f u[8];
+  for (int i = 0; i < 8; ++i) u[i] = i < n ? a[i] : splat(0.f);
+  return sums8(u);
+#endif
+}
+inline float vhsum(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(a));
+#else
+  return vsums(&a, 1)[0];
+#endif
+}
+inline float vhmax(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(a));
+#else
   v8f b = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
   a = a > b ? a : b;
   b = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
@@ -124,6 +187,7 @@ inline float hmax(v8f a) {
   b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
   a = a > b ? a : b;
   return a[0];
+#endif
 }
 
 // 2^x for x <= 0 (scores minus their maximum, in log2 units): x = n + f with n an integer and |f| <= 1/2;
@@ -175,128 +239,67 @@ void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int
     const T* src = rows.at(b, h, t0 + j);
     float* out = dst + j * width;
     int64_t d = 0;
-    for (; d + 8 <= dim; d += 8) store(out + d, load(src + d));
+    for (; d + W <= dim; d += W) vstore(out + d, vload(src + d));
     for (; d < dim; ++d) out[d] = widen(src[d]);
   }
 }
 
-// Keep `v` in a register. In the score tiles GCC otherwise folds the loads into the FMAs and reads every query
-// and key twice (2 queries: 12 loads per 8 FMAs instead of 6, load-port bound, 1.28x slower with 32 queries of
-// 128 dims). An empty asm statement with the operand in an AVX register; nothing on other targets.
-inline void pin(v8f& v) {
-#if defined(__AVX__)
-  asm("" : "+x"(v));
-#else
-  (void)v;
-#endif
-}
-
-// Scores of 1 query x 8 tokens.
-template <typename E>
-inline void scores_1x8(const float* q0, const E* const* k, int64_t width, float* s0) {
-  v8f a[8];
-  for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
-  for (int64_t d = 0; d < width; d += 8) {
-    const v8f x0 = load(q0 + d);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) a[j] += x0 * load(k[j] + d);
-  }
-  store(s0, sums8(a));
-}
-
-// r[0..3] = the sums of a0..a3 (the upper lanes are partial sums: ignore them).
-inline v8f sums4(v8f a0, v8f a1, v8f a2, v8f a3) {
-  const v8f u = hadd(hadd(a0, a1), hadd(a2, a3));
-  return u + __builtin_shufflevector(u, u, 4, 5, 6, 7, 0, 1, 2, 3);
-}
-
-// Scores of Q queries x 4 tokens (key rows k[0..3]), Q = 2 or 3: 4 Q FMA chains (twelve cover the FMA latency on
-// two pipes), Q + 4 loads per 4 Q FMAs. The queries are rows q + i q_stride; s receives row i of four scores at
-// s + i s_stride. Queries and keys are pinned in registers (else GCC folds the loads into the FMAs, reading each
-// twice per step).
-template <int Q, typename E>
+// Scores of Q queries x K keys (key rows k[0..K-1]): Q K FMA chains, Q + K loads per Q K FMAs, the queries and keys
+// pinned in registers (else GCC folds the loads into the FMAs, reading each twice per step). The queries are rows
+// q + i q_stride; s receives row i of K scores at s + i s_stride. Q K <= 16 accumulators (W = 16: 32 registers),
+// <= 12 (W = 8: 16 registers).
+template <int Q, int K, typename E>
 inline void scores_tile(const float* q, int64_t q_stride, const E* const* k, int64_t width, float* s,
                         int64_t s_stride) {
-  static_assert(Q == 2 || Q == 3, "tiles of 2 or 3 queries");
-  v8f a[4 * Q];
-  for (int i = 0; i < 4 * Q; ++i) a[i] = splat(0.f);
-  for (int64_t d = 0; d < width; d += 8) {
-    v8f x[Q];
-#pragma GCC unroll 3
+  vf a[Q * K];
+  for (int i = 0; i < Q * K; ++i) a[i] = splat<vf>(0.f);
+  for (int64_t d = 0; d < width; d += W) {
+    vf x[Q];
+#pragma GCC unroll 4
     for (int i = 0; i < Q; ++i) {
-      x[i] = load(q + i * q_stride + d);
+      x[i] = vload(q + i * q_stride + d);
       pin(x[i]);
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      v8f kv = load(k[j] + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < K; ++j) {
+      vf kv = vload(k[j] + d);
       pin(kv);
-#pragma GCC unroll 3
-      for (int i = 0; i < Q; ++i) a[4 * i + j] += x[i] * kv;
-    }
-  }
-  const v8f r = sums8(a);  // queries 0 and 1
-  for (int j = 0; j < 4; ++j) {
-    s[j] = r[j];
-    s[s_stride + j] = r[4 + j];
-  }
-  if constexpr (Q == 3) {
-    const v8f r2 = sums4(a[8], a[9], a[10], a[11]);
-    for (int j = 0; j < 4; ++j) s[2 * s_stride + j] = r2[j];
-  }
-}
-
-// Scores of 4 queries x 2 tokens (key rows k[0..1]): 4 + 2 loads per 8 FMAs, each key loaded (and widened, for
-// bfloat16) once for all four queries of a group of 4; the eight sums come out of one reduction in order.
-template <typename E>
-inline void scores_4x2(const float* q, int64_t q_stride, const E* const* k, int64_t width, float* s,
-                       int64_t s_stride) {
-  v8f a[8];
-  for (int i = 0; i < 8; ++i) a[i] = splat(0.f);
-  for (int64_t d = 0; d < width; d += 8) {
-    v8f k0 = load(k[0] + d), k1 = load(k[1] + d);
-    pin(k0);
-    pin(k1);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      v8f x = load(q + i * q_stride + d);
-      pin(x);
-      a[2 * i] += x * k0;
-      a[2 * i + 1] += x * k1;
+      for (int i = 0; i < Q; ++i) a[K * i + j] += x[i] * kv;
     }
   }
-  const v8f r = sums8(a);
-  for (int i = 0; i < 4; ++i) {
-    s[i * s_stride] = r[2 * i];
-    s[i * s_stride + 1] = r[2 * i + 1];
+  for (int i0 = 0; i0 < Q * K; i0 += W) {
+    const vf r = vsums(a + i0, std::min(W, Q * K - i0));
+    for (int l = 0; l < std::min(W, Q * K - i0); ++l) s[(i0 + l) / K * s_stride + (i0 + l) % K] = r[l];
   }
 }
 
-// Scores of 16 queries x R keys with the queries in the lanes: qt holds the group's queries transposed, (dk, G)
-// with the tile's 16 in columns 0..15, and each key element is broadcast to them. 2 + R loads per 2 R FMAs and
-// no horizontal sums, which take ~15 % of the row-wise tiles' time (single-core harness, 128 dims, groups of 16
-// and 32: 97-98 GFLOP/s against 80-83). st receives key r's 16 scores at st + r * G.
-template <int R>
+// Scores of QV W queries x R keys with the queries in the lanes: qt holds the group's queries transposed, (dk, G)
+// with the tile's QV W in columns 0.., and each key element is broadcast to them: QV + R loads per QV R FMAs and no
+// horizontal sums, which take ~15 % of the row-wise tiles' time (single-core harness, 128 dims, W = 8, groups of
+// 16 and 32: 97-98 GFLOP/s against 80-83). st receives key r's scores at st + r * G.
+template <int QV, int R>
 inline void scores_lanes(const float* qt, int64_t G, const float* const* k, int64_t dk, float* st) {
-  v8f a[R][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = splat(0.f);
+  vf a[R][QV];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < QV; ++v) a[r][v] = splat<vf>(0.f);
   for (int64_t d = 0; d < dk; ++d) {
-    v8f x0 = load(qt + d * G), x1 = load(qt + d * G + 8);
-    pin(x0);
-    pin(x1);
-#pragma GCC unroll 6
+    vf x[QV];
+    for (int v = 0; v < QV; ++v) {
+      x[v] = vload(qt + d * G + v * W);
+      pin(x[v]);
+    }
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const v8f kb = splat(k[r][d]);
-      a[r][0] += kb * x0;
-      a[r][1] += kb * x1;
+      vf kb = splat<vf>(k[r][d]);
+      if (QV > 1) pin(kb);  // one broadcast for QV FMAs (else it folds into each: a load per FMA)
+      for (int v = 0; v < QV; ++v) a[r][v] += kb * x[v];
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    store(st + r * G, a[r][0]);
-    store(st + r * G + 8, a[r][1]);
-  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < QV; ++v) vstore(st + r * G + v * W, a[r][v]);
 }
 
 // dst[c * ds + r] = src[r * ss + c] for an 8 x 8 block.
@@ -319,39 +322,38 @@ inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
   }
 }
 
-// acc[g][c:c+8 NV] += sum_j p[g][j] * v[j][c:c+8 NV] for GT query heads: one slice of 8 NV value columns, all
+// acc[g][c:c+W NV] += sum_j p[g][j] * v[j][c:c+W NV] for GT query heads: one slice of W NV value columns, all
 // in registers while the slice of the block's value rows streams past. Each row's GT weights are broadcast once
 // and each of its NV vectors loaded once, for GT NV FMAs. R rows per step, each with its own accumulators (added
 // at the end): an FMA waits ~4 cycles for the previous one into the same register, so a tile needs 8 or more
-// accumulators in flight to keep both FMA units busy; 3 x 4 (12) is the most that fits 16 registers with the
-// weights and a value vector.
+// accumulators in flight to keep both FMA units busy.
 template <int GT, int NV, int R, typename E>
 void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v, int64_t n,
                 int64_t c) {
-  v8f a[R][GT][NV];
+  vf a[R][GT][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
-      a[0][g][i] = load(acc + g * acc_stride + c + 8 * i);
-#pragma GCC unroll 4
-      for (int r = 1; r < R; ++r) a[r][g][i] = splat(0.f);
+      a[0][g][i] = vload(acc + g * acc_stride + c + W * i);
+#pragma GCC unroll 8
+      for (int r = 1; r < R; ++r) a[r][g][i] = splat<vf>(0.f);
     }
   }
   int64_t j = 0;
   for (; j + R <= n; j += R) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const E* row = v[j + r] + c;
-      v8f pj[GT];
+      vf pj[GT];
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
-        pj[g] = splat(p[g * p_stride + j + r]);
+        pj[g] = splat<vf>(p[g * p_stride + j + r]);
         pin(pj[g]);
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) {
-        v8f x = load(row + 8 * i);
+        vf x = vload(row + W * i);
         pin(x);
 #pragma GCC unroll 4
         for (int g = 0; g < GT; ++g) a[r][g][i] += pj[g] * x;
@@ -361,31 +363,41 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
   for (; j < n; ++j) {
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
-      const v8f pj = splat(p[g * p_stride + j]);
-#pragma GCC unroll 4
-      for (int i = 0; i < NV; ++i) a[0][g][i] += pj * load(v[j] + c + 8 * i);
+      const vf pj = splat<vf>(p[g * p_stride + j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) a[0][g][i] += pj * vload(v[j] + c + W * i);
     }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 1; r < R; ++r) a[0][g][i] += a[r][g][i];
-      store(acc + g * acc_stride + c + 8 * i, a[0][g][i]);
+      vstore(acc + g * acc_stride + c + W * i, a[0][g][i]);
     }
   }
 }
 
-// The values of GT query heads over all `width` columns (a multiple of 16): slices of 32 columns while 4 GT
-// accumulators fit the registers, then slices of 16; rows in flight to make 8 or more accumulators.
+// Columns [c, width) of GT query heads in slices of NV vectors while they fit, then of NV / 2, ...; rows in flight
+// to make 8 or more accumulators.
+template <int GT, int NV, typename E>
+void accumulate_slices(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
+                       int64_t n, int64_t c, int64_t width) {
+  constexpr int R = GT * NV >= 8 ? 1 : (8 + GT * NV - 1) / (GT * NV);
+  for (; c + NV * W <= width; c += NV * W) accumulate<GT, NV, R>(acc, acc_stride, p, p_stride, v, n, c);
+  if constexpr (NV > 1) accumulate_slices<GT, NV / 2>(acc, acc_stride, p, p_stride, v, n, c, width);
+}
+
+// The values of GT query heads over all `width` columns (a multiple of 16): slices as wide as the registers allow
+// (GT NV accumulators: up to 24 of 32 registers for W = 16, 12 of 16 for W = 8), so that each value row is read
+// by as few slices as possible.
 template <int GT, typename E>
 void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
                       int64_t n, int64_t width) {
-  int64_t c = 0;
-  if constexpr (GT <= 3)
-    for (; c + 32 <= width; c += 32) accumulate<GT, 4, GT == 1 ? 2 : 1>(acc, acc_stride, p, p_stride, v, n, c);
-  for (; c < width; c += 16) accumulate<GT, 2, GT == 1 ? 4 : GT == 4 ? 1 : 2>(acc, acc_stride, p, p_stride, v, n, c);
+  constexpr int regs = W == 16 ? 24 : 12, max_nv = W == 16 ? 8 : 4;
+  constexpr int NV = regs / GT >= max_nv ? max_nv : regs / GT >= 4 ? 4 : 2;
+  accumulate_slices<GT, NV>(acc, acc_stride, p, p_stride, v, n, 0, width);
 }
 
 // acc[:] += sum_j p[j] * v[j][:] for one query, NV vectors (the whole padded value row) at a time: the block's
@@ -396,38 +408,42 @@ void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_
 template <int NV, typename E>
 void accumulate_rows(float* acc, const float* p, const E* const* v, int64_t n) {
   constexpr int R = NV <= 8 ? 2 : 1;
-  v8f a[R][NV];
+  vf a[R][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) {
-    a[0][i] = load(acc + 8 * i);
-    if (R == 2) a[R - 1][i] = splat(0.f);
+    a[0][i] = vload(acc + W * i);
+    if (R == 2) a[R - 1][i] = splat<vf>(0.f);
   }
   int64_t j = 0;
   for (; j + R <= n; j += R) {
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
-      const v8f pj = splat(p[j + r]);
+      const vf pj = splat<vf>(p[j + r]);
       const E* row = v[j + r];
 #pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) a[r][i] += pj * load(row + 8 * i);
+      for (int i = 0; i < NV; ++i) a[r][i] += pj * vload(row + W * i);
     }
   }
   for (; j < n; ++j) {
-    const v8f pj = splat(p[j]);
+    const vf pj = splat<vf>(p[j]);
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) a[0][i] += pj * load(v[j] + 8 * i);
+    for (int i = 0; i < NV; ++i) a[0][i] += pj * vload(v[j] + W * i);
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) store(acc + 8 * i, R == 2 ? a[0][i] + a[R - 1][i] : a[0][i]);
+  for (int i = 0; i < NV; ++i) vstore(acc + W * i, R == 2 ? a[0][i] + a[R - 1][i] : a[0][i]);
 }
 
-// The row-order accumulation for one query, if the padded rows have 2 to 16 vectors (else false).
+// The row-order accumulation for one query, if the padded rows have 1 to 16 vectors (else false).
 template <typename E>
 inline bool accumulate_rows(int64_t width, float* acc, const float* p, const E* const* v, int64_t n) {
-  switch (width / 8) {
+  switch (width / W) {
+    case 1: accumulate_rows<1, E>(acc, p, v, n); return true;
     case 2: accumulate_rows<2, E>(acc, p, v, n); return true;
+    case 3: accumulate_rows<3, E>(acc, p, v, n); return true;
     case 4: accumulate_rows<4, E>(acc, p, v, n); return true;
+    case 5: accumulate_rows<5, E>(acc, p, v, n); return true;
     case 6: accumulate_rows<6, E>(acc, p, v, n); return true;
+    case 7: accumulate_rows<7, E>(acc, p, v, n); return true;
     case 8: accumulate_rows<8, E>(acc, p, v, n); return true;
     case 10: accumulate_rows<10, E>(acc, p, v, n); return true;
     case 12: accumulate_rows<12, E>(acc, p, v, n); return true;
@@ -480,58 +496,79 @@ struct Scratch {
 // 32 1.00-1.09x, though groups of 32 widen each key row eleven times instead of once.
 inline bool in_place(const Dims& d, int64_t n) { return d.dk == d.dk_pad && d.dv == d.dv_pad && n == d.tb; }
 
-// The scores (G, tb) of one block's key rows kr (n of them; the rest zeros): the queries in triples, then pairs,
-// then a single query (load-bound: avoided unless G is odd), 4 keys per step. Also asks for the next block's keys,
-// four rows per 4-key step: the tiles read four rows side by side, a pattern the hardware prefetcher follows
-// poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from memory, float32: groups of 4 and 8 1.03-1.32x, of 16
-// and 32 1.03-1.25x; bfloat16, then staged block by block: within the tool's spread). bfloat16 rows read in
-// place also ask for this block's values vr, four rows per step, so that they arrive while the scores are
-// computed (groups of 4 1.09-1.10x over two runs, others 1.02-1.07x); float32 values, twice the lines, lose 2-6 %
-// that way (and 2-10 % when the next block's values are asked for during this block's value tiles instead).
+// The scores (G, tb) of one block's key rows kr (n of them; the rest zeros), 4 keys per step: with W = 16 the
+// queries in fours (4 x 4 tiles, each key row read once per four queries), with W = 8 in threes (3 x 4: 12 of
+// 16 registers), then a pair, then a single query (1 x 8 tiles, load-bound: avoided unless G is odd); with W = 8
+// groups of 4 take 4 x 2 tiles, so that each key row is read (for bfloat16: widened) once. Also asks for the next
+// block's keys, four rows per 4-key step: the tiles read four rows side by side, a pattern the hardware prefetcher
+// follows poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from memory, float32: groups of 4 and 8
+// 1.03-1.32x, of 16 and 32 1.03-1.25x; bfloat16, then staged block by block: within the tool's spread). bfloat16
+// rows read in place also ask for this block's values vr, four rows per step, so that they arrive while the scores
+// are computed (groups of 4 1.09-1.10x over two runs, others 1.02-1.07x); float32 values, twice the lines, lose
+// 2-6 % that way (and 2-10 % when the next block's values are asked for during this block's value tiles instead).
 template <typename T, typename E>
 void scores_in_rows(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
                     const E* const* vr, Scratch<T>& w) {
-  const int64_t G = d.G, tb = d.tb;
+  const int64_t G = d.G, tb = d.tb, dq = d.dk_pad;
+  const float* q = w.q.data();
   float* s = w.s.data();
-  int64_t G3 = G / 3 * 3;
-  if (G - G3 == 1 && G3 >= 3) G3 -= 3;
-  const int64_t G2 = G3 + (G - G3) / 2 * 2;
+  int64_t single = G;  // the query left over for 1 x 8 tiles, if any
   for (int64_t j = 0; j < tb; j += 4) {
     for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + 4, it.hi); ++r)
       prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
     if (std::is_same<E, bf16>::value)
       for (int64_t r = j; r < std::min(j + 4, n); ++r) prefetch_row(vr[r], d.dv * static_cast<int64_t>(sizeof(E)));
-    if (G == 4) {  // groups of 4: each key row read once (for bfloat16: widened once)
-      scores_4x2(w.q.data(), d.dk_pad, &kr[j], d.dk_pad, s + j, tb);
-      scores_4x2(w.q.data(), d.dk_pad, &kr[j + 2], d.dk_pad, s + j + 2, tb);
-      continue;
+    int64_t g = 0;
+    if constexpr (W == 16) {
+      for (; g + 4 <= G; g += 4) scores_tile<4, 4>(q + g * dq, dq, &kr[j], dq, s + g * tb + j, tb);
+      if (G - g == 3) scores_tile<3, 4>(q + g * dq, dq, &kr[j], dq, s + g * tb + j, tb);
+      if (G - g == 2) scores_tile<2, 4>(q + g * dq, dq, &kr[j], dq, s + g * tb + j, tb);
+      single = G - g == 1 ? g : G;
+    } else {
+      if (G == 4) {
+        scores_tile<4, 2>(q, dq, &kr[j], dq, s + j, tb);
+        scores_tile<4, 2>(q, dq, &kr[j + 2], dq, s + j + 2, tb);
+        continue;
+      }
+      int64_t G3 = G / 3 * 3;
+      if (G - G3 == 1 && G3 >= 3) G3 -= 3;  // 4 left: two pairs rather than a triple and a single
+      for (; g < G3; g += 3) scores_tile<3, 4>(q + g * dq, dq, &kr[j], dq, s + g * tb + j, tb);
+      for (; g + 2 <= G; g += 2) scores_tile<2, 4>(q + g * dq, dq, &kr[j], dq, s + g * tb + j, tb);
+      single = g < G ? g : G;
     }
-    for (int64_t g = 0; g < G3; g += 3)
-      scores_tile<3>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
-    for (int64_t g = G3; g < G2; g += 2)
-      scores_tile<2>(&w.q[g * d.dk_pad], d.dk_pad, &kr[j], d.dk_pad, s + g * tb + j, tb);
   }
-  if (G2 < G)
-    for (int64_t j = 0; j < tb; j += 8) scores_1x8(&w.q[G2 * d.dk_pad], &kr[j], d.dk_pad, s + G2 * tb + j);
+  if (single < G)
+    for (int64_t j = 0; j < tb; j += 8) scores_tile<1, 8>(q + single * dq, dq, &kr[j], dq, s + single * tb + j, tb);
 }
 
-// The same scores for float32 rows and groups of a multiple of 16 (`lanes`): tiles of 16 queries x 6 keys, then x 4
-// (so that the rest of the block is a multiple of 4), into w.st (tb, G), transposed into w.s at the end; the next
-// block's keys asked for as above, as many rows per step as the step's tiles read.
+// The same scores for float32 rows and groups of a multiple of 16 (`lanes`): tiles of 32 queries (2 vectors of 16,
+// W = 16, for groups of a multiple of 32; else 16 queries) x R keys, R = 12 (W = 16: 24 or 12 accumulators of 32
+// registers) or 6 (W = 8: 12 of 16), then x 4 (so that the rest of the block is a multiple of 4), into w.st (tb,
+// G), transposed into w.s at the end; the next block's keys asked for as above, as many rows per step as the step's
+// tiles read.
 template <typename T>
 void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, const float* const* kr,
                      Scratch<T>& w) {
+  constexpr int64_t R = W == 16 ? 12 : 6;
+  constexpr int QV = 16 / W;  // vectors of queries in a 16-query tile
   const int64_t G = d.G, tb = d.tb;
+  const bool pairs = W == 16 && G % 32 == 0;  // 32 queries per tile
   float* st = w.st.data();
-  int64_t six = tb / 6;
-  while ((tb - 6 * six) % 4 != 0) --six;
+  int64_t wide = tb / R;
+  while ((tb - R * wide) % 4 != 0) --wide;
   for (int64_t j = 0; j < tb;) {
-    const int64_t rows = j < 6 * six ? 6 : 4;
+    const int64_t rows = j < R * wide ? R : 4;
     for (int64_t r = t0 + tb + j; r < std::min(t0 + tb + j + rows, it.hi); ++r)
       prefetch_row(keys.at(it.b, it.h, r), d.dk * static_cast<int64_t>(sizeof(T)));
-    for (int64_t g = 0; g < G; g += 16) {
-      if (rows == 6) scores_lanes<6>(&w.qt[g], G, &kr[j], d.dk, st + j * G + g);
-      else scores_lanes<4>(&w.qt[g], G, &kr[j], d.dk, st + j * G + g);
+    for (int64_t g = 0; g < G; g += pairs ? 32 : 16) {
+      float* out = st + j * G + g;
+      if (pairs) {
+        if (rows == R) scores_lanes<2 * QV, R>(&w.qt[g], G, &kr[j], d.dk, out);
+        else scores_lanes<2 * QV, 4>(&w.qt[g], G, &kr[j], d.dk, out);
+      } else {
+        if (rows == R) scores_lanes<QV, R>(&w.qt[g], G, &kr[j], d.dk, out);
+        else scores_lanes<QV, 4>(&w.qt[g], G, &kr[j], d.dk, out);
+      }
     }
     j += rows;
   }
@@ -560,22 +597,23 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
     float* sg = s + g * tb;
     float* st = part + g * stride;
     for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
-    v8f mx = load(sg);
-    for (int64_t j = 8; j < tb; j += 8) mx = mx > load(sg + j) ? mx : load(sg + j);
-    const float m_old = st[d.dv_pad], m_new = std::max(m_old, hmax(mx));
-    for (int64_t j = 0; j < tb; j += 8) store(sg + j, exp2_neg(load(sg + j) - splat(m_new)));
+    vf mx = vload(sg);
+    for (int64_t j = W; j < tb; j += W) mx = mx > vload(sg + j) ? mx : vload(sg + j);
+    const float m_old = st[d.dv_pad], m_new = std::max(m_old, vhmax(mx));
+    for (int64_t j = 0; j < tb; j += W) vstore(sg + j, exp2_neg(vload(sg + j) - splat<vf>(m_new)));
     for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
-    v8f lsum = splat(0.f);
-    for (int64_t j = 0; j < tb; j += 8) lsum += load(sg + j);
+    vf lsum = splat<vf>(0.f);
+    for (int64_t j = 0; j < tb; j += W) lsum += vload(sg + j);
     const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
     if (alpha != 1.f)
-      for (int64_t c = 0; c < d.dv_pad; c += 8) store(st + c, load(st + c) * splat(alpha));
+      for (int64_t c = 0; c < d.dv_pad; c += W) vstore(st + c, vload(st + c) * splat<vf>(alpha));
     st[d.dv_pad] = m_new;
-    st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + hsum(lsum);
+    st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + vhsum(lsum);
   }
   int64_t g0 = 0;
   if (from_memory && accumulate_rows(d.dv_pad, part, s, vr, n)) g0 = 1;
-  // the other queries in threes (3 x 32-column tiles), four at the end rather than a triple and a single
+  // the other queries in threes (3 x 8 W-column tiles for W = 16, 3 x 4 W for W = 8), four at the end rather than
+  // a triple and a single
   const int64_t quad = (G - g0) % 3 == 1 && G - g0 >= 4 ? 4 : 0;
   int64_t g = g0;
   for (; g + 3 <= G - quad; g += 3) accumulate_heads<3>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad);
@@ -962,9 +1000,9 @@ void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Row
 // batch), large enough to amortise a chunk's setup, small enough that one row keeps both cores busy.
 inline int64_t chunk_tokens(int64_t len) { return std::min<int64_t>(2048, std::max<int64_t>(256, (len + 7) / 8)); }
 
-// Tokens per staged block: keys and values of a block in ~64 KiB (level-2 cache), a multiple of 8.
+// Tokens per staged block: keys and values of a block in ~64 KiB (level-2 cache), a multiple of 16 (of W).
 inline int64_t block_tokens(int64_t dk_pad, int64_t dv_pad) {
-  return std::max<int64_t>(8, std::min<int64_t>(128, (65536 / (4 * (dk_pad + dv_pad))) / 8 * 8));
+  return std::max<int64_t>(16, std::min<int64_t>(128, (65536 / (4 * (dk_pad + dv_pad))) / 16 * 16));
 }
 
 // Merge the chunks of every (row, KV head) into out (B, H, dv): out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c.

@@ -55,31 +55,32 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def extension_name(source: Path = _SOURCE) -> str:
+def extension_name(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> str:
     """The name the build is cached under: changes with the source, the flags, PyTorch and the CPU."""
-    key = "\n".join([source.read_text(), " ".join(_FLAGS), torch.__version__, _cpu_model()])
+    key = "\n".join([source.read_text(), " ".join([*_FLAGS, *flags]), torch.__version__, _cpu_model()])
     return "attnlab_fused_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _build(source: Path) -> str:
+def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     """Compile (or find the cached build of) the kernel; the path of the shared library."""
     from torch.utils.cpp_extension import load
 
     return load(
-        name=extension_name(source),
+        name=extension_name(source, flags),
         sources=[str(source)],
-        extra_cflags=_FLAGS,
+        extra_cflags=[*_FLAGS, *flags],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
 
 
-def load_library(source: Path = _SOURCE) -> ctypes.CDLL:
-    """The kernel library compiled from ``source`` (built, or found in the extension cache), its C entry points
-    typed; raises when it cannot be built or loaded. ``_library`` keeps this process's one copy of the package's
-    kernel; benchmarks/kernel_ab.py loads two sources side by side."""
-    lib = ctypes.CDLL(_build(source))
+def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel library compiled from ``source`` with ``flags`` after the usual ones (built, or found in the
+    extension cache), its C entry points typed; raises when it cannot be built or loaded. ``_library`` keeps this
+    process's one copy of the package's kernel; benchmarks/kernel_ab.py loads two sources side by side, and the
+    tests build the kernel as CPUs without AVX-512 get it (``flags=("-mno-avx512f",)``)."""
+    lib = ctypes.CDLL(_build(source, flags))
     fn = lib.attnlab_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_int64] * 5, *[ctypes.c_void_p] * 4]
