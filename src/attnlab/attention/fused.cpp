@@ -781,6 +781,7 @@ struct AmxScratch {
   std::vector<uint32_t> qt;
   std::vector<uint16_t> p, vi, kstage;
   std::vector<float> st, acc, m, l, alpha;
+  Ahead ahead;  // the next block's rows, asked for a few lines per step of the softmax and the value interleave
   void reset(const Dims& d) {
     Gp = round_up(d.G, 16);
     qt.assign(d.dk / 2 * Gp, 0);
@@ -835,7 +836,7 @@ inline const void* amx_rows(const Rows<bf16>& rows, const Item& it, int64_t t0, 
 // Value rows t0 .. t0 + 2 pairs - 1 (those at or past n: zeros) interleaved by pairs of tokens into vi:
 // vi[c][r][2 i + e] = v[2 r + e][16 c + i] for column slices c of 16.
 inline void amx_values(const Rows<bf16>& values, const Item& it, int64_t t0, int64_t n, int64_t pairs, int64_t dv,
-                       uint16_t* vi) {
+                       uint16_t* vi, Ahead& ahead) {
   alignas(64) static const uint16_t order[2][32] = {
       {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
       {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30,
@@ -847,6 +848,7 @@ inline void amx_values(const Rows<bf16>& values, const Item& it, int64_t t0, int
     const bf16* b = 2 * r + 1 < n ? values.at(it.b, it.h, t0 + 2 * r + 1) : nullptr;
     uint16_t* out = vi + r * 32;
     int64_t c = 0;
+    ahead.step();
     for (; c + 32 <= dv; c += 32, out += 2 * slice) {
       const __m512i x = a ? _mm512_loadu_si512(a + c) : _mm512_setzero_si512();
       const __m512i y = b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
@@ -922,6 +924,7 @@ inline void amx_softmax(int64_t G, int64_t n, float qscale, AmxScratch& w) {
           r[i] = _mm256_setzero_si256();
           continue;
         }
+        w.ahead.step();
         const __m512 e = exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sc + t * Gp), qs, shift));
         r[i] = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
         lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r[i]), 16)));
@@ -940,13 +943,10 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
                int64_t n, float qscale, AmxScratch& w) {
   const int64_t Gp = w.Gp, tb = kAmxTokens, dk = d.dk, dv = d.dv;
   float* st = w.st.data();
+  w.ahead.spread((d.G + 15) / 16 * round_up(n, 16) + round_up(n, 32) / 2 + round_up(n, 32) / 32 * (Gp / 32 + 1) * dk / 32);
   // scores S^T (tb, Gp), 32 tokens x 32 queries at a time: four accumulators (tiles 0-3) in flight, key rows in
   // tiles 4-5, queries in 6-7
   for (int64_t tt = 0; tt < n; tt += 32) {
-    for (int64_t r = t0 + tb + tt; r < std::min(t0 + tb + tt + 32, it.hi); ++r) {
-      prefetch_row(keys.at(it.b, it.h, r), dk * 2);
-      prefetch_row(values.at(it.b, it.h, r), dv * 2);
-    }
     int64_t s0 = 0, s1 = 0;
     const char* k0 = static_cast<const char*>(amx_rows(keys, it, t0 + tt, n - tt, dk, w.kstage.data(), &s0));
     const char* k1 = static_cast<const char*>(
@@ -960,6 +960,7 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
         _tile_zero(3);
       }
       for (int64_t s = 0; s < dk / 32; ++s) {
+        w.ahead.step();
         _tile_loadd(4, k0 + 64 * s, s0);
         _tile_loadd(5, k1 + 64 * s, s1);
         _tile_loadd(6, &w.qt[s * 16 * Gp + qg], Gp * 4);
@@ -987,7 +988,7 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
         _mm512_storeu_ps(&w.acc[g * dv + c], _mm512_mul_ps(_mm512_loadu_ps(&w.acc[g * dv + c]), a));
     }
   const int64_t steps = round_up(n, 32) / 32, slice = tb / 2 * 32;
-  amx_values(values, it, t0, n, steps * 16, dv, w.vi.data());
+  amx_values(values, it, t0, n, steps * 16, dv, w.vi.data(), w.ahead);
   for (int64_t qg = 0; qg < d.G; qg += 16)  // O += P V: four slices of 16 columns (tiles 0-3) at a time
     for (int64_t c = 0; c < dv / 16; c += 4) {
       const int64_t nc = std::min<int64_t>(4, dv / 16 - c);
@@ -1022,14 +1023,23 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
 }
 
 // One chunk on the tiles; part as attend_chunk's (the maximum in log2 units, as the merge expects).
-void amx_chunk(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, const Item& it, float qscale,
-               AmxScratch& w, float* part) {
-  const int64_t stride = d.dv_pad + 2;
+void amx_chunk(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, const Item& it, const Item* next,
+               float qscale, AmxScratch& w, float* part) {
+  const int64_t stride = d.dv_pad + 2, tb = kAmxTokens;
+  const bool v_apart = values.base != keys.base;  // MLA's values are the first columns of its key rows
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.m.begin(), w.m.end(), kNegInf);
   std::fill(w.l.begin(), w.l.end(), 0.f);
-  for (int64_t t0 = it.lo; t0 < it.hi; t0 += kAmxTokens)
-    amx_block(d, keys, values, it, t0, std::min(kAmxTokens, it.hi - t0), qscale, w);
+  for (int64_t t0 = it.lo; t0 < it.hi; t0 += tb) {
+    w.ahead.clear();  // the block after this one (in this chunk, else the first of the thread's next chunk)
+    const Item* at = t0 + tb < it.hi ? &it : next;
+    if (at != nullptr) {
+      const int64_t t1 = at == &it ? t0 + tb : at->lo, count = std::min(tb, at->hi - t1);
+      w.ahead.add(keys, *at, t1, count, d.dk * 2);
+      if (v_apart) w.ahead.add(values, *at, t1, count, d.dv * 2);
+    }
+    amx_block(d, keys, values, it, t0, std::min(tb, it.hi - t0), qscale, w);
+  }
   for (int64_t g = 0; g < d.G; ++g) {
     float* pg = part + g * stride;
     std::copy(w.acc.begin() + g * d.dv, w.acc.begin() + (g + 1) * d.dv, pg);
@@ -1050,14 +1060,15 @@ void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Row
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
     int64_t q_of = -1;  // the (b, h) whose queries are in w.qt
-#pragma omp for schedule(dynamic, 1)
+    const int64_t nt = omp_get_num_threads();
+#pragma omp for schedule(static, 1)  // round-robin: a thread knows its next chunk (as in decode)
     for (int64_t i = 0; i < n_items; ++i) {
       const Item& it = items[i];
       if (q_of != it.b * n_kv + it.h) {
         q_of = it.b * n_kv + it.h;
         amx_queries(q + (it.b * H + it.h * d.G) * d.dk, d.G, d.dk, w);
       }
-      amx_chunk(d, keys, values, it, qscale, w, parts + i * d.G * stride);
+      amx_chunk(d, keys, values, it, i + nt < n_items ? &items[i + nt] : nullptr, qscale, w, parts + i * d.G * stride);
     }
     _tile_release();  // hand the tile state back: a context switch then saves 8 KiB less
   }
