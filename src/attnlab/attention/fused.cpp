@@ -1077,7 +1077,7 @@ void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Row
 
 // Tokens per chunk for a row of `len` tokens: a function of the length alone (results must not depend on the
 // batch), large enough to amortise a chunk's setup, small enough that one row keeps both cores busy.
-inline int64_t chunk_tokens(int64_t len) { return std::min<int64_t>(2048, std::max<int64_t>(256, (len + 7) / 8)); }
+inline int64_t chunk_tokens(int64_t len) { return std::min<int64_t>(4096, std::max<int64_t>(256, (len + 3) / 4)); }
 
 // Tokens per staged block: keys and values of a block in ~64 KiB (level-2 cache), a multiple of 16 (of W).
 inline int64_t block_tokens(int64_t dk_pad, int64_t dv_pad) {
