@@ -341,34 +341,14 @@ inline void scores_lanes(const float* qt, int64_t G, const float* const* k, int6
     for (int v = 0; v < QV; ++v) vstore(st + r * G + v * W, a[r][v]);
 }
 
-// dst[c * ds + r] = src[r * ss + c] for an 8 x 8 block.
-inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
-  v8f r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = load(src + i * ss);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int i = 0; i < 4; ++i) {
-    store(dst + i * ds, __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-    store(dst + (i + 4) * ds, __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
-  }
-}
-
 // acc[g][c:c+W NV] += sum_j p[g][j] * v[j][c:c+W NV] for GT query heads: one slice of W NV value columns, all
 // in registers while the slice of the block's value rows streams past. Each row's GT weights are broadcast once
 // and each of its NV vectors loaded once, for GT NV FMAs. R rows per step, each with its own accumulators (added
 // at the end): an FMA waits ~4 cycles for the previous one into the same register, so a tile needs 8 or more
 // accumulators in flight to keep both FMA units busy.
 template <int GT, int NV, int R, typename E>
-void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v, int64_t n,
-                int64_t c, Ahead& ahead) {
+void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, int64_t p_step, const E* const* v,
+                int64_t n, int64_t c, Ahead& ahead) {
   vf a[R][GT][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g) {
@@ -388,7 +368,7 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
       vf pj[GT];
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
-        pj[g] = splat<vf>(p[g * p_stride + j + r]);
+        pj[g] = splat<vf>(p[g * p_stride + (j + r) * p_step]);
         pin(pj[g]);
       }
 #pragma GCC unroll 8
@@ -403,7 +383,7 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
   for (; j < n; ++j) {
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
-      const vf pj = splat<vf>(p[g * p_stride + j]);
+      const vf pj = splat<vf>(p[g * p_stride + j * p_step]);
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) a[0][g][i] += pj * vload(v[j] + c + W * i);
     }
@@ -422,22 +402,23 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
 // Columns [c, width) of GT query heads in slices of NV vectors while they fit, then of NV / 2, ...; rows in flight
 // to make 8 or more accumulators.
 template <int GT, int NV, typename E>
-void accumulate_slices(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
-                       int64_t n, int64_t c, int64_t width, Ahead& ahead) {
+void accumulate_slices(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, int64_t p_step,
+                       const E* const* v, int64_t n, int64_t c, int64_t width, Ahead& ahead) {
   constexpr int R = GT * NV >= 8 ? 1 : (8 + GT * NV - 1) / (GT * NV);
-  for (; c + NV * W <= width; c += NV * W) accumulate<GT, NV, R>(acc, acc_stride, p, p_stride, v, n, c, ahead);
-  if constexpr (NV > 1) accumulate_slices<GT, NV / 2>(acc, acc_stride, p, p_stride, v, n, c, width, ahead);
+  for (; c + NV * W <= width; c += NV * W)
+    accumulate<GT, NV, R>(acc, acc_stride, p, p_stride, p_step, v, n, c, ahead);
+  if constexpr (NV > 1) accumulate_slices<GT, NV / 2>(acc, acc_stride, p, p_stride, p_step, v, n, c, width, ahead);
 }
 
 // The values of GT query heads over all `width` columns (a multiple of 16): slices as wide as the registers allow
 // (GT NV accumulators: up to 24 of 32 registers for W = 16, 12 of 16 for W = 8), so that each value row is read
 // by as few slices as possible.
 template <int GT, typename E>
-void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, const E* const* v,
-                      int64_t n, int64_t width, Ahead& ahead) {
+void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, int64_t p_step,
+                      const E* const* v, int64_t n, int64_t width, Ahead& ahead) {
   constexpr int regs = W == 16 ? 24 : 12, max_nv = W == 16 ? 8 : 4;
   constexpr int NV = regs / GT >= max_nv ? max_nv : regs / GT >= 4 ? 4 : 2;
-  accumulate_slices<GT, NV>(acc, acc_stride, p, p_stride, v, n, 0, width, ahead);
+  accumulate_slices<GT, NV>(acc, acc_stride, p, p_stride, p_step, v, n, 0, width, ahead);
 }
 
 // acc[:] += sum_j p[j] * v[j][:] for one query, NV vectors (the whole padded value row) at a time: the block's
@@ -446,7 +427,7 @@ void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_
 // than this from memory, faster than it once the block is in cache). Small rows take two rows per step, each with
 // its own accumulators (FMA latency); rows of up to 16 vectors fill the registers with one.
 template <int NV, typename E>
-void accumulate_rows(float* acc, const float* p, const E* const* v, int64_t n, Ahead& ahead) {
+void accumulate_rows(float* acc, const float* p, int64_t p_step, const E* const* v, int64_t n, Ahead& ahead) {
   constexpr int R = NV <= 8 ? 2 : 1;
   vf a[R][NV];
 #pragma GCC unroll 16
@@ -459,14 +440,14 @@ void accumulate_rows(float* acc, const float* p, const E* const* v, int64_t n, A
     ahead.step();
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
-      const vf pj = splat<vf>(p[j + r]);
+      const vf pj = splat<vf>(p[(j + r) * p_step]);
       const E* row = v[j + r];
 #pragma GCC unroll 16
       for (int i = 0; i < NV; ++i) a[r][i] += pj * vload(row + W * i);
     }
   }
   for (; j < n; ++j) {
-    const vf pj = splat<vf>(p[j]);
+    const vf pj = splat<vf>(p[j * p_step]);
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) a[0][i] += pj * vload(v[j] + W * i);
   }
@@ -476,20 +457,21 @@ void accumulate_rows(float* acc, const float* p, const E* const* v, int64_t n, A
 
 // The row-order accumulation for one query, if the padded rows have 1 to 16 vectors (else false).
 template <typename E>
-inline bool accumulate_rows(int64_t width, float* acc, const float* p, const E* const* v, int64_t n, Ahead& ahead) {
+inline bool accumulate_rows(int64_t width, float* acc, const float* p, int64_t p_step, const E* const* v, int64_t n,
+                            Ahead& ahead) {
   switch (width / W) {
-    case 1: accumulate_rows<1, E>(acc, p, v, n, ahead); return true;
-    case 2: accumulate_rows<2, E>(acc, p, v, n, ahead); return true;
-    case 3: accumulate_rows<3, E>(acc, p, v, n, ahead); return true;
-    case 4: accumulate_rows<4, E>(acc, p, v, n, ahead); return true;
-    case 5: accumulate_rows<5, E>(acc, p, v, n, ahead); return true;
-    case 6: accumulate_rows<6, E>(acc, p, v, n, ahead); return true;
-    case 7: accumulate_rows<7, E>(acc, p, v, n, ahead); return true;
-    case 8: accumulate_rows<8, E>(acc, p, v, n, ahead); return true;
-    case 10: accumulate_rows<10, E>(acc, p, v, n, ahead); return true;
-    case 12: accumulate_rows<12, E>(acc, p, v, n, ahead); return true;
-    case 14: accumulate_rows<14, E>(acc, p, v, n, ahead); return true;
-    case 16: accumulate_rows<16, E>(acc, p, v, n, ahead); return true;
+    case 1: accumulate_rows<1, E>(acc, p, p_step, v, n, ahead); return true;
+    case 2: accumulate_rows<2, E>(acc, p, p_step, v, n, ahead); return true;
+    case 3: accumulate_rows<3, E>(acc, p, p_step, v, n, ahead); return true;
+    case 4: accumulate_rows<4, E>(acc, p, p_step, v, n, ahead); return true;
+    case 5: accumulate_rows<5, E>(acc, p, p_step, v, n, ahead); return true;
+    case 6: accumulate_rows<6, E>(acc, p, p_step, v, n, ahead); return true;
+    case 7: accumulate_rows<7, E>(acc, p, p_step, v, n, ahead); return true;
+    case 8: accumulate_rows<8, E>(acc, p, p_step, v, n, ahead); return true;
+    case 10: accumulate_rows<10, E>(acc, p, p_step, v, n, ahead); return true;
+    case 12: accumulate_rows<12, E>(acc, p, p_step, v, n, ahead); return true;
+    case 14: accumulate_rows<14, E>(acc, p, p_step, v, n, ahead); return true;
+    case 16: accumulate_rows<16, E>(acc, p, p_step, v, n, ahead); return true;
     default: return false;
   }
 }
@@ -594,8 +576,7 @@ void scores_in_rows(const Dims& d, const Rows<T>& keys, const Item& it, int64_t 
 // The same scores for float32 rows and groups of a multiple of 16 (`lanes`): tiles of 32 queries (2 vectors of 16,
 // W = 16, for groups of a multiple of 32; else 16 queries) x R keys, R = 12 (W = 16: 24 or 12 accumulators of 32
 // registers) or 6 (W = 8: 12 of 16), then x 4 (so that the rest of the block is a multiple of 4), into w.st (tb,
-// G), transposed into w.s at the end; the next block's keys asked for as above, as many rows per step as the step's
-// tiles read.
+// G), where the softmax (softmax_lanes) and the value tiles read them.
 template <typename T>
 void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, const float* const* kr,
                      Scratch<T>& w) {
@@ -620,8 +601,40 @@ void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t
     }
     j += rows;
   }
-  for (int64_t j = 0; j < tb; j += 8)
-    for (int64_t g = 0; g < G; g += 8) transpose8(st + j * G + g, G, w.s.data() + g * tb + j, tb);
+}
+
+// The online-softmax step of a block of n tokens for scores in the lanes layout, st (tb, G), G a multiple of 16:
+// W queries per vector, the block's maximum taken down each column (no horizontal reductions, no transposes), the
+// weights written over the scores (rows past n keep their scores: only a staged block is partial, and its value
+// rows there are zeros), what was accumulated in part rescaled, and part's maximum and exp-sum updated.
+inline void softmax_lanes(const Dims& d, int64_t n, float* st, float* part) {
+  const int64_t G = d.G, stride = d.dv_pad + 2;
+  for (int64_t c = 0; c < G; c += W) {
+    alignas(64) float m[W], l[W], alpha[W];
+    for (int i = 0; i < W; ++i) {
+      m[i] = part[(c + i) * stride + d.dv_pad];
+      l[i] = part[(c + i) * stride + d.dv_pad + 1];
+    }
+    vf mx = splat<vf>(kNegInf);
+    for (int64_t j = 0; j < n; ++j) mx = mx > vload(st + j * G + c) ? mx : vload(st + j * G + c);
+    const vf m_old = vload(m), m_new = m_old > mx ? m_old : mx;
+    vf lsum = splat<vf>(0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      const vf e = exp2_neg(vload(st + j * G + c) - m_new);
+      vstore(st + j * G + c, e);
+      lsum += e;
+    }
+    vstore(alpha, exp2_neg(m_old - m_new));  // m_old = -inf (nothing yet): ~2^-126, times what is zero
+    vstore(l, vload(l) * vload(alpha) + lsum);
+    vstore(m, m_new);
+    for (int i = 0; i < W; ++i) {
+      float* acc = part + (c + i) * stride;
+      if (alpha[i] != 1.f)
+        for (int64_t k = 0; k < d.dv_pad; k += W) vstore(acc + k, vload(acc + k) * splat<vf>(alpha[i]));
+      acc[d.dv_pad] = m[i];
+      acc[d.dv_pad + 1] = l[i];
+    }
+  }
 }
 
 // The scores of one block of n rows (kr, vr: the rows, cache element type or staged float32), its online-softmax
@@ -640,41 +653,48 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
     const int64_t value_steps = n * ((d.G + 2) / 3) * ((d.dv_pad + 8 * W - 1) / (8 * W));
     w.ahead.spread(score_steps + value_steps);
   }
-  bool scored = false;
-  if constexpr (std::is_same<E, float>::value) {
-    if (lanes(d)) {
-      scores_in_lanes(d, keys, it, t0, kr, w);
-      scored = true;
+  // the weights: in w.s (G, tb), query by query, or for float32 groups scored in the lanes in w.st (tb, G), W
+  // queries per vector; p_stride / p_step: from one query's weight to the next query's / the next token's
+  const bool in_lanes = std::is_same<E, float>::value && lanes(d);
+  const float* p = in_lanes ? w.st.data() : s;
+  const int64_t p_stride = in_lanes ? 1 : tb, p_step = in_lanes ? G : 1;
+  if (in_lanes) {
+    if constexpr (std::is_same<E, float>::value) scores_in_lanes(d, keys, it, t0, kr, w);
+    softmax_lanes(d, n, w.st.data(), part);
+  } else {
+    scores_in_rows(d, keys, it, t0, n, kr, vr, w);
+    for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
+      float* sg = s + g * tb;
+      float* st = part + g * stride;
+      for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
+      vf mx = vload(sg);
+      for (int64_t j = W; j < tb; j += W) mx = mx > vload(sg + j) ? mx : vload(sg + j);
+      const float m_old = st[d.dv_pad], m_new = std::max(m_old, vhmax(mx));
+      for (int64_t j = 0; j < tb; j += W) vstore(sg + j, exp2_neg(vload(sg + j) - splat<vf>(m_new)));
+      for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
+      vf lsum = splat<vf>(0.f);
+      for (int64_t j = 0; j < tb; j += W) lsum += vload(sg + j);
+      const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
+      if (alpha != 1.f)
+        for (int64_t c = 0; c < d.dv_pad; c += W) vstore(st + c, vload(st + c) * splat<vf>(alpha));
+      st[d.dv_pad] = m_new;
+      st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + vhsum(lsum);
     }
   }
-  if (!scored) scores_in_rows(d, keys, it, t0, n, kr, vr, w);
-  for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
-    float* sg = s + g * tb;
-    float* st = part + g * stride;
-    for (int64_t j = n; j < tb; ++j) sg[j] = kNegInf;
-    vf mx = vload(sg);
-    for (int64_t j = W; j < tb; j += W) mx = mx > vload(sg + j) ? mx : vload(sg + j);
-    const float m_old = st[d.dv_pad], m_new = std::max(m_old, vhmax(mx));
-    for (int64_t j = 0; j < tb; j += W) vstore(sg + j, exp2_neg(vload(sg + j) - splat<vf>(m_new)));
-    for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
-    vf lsum = splat<vf>(0.f);
-    for (int64_t j = 0; j < tb; j += W) lsum += vload(sg + j);
-    const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
-    if (alpha != 1.f)
-      for (int64_t c = 0; c < d.dv_pad; c += W) vstore(st + c, vload(st + c) * splat<vf>(alpha));
-    st[d.dv_pad] = m_new;
-    st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + vhsum(lsum);
-  }
   int64_t g0 = 0;
-  if (from_memory && accumulate_rows(d.dv_pad, part, s, vr, n, w.ahead)) g0 = 1;
+  if (from_memory && accumulate_rows(d.dv_pad, part, p, p_step, vr, n, w.ahead)) g0 = 1;
   // the other queries in threes (3 x 8 W-column tiles for W = 16, 3 x 4 W for W = 8), four at the end rather than
   // a triple and a single
   const int64_t quad = (G - g0) % 3 == 1 && G - g0 >= 4 ? 4 : 0;
   int64_t g = g0;
-  for (; g + 3 <= G - quad; g += 3) accumulate_heads<3>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad, w.ahead);
-  if (quad) accumulate_heads<4>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad, w.ahead);
-  if (G - g == 2) accumulate_heads<2>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad, w.ahead);
-  if (G - g == 1) accumulate_heads<1>(part + g * stride, stride, s + g * tb, tb, vr, n, d.dv_pad, w.ahead);
+  for (; g + 3 <= G - quad; g += 3)
+    accumulate_heads<3>(part + g * stride, stride, p + g * p_stride, p_stride, p_step, vr, n, d.dv_pad, w.ahead);
+  if (quad)
+    accumulate_heads<4>(part + g * stride, stride, p + g * p_stride, p_stride, p_step, vr, n, d.dv_pad, w.ahead);
+  if (G - g == 2)
+    accumulate_heads<2>(part + g * stride, stride, p + g * p_stride, p_stride, p_step, vr, n, d.dv_pad, w.ahead);
+  if (G - g == 1)
+    accumulate_heads<1>(part + g * stride, stride, p + g * p_stride, p_stride, p_step, vr, n, d.dv_pad, w.ahead);
 }
 
 // One chunk: part (G, dv_pad + 2) receives, per query, the unnormalised output, the maximum score and the
