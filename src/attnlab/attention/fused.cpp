@@ -1104,24 +1104,31 @@ inline int64_t block_tokens(int64_t dk_pad, int64_t dv_pad) {
   return std::max<int64_t>(16, std::min<int64_t>(128, (65536 / (4 * (dk_pad + dv_pad))) / 16 * 16));
 }
 
-// Merge the chunks of every (row, KV head) into out (B, H, dv): out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c.
+// Merge the chunks of every (row, KV head) into out (B, H, dv): out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c;
+// the weights 2^(m_c - M) of a row's chunks and queries in one vector pass, the sums W columns at a time.
 template <typename T>
 void merge(const Dims& d, int64_t B, int64_t n_kv, int64_t H, const std::vector<int64_t>& first,
            const std::vector<float>& parts, T* out) {
   const int64_t G = d.G, dv = d.dv, stride = d.dv_pad + 2;
-  std::vector<float> o(d.dv_pad);
+  std::vector<float> o(d.dv_pad), m(G), wgt;
   for (int64_t bh = 0; bh < B * n_kv; ++bh) {
+    const int64_t c0 = first[bh], nc = first[bh + 1] - c0;
+    std::fill(m.begin(), m.end(), kNegInf);
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t g = 0; g < G; ++g) m[g] = std::max(m[g], parts[((c0 + c) * G + g) * stride + d.dv_pad]);
+    wgt.assign(round_up(nc * G, W), 0.f);
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t g = 0; g < G; ++g) wgt[c * G + g] = parts[((c0 + c) * G + g) * stride + d.dv_pad] - m[g];
+    for (int64_t i = 0; i < nc * G; i += W) vstore(&wgt[i], exp2_neg(vload(&wgt[i])));
     for (int64_t g = 0; g < G; ++g) {
-      float m = kNegInf;
-      for (int64_t c = first[bh]; c < first[bh + 1]; ++c) m = std::max(m, parts[(c * G + g) * stride + d.dv_pad]);
       std::fill(o.begin(), o.end(), 0.f);
       float l = 0.f;
-      for (int64_t c = first[bh]; c < first[bh + 1]; ++c) {
-        const float* pc = parts.data() + (c * G + g) * stride;
-        if (pc[d.dv_pad] == kNegInf) continue;
-        const float wgt = std::exp2(pc[d.dv_pad] - m);
-        l += wgt * pc[d.dv_pad + 1];
-        for (int64_t k = 0; k < dv; ++k) o[k] += wgt * pc[k];
+      for (int64_t c = 0; c < nc; ++c) {
+        const float* pc = parts.data() + ((c0 + c) * G + g) * stride;
+        if (pc[d.dv_pad] == kNegInf) continue;  // a chunk with nothing attended (exp2_neg gives 2^-126, not 0)
+        const float w = wgt[c * G + g];
+        l += w * pc[d.dv_pad + 1];
+        for (int64_t k = 0; k < d.dv_pad; k += W) vstore(&o[k], vload(&o[k]) + splat<vf>(w) * vload(pc + k));
       }
       const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with nothing to attend to gets zeros
       T* dst = out + ((bh / n_kv) * H + (bh % n_kv) * G + g) * dv;
