@@ -762,7 +762,7 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
 // batch: rows that are not 16 at one stride are copied into a staging tile, same values, same sums.
 
 #if defined(ATTNLAB_AMX)
-constexpr int64_t kAmxTokens = 128;   // tokens per block: 8 key tiles of 16 rows, 4 value steps of 32
+constexpr int64_t kAmxTokens = 256;   // tokens per block: 16 key tiles of 16 rows, 8 value steps of 32
 std::atomic<bool> amx_enabled{true};  // attnlab_set_amx(0) sends bfloat16 rows to the float32 tiles (tests, A/B)
 
 // Whether this process may use the tiles: Linux hands out their register state (8 KiB) on request, once per
