@@ -227,13 +227,20 @@ struct Rows {
   int64_t row_stride, head_stride, token_stride;  // in elements
   const int64_t* table = nullptr;
   int64_t table_stride = 0, block = 1;
+  int shift = -1;  // log2(block) for a power of two: a shift and a mask instead of a division (~25 cycles) per row
 
   const T* at(int64_t b, int64_t h, int64_t t) const {
     if (table == nullptr) return base + b * row_stride + h * head_stride + t * token_stride;
-    const int64_t slot = table[b * table_stride + t / block] + t % block;
-    return base + h * head_stride + slot * token_stride;
+    const int64_t page = shift >= 0 ? t >> shift : t / block, in = shift >= 0 ? t & (block - 1) : t % block;
+    return base + h * head_stride + (table[b * table_stride + page] + in) * token_stride;
   }
 };
+
+inline int log2_exact(int64_t x) {  // log2(x) for a power of two, else -1
+  int s = 0;
+  while (s < 62 && (int64_t{1} << s) < x) ++s;
+  return (int64_t{1} << s) == x ? s : -1;
+}
 
 struct Item {  // one chunk [lo, hi) of the context of batch row b, KV head h
   int64_t b, h, lo, hi;
@@ -1423,17 +1430,19 @@ extern "C" int attnlab_decode(int dtype, const void* q, int64_t B, int64_t H, in
   if (n_kv <= 0 || H % n_kv != 0 || dv > dk) return 1;
   if (dtype == 0) {
     fk::Rows<float> kr{static_cast<const float*>(k), k_strides[0], k_strides[1], k_strides[2], table,
-                       table_stride, block};
+                       table_stride, block, fk::log2_exact(block)};
     fk::Rows<float> vr{static_cast<const float*>(v), v_strides[0], v_strides[1], v_strides[2], table,
-                       table_stride, block};
+                       table_stride, block, fk::log2_exact(block)};
     fk::decode(static_cast<const float*>(q), B, H, n_kv, dk, dv, kr, vr, lo, hi, scale, static_cast<float*>(out),
                threads);
     return 0;
   }
   if (dtype == 1) {
     using T = fk::bf16;
-    fk::Rows<T> kr{static_cast<const T*>(k), k_strides[0], k_strides[1], k_strides[2], table, table_stride, block};
-    fk::Rows<T> vr{static_cast<const T*>(v), v_strides[0], v_strides[1], v_strides[2], table, table_stride, block};
+    fk::Rows<T> kr{static_cast<const T*>(k), k_strides[0], k_strides[1], k_strides[2], table, table_stride, block,
+                   fk::log2_exact(block)};
+    fk::Rows<T> vr{static_cast<const T*>(v), v_strides[0], v_strides[1], v_strides[2], table, table_stride, block,
+                   fk::log2_exact(block)};
     fk::decode(static_cast<const T*>(q), B, H, n_kv, dk, dv, kr, vr, lo, hi, scale, static_cast<T*>(out), threads);
     return 0;
   }
