@@ -234,6 +234,30 @@ struct Rows {
     const int64_t page = shift >= 0 ? t >> shift : t / block, in = shift >= 0 ? t & (block - 1) : t % block;
     return base + h * head_stride + (table[b * table_stride + page] + in) * token_stride;
   }
+  // How many rows from t on lie at token_stride from at(b, h, t): the rest of its page (all, without a table).
+  int64_t run(int64_t t) const {
+    if (table == nullptr) return std::numeric_limits<int64_t>::max();
+    return block - (shift >= 0 ? t & (block - 1) : t % block);
+  }
+};
+
+// The rows t, t+1, ... of (b, h) one after another, a table lookup per page instead of per row.
+template <typename T>
+struct RowWalk {
+  const Rows<T>& rows;
+  int64_t b, h, t, left = 0;
+  const T* p = nullptr;
+  const T* next() {
+    if (left == 0) {
+      p = rows.at(b, h, t);
+      left = rows.run(t);
+    } else {
+      p += rows.token_stride;
+    }
+    --left;
+    ++t;
+    return p;
+  }
 };
 
 inline int log2_exact(int64_t x) {  // log2(x) for a power of two, else -1
@@ -259,8 +283,9 @@ struct Ahead {
   void add(const Rows<T>& rows, const Item& it, int64_t t0, int64_t count, int64_t bytes) {
     const int64_t per_row = (bytes + 63) / 64;
     if (static_cast<int64_t>(lines.size()) < n + count * per_row) lines.resize(n + count * per_row);
+    RowWalk<T> walk{rows, it.b, it.h, t0};
     for (int64_t r = 0; r < count; ++r) {
-      const char* row = reinterpret_cast<const char*>(rows.at(it.b, it.h, t0 + r));
+      const char* row = reinterpret_cast<const char*>(walk.next());
       for (int64_t o = 0; o < bytes; o += 64) lines[n++] = row + o;
     }
   }
@@ -279,8 +304,9 @@ struct Ahead {
 template <typename T>
 void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dim, float* dst,
            int64_t width) {
+  RowWalk<T> walk{rows, b, h, t0};
   for (int64_t j = 0; j < n; ++j) {
-    const T* src = rows.at(b, h, t0 + j);
+    const T* src = walk.next();
     float* out = dst + j * width;
     int64_t d = 0;
     for (; d + W <= dim; d += W) vstore(out + d, vload(src + d));
@@ -731,9 +757,10 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
     const int64_t n = std::min(tb, it.hi - t0);
     plan_after(t0);
     if (in_place(d, n)) {
+      RowWalk<T> kw{keys, it.b, it.h, t0}, vw{values, it.b, it.h, t0};
       for (int64_t j = 0; j < tb; ++j) {
-        w.kc[j] = keys.at(it.b, it.h, t0 + j);
-        w.vc[j] = values.at(it.b, it.h, t0 + j);
+        w.kc[j] = kw.next();
+        w.vc[j] = vw.next();
       }
       attend_block(d, keys, it, t0, n, w.kc.data(), w.vc.data(), true, w, part);
       continue;
@@ -842,18 +869,14 @@ inline void amx_queries(const bf16* q, int64_t G, int64_t dk, AmxScratch& w) {
 inline const void* amx_rows(const Rows<bf16>& rows, const Item& it, int64_t t0, int64_t n, int64_t dk,
                             uint16_t* stage, int64_t* stride) {
   if (n >= 16) {
-    const bf16* first = rows.at(it.b, it.h, t0);
-    const int64_t step = rows.at(it.b, it.h, t0 + 1) - first;
-    bool even = step > 0 && (rows.table == nullptr || rows.at(it.b, it.h, t0 + 15) == first + 15 * step);
-    for (int64_t j = 2; j < 15 && even && rows.table != nullptr; ++j)
-      even = rows.at(it.b, it.h, t0 + j) == first + j * step;
-    if (even) {
-      *stride = step * 2;
-      return first;
+    if (rows.run(t0) >= 16) {  // within one page (or no pages): 16 rows at the token stride
+      *stride = rows.token_stride * 2;
+      return rows.at(it.b, it.h, t0);
     }
   }
+  RowWalk<bf16> walk{rows, it.b, it.h, t0};
   for (int64_t j = 0; j < 16; ++j) {
-    if (j < n) std::memcpy(stage + j * dk, rows.at(it.b, it.h, t0 + j), dk * 2);
+    if (j < n) std::memcpy(stage + j * dk, walk.next(), dk * 2);
     else std::memset(stage + j * dk, 0, dk * 2);
   }
   *stride = dk * 2;
@@ -870,9 +893,10 @@ inline void amx_values(const Rows<bf16>& values, const Item& it, int64_t t0, int
        62, 31, 63}};
   const __m512i lo = _mm512_load_si512(order[0]), hi = _mm512_load_si512(order[1]);
   const int64_t slice = kAmxTokens / 2 * 32;  // elements per column slice
+  RowWalk<bf16> walk{values, it.b, it.h, t0};
   for (int64_t r = 0; r < pairs; ++r) {
-    const bf16* a = 2 * r < n ? values.at(it.b, it.h, t0 + 2 * r) : nullptr;
-    const bf16* b = 2 * r + 1 < n ? values.at(it.b, it.h, t0 + 2 * r + 1) : nullptr;
+    const bf16* a = 2 * r < n ? walk.next() : nullptr;
+    const bf16* b = 2 * r + 1 < n ? walk.next() : nullptr;
     uint16_t* out = vi + r * 32;
     int64_t c = 0;
     ahead.step();
