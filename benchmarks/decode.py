@@ -183,17 +183,26 @@ def limits(result: dict) -> str:
             f" Small steps ({kvs} at {small[0]['context']} tokens, batch 1: "
             f"{_span([kv_bytes(r) / 1e6 for r in small], '{:.0f}')} MB of KV) reach "
             f"{_span([r['roofline_fraction'] for r in small])} of the roofline in this run. What remains: with a"
-            " group of 8-32 query heads per KV head the step does 2 x group FLOPs per cached element, and the"
-            " kernel's register-tiled dot products run below the library GEMM's peak that the roofline assumes;"
-            " the kernel's decode path in this run: "
-            + result["machine"].get("decode_path", "not recorded")
-            + "."
+            " group of 8-32 query heads per KV head the step does 2 x group FLOPs per cached element; the float32"
+            " tiles (16-lane AVX-512 vectors where the CPU has them) run below the library GEMM's peak that the"
+            " roofline assumes, and bfloat16 on AMX tiles (groups of 8 or more, where the CPU has them) is bound"
+            " by how fast the tiles' row loads stream and by the softmax between the two tile products; the"
+            " kernel's decode path in this run: " + result["machine"].get("decode_path", "not recorded") + "."
         )
+    peaks = result["machine"]["hardware"]["peak_flops"]
+    bf16_fast = peaks.get("bf16", 0) > peaks.get("fp32", 0)
     out.append(
         f"- **Library matmuls for skinny shapes** (the PyTorch `grouped` kernel, the fallback). Decode is a batched"
         f" matrix-vector product (MHA) or a GEMM with {_span(groups, '{}')} columns (the query heads of a group);"
-        " bfloat16 matmuls (oneDNN) are far slower per byte than float32 ones at these shapes, which the C++ kernel"
-        " avoids by widening bfloat16 to float32 in registers: "
+        + (
+            " this CPU multiplies bfloat16 in hardware (matmul peak bf16 "
+            f"{peaks['bf16'] / 1e9:.0f} GFLOP/s against fp32 {peaks['fp32'] / 1e9:.0f}), so the library's bfloat16"
+            " matmuls are no longer the bottleneck they are on CPUs without it (there the C++ kernel widens"
+            " bfloat16 to float32 in registers); here it multiplies bfloat16 on AMX tiles: "
+            if bf16_fast
+            else " bfloat16 matmuls (oneDNN) are far slower per byte than float32 ones at these shapes, which the C++"
+            " kernel avoids by widening bfloat16 to float32 in registers: "
+        )
         + "; ".join(
             f"n_kv {n} at {c} tokens: grouped fp32 {f['ms']['grouped']:.2f} ms, bf16 {b['ms']['grouped']:.2f} ms;"
             f" fused fp32 {f['ms']['fused']:.2f} ms, bf16 {b['ms']['fused']:.2f} ms"
@@ -207,7 +216,9 @@ def limits(result: dict) -> str:
     out.append(
         f"- **The roofline inputs.** Bandwidth is `attnlab.bench.machine.measure_local`'s streaming read of one "
         f"{buffer // 2**20} MiB buffer, measured at the start of this run (so under this run's load); the peak is its"
-        " best square matmul. A KV cache that fits in the last-level cache"
+        " best square matmul, for bfloat16 the faster of the bfloat16 and float32 ones (a CPU with AMX multiplies"
+        " bfloat16 several times faster than float32, and then every bfloat16 step here is bound by its bytes)."
+        " A KV cache that fits in the last-level cache"
         + (f" ({l3 / 2**20:.0f} MiB here)" if l3 else "")
         + " can stay there between repeated steps, which flatters the smallest shapes."
     )
@@ -268,6 +279,24 @@ def limits(result: dict) -> str:
             "  MHA -> GQA speedup below 0.6 x n_heads/n_kv at: " + ", ".join(scaling) + "; the step does not"
             " shrink in proportion to its bytes there (the fixed per-op cost above is part of every step)."
         )
+    close = [r for r in tight if r["dtype"] == "bf16" and r["speedup"]["sdpa"] < 3.0]
+    if close:
+        out.append(
+            "  SDPA(enable_gqa) in bfloat16 is within 3x of ours at "
+            + ", ".join(f"{_shape(r)} ({r['speedup']['sdpa']:.2f}x: {r['ms']['sdpa']:.2f} ms)" for r in close)
+            + (
+                f"; its bfloat16 path runs on this CPU's bfloat16 matmuls ({peaks['bf16'] / 1e9:.0f} GFLOP/s)."
+                if bf16_fast
+                else "."
+            )
+        )
+    for r in _sel(rows, kind="mla"):
+        if r["speedup"]["naive"] < 5:
+            out.append(
+                f"  MLA absorbed vs naive is {r['speedup']['naive']:.2f}x at {_shape(r)}: naive {r['ms']['naive']:.2f}"
+                f" ms (its per-step decompression is a matmul at the {r['dtype']} peak), absorbed"
+                f" {r['ms']['absorbed']:.2f} ms ({r['roofline_fraction']:.2f} of its roofline)."
+            )
     slow = [r for r in paged if r["speedup"]["contiguous"] < 1 / 1.2]
     if slow:
         out.append(
