@@ -76,14 +76,17 @@ def test_contiguous_decode_equals_the_reference(dtype, data):
 @pytest.mark.parametrize("block", [None, 128, 256, 32])
 @pytest.mark.parametrize(
     "dims",
-    [(64, 64, 2, 3), (64, 64, 2, 4), (128, 128, 1, 16), (576, 512, 1, 8), (576, 512, 1, 32)],
-    ids=["gqa-3", "gqa-4", "gqa-16", "mla", "mla-32"],
-)
+    [(64, 64, 2, 3), (64, 64, 2, 4), (128, 128, 1, 16), (64, 64, 1, 16), (128, 128, 1, 32), (576, 512, 1, 8),
+     (576, 512, 1, 32)],
+    ids=["gqa-3", "gqa-4", "gqa-16", "gqa-16-64", "mqa-32", "mla", "mla-32"],
+)  # fmt: skip
 def test_blocks_read_in_place_equal_the_reference(dims, block, dtype):
     """Rows of a width the kernel needs no padding for (a multiple of 16) are read where they lie rather than
     staged, float32 and bfloat16 (widened in registers) alike: contiguous caches and pages of any size (a block
     of 128 rows spans 4 pages of 32), with partial blocks at chunk ends staged as before; groups of 4 take their
-    own score tile, groups of 16 and 32 (float32) the queries-in-lanes tiles. Every row equals the reference."""
+    own score tile, groups of 16 and 32 (float32) the queries-in-lanes tiles (rows 64 or 128 wide and evenly spaced
+    addressed from one pointer, tiles across a page boundary through a pointer per row). Every row equals the
+    reference."""
     if not fused.available():
         pytest.skip(fused.status())
     dk, dv, heads, group = dims

@@ -349,8 +349,12 @@ inline void scores_tile(const float* q, int64_t q_stride, const E* const* k, int
 // with the tile's QV W in columns 0.., and each key element is broadcast to them: QV + R loads per QV R FMAs and no
 // horizontal sums, which take ~15 % of the row-wise tiles' time (single-core harness, 128 dims, W = 8, groups of
 // 16 and 32: 97-98 GFLOP/s against 80-83). st receives key r's scores at st + r * G.
-template <int QV, int R>
+// S > 0: the key rows are S floats apart (k[r] = k[0] + r S, checked by the caller), addressed from one register
+// at constant offsets; with a pointer per row (S = 0) the 12 rows' pointers do not fit the integer registers
+// beside the loop's own and are reloaded from the stack at every step.
+template <int QV, int R, int S = 0>
 inline void scores_lanes(const float* qt, int64_t G, const float* const* k, int64_t dk, float* st, Ahead& ahead) {
+  const float* k0 = k[0];
   vf a[R][QV];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
@@ -364,7 +368,7 @@ inline void scores_lanes(const float* qt, int64_t G, const float* const* k, int6
     }
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      vf kb = splat<vf>(k[r][d]);
+      vf kb = splat<vf>(S > 0 ? k0[r * S + d] : k[r][d]);
       if (QV > 1) pin(kb);  // one broadcast for QV FMAs (else it folds into each: a load per FMA)
       for (int v = 0; v < QV; ++v) a[r][v] += kb * x[v];
     }
@@ -398,6 +402,9 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const E* row = v[j + r] + c;
+      // Opaque to the compiler: one base register with the vectors at constant offsets from it. Else GCC keeps
+      // c + W i for every vector in a register of its own and spills (groups of 32, 128 dims: ~4 % of a step).
+      asm("" : "+r"(row));
       vf pj[GT];
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
@@ -622,14 +629,29 @@ void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t
   while ((tb - R * wide) % 4 != 0) --wide;
   for (int64_t j = 0; j < tb;) {
     const int64_t rows = j < R * wide ? R : 4;
+    bool even = d.dk == 64 || d.dk == 128;  // rows dk apart (a contiguous cache, or within a page)
+    for (int64_t r = 1; r < rows && even; ++r) even = kr[j + r] == kr[j] + r * d.dk;
+    const int S = !even ? 0 : static_cast<int>(d.dk);
     for (int64_t g = 0; g < G; g += pairs ? 32 : 16) {
       float* out = st + j * G + g;
+      const float* q = &w.qt[g];
+      const float* const* k = &kr[j];
       if (pairs) {
-        if (rows == R) scores_lanes<2 * QV, R>(&w.qt[g], G, &kr[j], d.dk, out, w.ahead);
-        else scores_lanes<2 * QV, 4>(&w.qt[g], G, &kr[j], d.dk, out, w.ahead);
+        if (rows == R) {
+          if (S == 128) scores_lanes<2 * QV, R, 128>(q, G, k, d.dk, out, w.ahead);
+          else if (S == 64) scores_lanes<2 * QV, R, 64>(q, G, k, d.dk, out, w.ahead);
+          else scores_lanes<2 * QV, R>(q, G, k, d.dk, out, w.ahead);
+        } else {
+          scores_lanes<2 * QV, 4>(q, G, k, d.dk, out, w.ahead);
+        }
       } else {
-        if (rows == R) scores_lanes<QV, R>(&w.qt[g], G, &kr[j], d.dk, out, w.ahead);
-        else scores_lanes<QV, 4>(&w.qt[g], G, &kr[j], d.dk, out, w.ahead);
+        if (rows == R) {
+          if (S == 128) scores_lanes<QV, R, 128>(q, G, k, d.dk, out, w.ahead);
+          else if (S == 64) scores_lanes<QV, R, 64>(q, G, k, d.dk, out, w.ahead);
+          else scores_lanes<QV, R>(q, G, k, d.dk, out, w.ahead);
+        } else {
+          scores_lanes<QV, 4>(q, G, k, d.dk, out, w.ahead);
+        }
       }
     }
     j += rows;
