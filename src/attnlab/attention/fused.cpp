@@ -617,10 +617,24 @@ void scores_in_rows(const Dims& d, const Rows<T>& keys, const Item& it, int64_t 
 // W = 16, for groups of a multiple of 32; else 16 queries) x R keys, R = 12 (W = 16: 24 or 12 accumulators of 32
 // registers) or 6 (W = 8: 12 of 16), then x 4 (so that the rest of the block is a multiple of 4), into w.st (tb,
 // G), where the softmax (softmax_lanes) and the value tiles read them.
+constexpr int kLanesKeys = W == 16 ? 12 : 6;  // keys per queries-in-lanes tile (but a block's last few: 4)
+
+// One queries-in-lanes tile of QV vectors of queries and `rows` keys (kLanesKeys or 4); a full tile whose rows are
+// S = 64 or 128 floats apart is addressed from its first row.
+template <int QV>
+inline void lanes_tile(int64_t rows, int S, const float* q, int64_t G, const float* const* k, int64_t dk,
+                       float* out, Ahead& ahead) {
+  constexpr int R = kLanesKeys;
+  if (rows != R) scores_lanes<QV, 4>(q, G, k, dk, out, ahead);
+  else if (S == 128) scores_lanes<QV, R, 128>(q, G, k, dk, out, ahead);
+  else if (S == 64) scores_lanes<QV, R, 64>(q, G, k, dk, out, ahead);
+  else scores_lanes<QV, R>(q, G, k, dk, out, ahead);
+}
+
 template <typename T>
 void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, const float* const* kr,
                      Scratch<T>& w) {
-  constexpr int64_t R = W == 16 ? 12 : 6;
+  constexpr int64_t R = kLanesKeys;
   constexpr int QV = 16 / W;  // vectors of queries in a 16-query tile
   const int64_t G = d.G, tb = d.tb;
   const bool pairs = W == 16 && G % 32 == 0;  // 32 queries per tile
@@ -633,26 +647,8 @@ void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t
     for (int64_t r = 1; r < rows && even; ++r) even = kr[j + r] == kr[j] + r * d.dk;
     const int S = !even ? 0 : static_cast<int>(d.dk);
     for (int64_t g = 0; g < G; g += pairs ? 32 : 16) {
-      float* out = st + j * G + g;
-      const float* q = &w.qt[g];
-      const float* const* k = &kr[j];
-      if (pairs) {
-        if (rows == R) {
-          if (S == 128) scores_lanes<2 * QV, R, 128>(q, G, k, d.dk, out, w.ahead);
-          else if (S == 64) scores_lanes<2 * QV, R, 64>(q, G, k, d.dk, out, w.ahead);
-          else scores_lanes<2 * QV, R>(q, G, k, d.dk, out, w.ahead);
-        } else {
-          scores_lanes<2 * QV, 4>(q, G, k, d.dk, out, w.ahead);
-        }
-      } else {
-        if (rows == R) {
-          if (S == 128) scores_lanes<QV, R, 128>(q, G, k, d.dk, out, w.ahead);
-          else if (S == 64) scores_lanes<QV, R, 64>(q, G, k, d.dk, out, w.ahead);
-          else scores_lanes<QV, R>(q, G, k, d.dk, out, w.ahead);
-        } else {
-          scores_lanes<QV, 4>(q, G, k, d.dk, out, w.ahead);
-        }
-      }
+      if (pairs) lanes_tile<2 * QV>(rows, S, &w.qt[g], G, &kr[j], d.dk, st + j * G + g, w.ahead);
+      else lanes_tile<QV>(rows, S, &w.qt[g], G, &kr[j], d.dk, st + j * G + g, w.ahead);
     }
     j += rows;
   }
@@ -703,7 +699,7 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
   float* s = w.s.data();
   {  // the next block's lines (w.ahead, from attend_chunk), over this block's tile steps (roughly counted)
     const bool in_lanes = std::is_same<E, float>::value && lanes(d);
-    const int64_t score_steps = in_lanes ? tb * (d.G / 16) * d.dk / (W == 16 ? 12 : 6)
+    const int64_t score_steps = in_lanes ? tb * (d.G / 16) * d.dk / kLanesKeys
                                          : tb / 4 * (d.G + 2) / 3 * (d.dk_pad / W);
     const int64_t value_steps = n * ((d.G + 2) / 3) * ((d.dv_pad + 8 * W - 1) / (8 * W));
     w.ahead.spread(score_steps + value_steps);

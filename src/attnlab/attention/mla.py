@@ -204,10 +204,10 @@ class MultiHeadLatentAttention(nn.Module):
 def _latent_to_values(y: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """y (B, H, T, r) times every head's W_uv (H, v, r) transposed -> (B, H, T, v).
 
-    The einsum hands the CPU matmul W_uv transposed; float32 BLAS reads it as it lies, but bfloat16 and float16
-    matmuls copy it first (16 heads x 128 x 512: 680 us of a decode step, against 120 us for the product itself),
-    so there W_uv multiplies y's transpose in its stored layout, one batched product over the heads."""
-    if y.dtype == torch.float32 or y.device.type != "cpu" or type(y) is not torch.Tensor:
+    The einsum hands the CPU matmul W_uv transposed; float32 BLAS reads it as it lies, but the bfloat16 matmul
+    copies it first (16 heads x 128 x 512: 680 us of a decode step, against 120 us for the product itself), so in
+    bfloat16 W_uv multiplies y's transpose in its stored layout, one batched product over the heads."""
+    if y.dtype != torch.bfloat16 or y.device.type != "cpu" or type(y) is not torch.Tensor:
         return torch.einsum("bhtr,hvr->bhtv", y, w_uv)
     b, h, t, r = y.shape
     out = torch.bmm(w_uv, y.permute(1, 3, 0, 2).reshape(h, r, b * t))  # (H, v, B T)
