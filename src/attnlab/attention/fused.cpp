@@ -274,30 +274,53 @@ struct Item {  // one chunk [lo, hi) of the context of batch row b, KV head h
 // streams while the FMAs run; asked for in bursts (a block's rows at a time), the requests fill the line-fill
 // buffers and the core waits for them to drain, so memory time and compute time add up. A 12-row queries-in-lanes
 // tile streaming its rows from memory (32 FMAs per line, 2 threads, scratch harness): 11.5 GB/s with one burst per
-// tile, 15.7 GB/s with one line per step of its dot products.
+// tile, 15.7 GB/s with one line per step of its dot products. The lines are kept as runs of consecutive lines (a
+// contiguous block's keys: one run; paged: one per page) rather than listed one by one: writing the list cost ~17 %
+// of a small group's time (3 queries of 64 dims, float32, one core, in cache: 66 -> 55 us per 1024 tokens; from
+// memory on two threads 1.07x; the 20 shapes of docs/performance.md 1.00-1.20x but for float32 groups of 8, which
+// measured 0.97-1.03x in the harness).
 struct Ahead {
-  std::vector<const char*> lines;
-  int64_t n = 0, i = 0, per = 1;
-  // rows t0 .. t0+count-1 of `rows` (of `bytes` each) for item `it`, appended
+  struct Run {
+    const char* p;  // first line (64-byte aligned)
+    int64_t lines;
+  };
+  std::vector<Run> runs;
+  int64_t n_runs = 0, total = 0, per = 1;  // runs, and lines in them
+  int64_t r = 0, left = 0;                   // the run being asked for, and its lines not yet asked for
+  const char* at = nullptr;
+  // rows t0 .. t0+count-1 of `rows` (of `bytes` each) for item `it`, appended: one run per stretch of rows that
+  // lie back to back (a contiguous cache: the whole block; paged: a page), else one per row
   template <typename T>
   void add(const Rows<T>& rows, const Item& it, int64_t t0, int64_t count, int64_t bytes) {
-    const int64_t per_row = (bytes + 63) / 64;
-    if (static_cast<int64_t>(lines.size()) < n + count * per_row) lines.resize(n + count * per_row);
-    RowWalk<T> walk{rows, it.b, it.h, t0};
-    for (int64_t r = 0; r < count; ++r) {
-      const char* row = reinterpret_cast<const char*>(walk.next());
-      for (int64_t o = 0; o < bytes; o += 64) lines[n++] = row + o;
+    const bool packed = rows.token_stride * static_cast<int64_t>(sizeof(T)) == bytes;
+    for (int64_t t = t0; t < t0 + count;) {
+      const int64_t m = packed ? std::min(t0 + count - t, rows.run(t)) : 1;
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(rows.at(it.b, it.h, t)), hi = lo + m * bytes;
+      const uintptr_t first = lo & ~uintptr_t{63};
+      if (static_cast<int64_t>(runs.size()) <= n_runs) runs.resize(2 * n_runs + 8);
+      runs[n_runs++] = {reinterpret_cast<const char*>(first), static_cast<int64_t>((hi - first + 63) / 64)};
+      total += runs[n_runs - 1].lines;
+      t += m;
     }
   }
   // what was added, asked for over `steps` tile steps
   void spread(int64_t steps) {
-    i = 0;
-    per = std::max<int64_t>(1, (n + steps - 1) / std::max<int64_t>(1, steps));
+    r = 0;
+    left = n_runs > 0 ? runs[0].lines : 0;
+    at = n_runs > 0 ? runs[0].p : nullptr;
+    per = std::max<int64_t>(1, (total + steps - 1) / std::max<int64_t>(1, steps));
   }
   inline void step() {
-    for (int64_t k = 0; k < per && i < n; ++k) __builtin_prefetch(lines[i++], 0, 2);
+    for (int64_t k = 0; k < per && left > 0; ++k) {
+      __builtin_prefetch(at, 0, 2);
+      at += 64;
+      if (--left == 0 && ++r < n_runs) {
+        at = runs[r].p;
+        left = runs[r].lines;
+      }
+    }
   }
-  void clear() { n = i = 0; }
+  void clear() { n_runs = total = r = left = 0; }
 };
 
 // Tokens t0 .. t0+n-1 into float rows of `width` (>= dim; the padding columns stay zero from allocation).
@@ -453,12 +476,14 @@ void accumulate_slices(float* acc, int64_t acc_stride, const float* p, int64_t p
 // The values of GT query heads over all `width` columns (a multiple of 16): slices as wide as the registers allow
 // (GT NV accumulators: up to 24 of 32 registers for W = 16, 12 of 16 for W = 8), so that each value row is read
 // by as few slices as possible.
+constexpr int heads_nv(int GT) {
+  constexpr int regs = W == 16 ? 24 : 12, max_nv = W == 16 ? 8 : 4;
+  return regs / GT >= max_nv ? max_nv : regs / GT >= 4 ? 4 : 2;
+}
 template <int GT, typename E>
 void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, int64_t p_step,
                       const E* const* v, int64_t n, int64_t width, Ahead& ahead) {
-  constexpr int regs = W == 16 ? 24 : 12, max_nv = W == 16 ? 8 : 4;
-  constexpr int NV = regs / GT >= max_nv ? max_nv : regs / GT >= 4 ? 4 : 2;
-  accumulate_slices<GT, NV>(acc, acc_stride, p, p_stride, p_step, v, n, 0, width, ahead);
+  accumulate_slices<GT, heads_nv(GT)>(acc, acc_stride, p, p_stride, p_step, v, n, 0, width, ahead);
 }
 
 // acc[:] += sum_j p[j] * v[j][:] for one query, NV vectors (the whole padded value row) at a time: the block's
@@ -732,8 +757,12 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
       st[d.dv_pad + 1] = st[d.dv_pad + 1] * alpha + vhsum(lsum);
     }
   }
+  // Groups of up to 4 whose accumulators for a whole value row fit in the registers take the rows in one pass, in
+  // row order, all queries at once (3 queries of 64 dims, float32, one core, in cache: 55 -> 51 us per 1024
+  // tokens, against the first query row by row and then the others).
+  const bool one_pass = G <= 4 && d.dv_pad <= W * heads_nv(static_cast<int>(G));
   int64_t g0 = 0;
-  if (from_memory && accumulate_rows(d.dv_pad, part, p, p_step, vr, n, w.ahead)) g0 = 1;
+  if (from_memory && !one_pass && accumulate_rows(d.dv_pad, part, p, p_step, vr, n, w.ahead)) g0 = 1;
   // the other queries in threes (3 x 8 W-column tiles for W = 16, 3 x 4 W for W = 8), four at the end rather than
   // a triple and a single
   const int64_t quad = (G - g0) % 3 == 1 && G - g0 >= 4 ? 4 : 0;
