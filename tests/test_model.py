@@ -66,6 +66,24 @@ def test_full_forward_logits_equal_prefill_plus_decode(name):
     assert _err(torch.cat(steps, dim=1), full) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_inference_in_place_sums_equal_the_autograd_forward_bit_for_bit(name, dtype):
+    # Without grad mode the block, its norms, RoPE and MLP update their own fresh buffers in place; with grad mode
+    # (parameters frozen, so every kernel choice is the same) they allocate as autograd needs. Same values exactly.
+    model = _model(name).to(dtype).requires_grad_(False)
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.enable_grad():
+        caches = model.new_caches(batch_size=2, max_seq_len=12)
+        grad_mode = [model(tokens[:, :7], caches=caches), model(tokens[:, 7:], caches=caches)]
+    with torch.inference_mode():
+        caches = model.new_caches(batch_size=2, max_seq_len=12)
+        in_place = [model(tokens[:, :7], caches=caches), model(tokens[:, 7:], caches=caches)]
+        assert not torch.equal(in_place[0], torch.zeros_like(in_place[0]))
+    for a, b in zip(grad_mode, in_place, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", sorted(ATTENTION))
 def test_construction_works_on_the_meta_device(name):
     cfg = ModelConfig(vocab_size=97, n_layers=2, attention=ATTENTION[name], ffn_dim=64)

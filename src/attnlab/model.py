@@ -51,7 +51,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.w1, self.w3)
-        return self.w2(F.silu(gate) * up)
+        if torch.is_grad_enabled():
+            return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(gate, inplace=True).mul_(up))  # same values, two fewer (T, hidden) buffers
 
 
 class _FusedPlan:
@@ -192,8 +194,11 @@ class Block(nn.Module):
         a = self.attention(
             self.attention_norm(x), attn_mask=attn_mask, cache=cache, position_ids=position_ids, rope=rope
         )
-        h = x + a
-        return h + self.feed_forward(self.ffn_norm(h))
+        if torch.is_grad_enabled():
+            h = x + a
+            return h + self.feed_forward(self.ffn_norm(h))
+        h = a.add_(x)  # inference: the sums in place (a + x is x + a to the bit)
+        return self.feed_forward(self.ffn_norm(h)).add_(h)
 
 
 class Transformer(nn.Module):

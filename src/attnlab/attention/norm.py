@@ -17,4 +17,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if torch.is_grad_enabled() or self.weight.dtype != x.dtype:
+            return self.weight * xf.to(x.dtype)
+        return xf.to(x.dtype).mul_(self.weight)  # inference: in place (xf is a new buffer either way)
