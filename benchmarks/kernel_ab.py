@@ -41,21 +41,25 @@ STATES = ("warm", "cold", "layers")
 TOL = {"fp32": 1e-5, "bf16": 2e-2}  # max |new - base|: float32 sums in another order, bf16 output rounding
 
 
-def _source(spec: str, tmp: Path) -> Path:
-    """A kernel source: a file, or a git revision of this checkout's kernel."""
-    if Path(spec).is_file():
-        return Path(spec)
+def _source(spec: str, tmp: Path, role: str) -> Path:
+    """A kernel source (a file, or a git revision of this checkout's kernel), copied into ``tmp`` with its C++
+    namespace renamed for ``role``. Two builds loaded into one process share their unique symbols (a template's
+    static thread-local scratch, for one) unless their namespaces differ: the second library then uses the first's
+    objects, which crashes or computes garbage once the two versions lay them out differently."""
     rel = KERNEL.relative_to(ROOT).as_posix()
-    try:
-        text = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{spec}:{rel}"], capture_output=True, text=True, check=True
-        ).stdout
-    except subprocess.CalledProcessError as err:
-        raise SystemExit(
-            f"--base {spec!r}: neither a file nor a revision holding {rel} ({err.stderr.strip()})"
-        ) from None
-    path = tmp / f"fused_{spec.replace('/', '_')}.cpp"
-    path.write_text(text)
+    if Path(spec).is_file():
+        text = Path(spec).read_text()
+    else:
+        try:
+            text = subprocess.run(
+                ["git", "-C", str(ROOT), "show", f"{spec}:{rel}"], capture_output=True, text=True, check=True
+            ).stdout
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(
+                f"--{role} {spec!r}: neither a file nor a revision holding {rel} ({err.stderr.strip()})"
+            ) from None
+    path = tmp / f"fused_{role}.cpp"
+    path.write_text(text.replace("attnlab_fused", f"attnlab_fused_{role}"))
     return path
 
 
@@ -160,7 +164,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": _build(_source(args.base, Path(tmp))), "new": _build(_source(args.new, Path(tmp)))}
+        libs = {role: _build(_source(getattr(args, role), Path(tmp), role)) for role in ("base", "new")}
     flush = torch.ones(args.flush_mib * 2**20 // 4)
     rows = []
     print("dtype ctx    n_kv  KV MB" + "".join(f" | base {s:6s} new {s:6s} base/new" for s in STATES))
