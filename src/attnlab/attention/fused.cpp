@@ -347,8 +347,8 @@ void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int
 // accumulators in a stack array (cleared by a memset at every call) and the tree as a loop (float32 groups of 8,
 // 128 dims, one core, in cache: 262 -> 221 us per 1024 tokens; from memory on two threads 1.04x).
 template <int Q, int K, typename E>
-__attribute__((always_inline)) inline void scores_tile(const float* q, int64_t q_stride, const E* const* k, int64_t width, float* s,
-                        int64_t s_stride, Ahead& ahead) {
+__attribute__((always_inline)) inline void scores_tile(const float* q, int64_t q_stride, const E* const* k,
+                                                       int64_t width, float* s, int64_t s_stride, Ahead& ahead) {
   vf a[Q * K];
   for (int i = 0; i < Q * K; ++i) a[i] = splat<vf>(0.f);
   for (int64_t d = 0; d < width; d += W) {
@@ -478,13 +478,15 @@ void accumulate_slices(float* acc, int64_t acc_stride, const float* p, int64_t p
   if constexpr (NV > 1) accumulate_slices<GT, NV / 2>(acc, acc_stride, p, p_stride, p_step, v, n, c, width, ahead);
 }
 
-// The values of GT query heads over all `width` columns (a multiple of 16): slices as wide as the registers allow
-// (GT NV accumulators: up to 24 of 32 registers for W = 16, 12 of 16 for W = 8), so that each value row is read
-// by as few slices as possible.
+// Vectors per value slice for GT query heads: GT NV accumulators, up to 24 of 32 registers for W = 16, 12 of 16
+// for W = 8.
 constexpr int heads_nv(int GT) {
   constexpr int regs = W == 16 ? 24 : 12, max_nv = W == 16 ? 8 : 4;
   return regs / GT >= max_nv ? max_nv : regs / GT >= 4 ? 4 : 2;
 }
+
+// The values of GT query heads over all `width` columns (a multiple of 16): slices as wide as the registers allow
+// (heads_nv), so that each value row is read by as few slices as possible.
 template <int GT, typename E>
 void accumulate_heads(float* acc, int64_t acc_stride, const float* p, int64_t p_stride, int64_t p_step,
                       const E* const* v, int64_t n, int64_t width, Ahead& ahead) {
@@ -544,12 +546,6 @@ inline bool accumulate_rows(int64_t width, float* acc, const float* p, int64_t p
     case 16: accumulate_rows<16, E>(acc, p, p_step, v, n, ahead); return true;
     default: return false;
   }
-}
-
-// Ask for the cache lines of a row of `bytes` bytes (a hint: it cannot fault and does not change results).
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
 struct Dims {
