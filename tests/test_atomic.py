@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def dead_pid() -> int:
 def test_write_atomic_replaces_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "sub" / "out.json"
     write_atomic(path, "old")
-    write_atomic(path, b"new")
+    write_atomic(path, b"new", ours=True)  # a path attnlab names itself (a cache)
     assert path.read_text() == "new"
     assert sorted(p.name for p in path.parent.iterdir()) == ["out.json"]
     assert path.stat().st_mode & 0o777 == 0o666 & ~atomic._umask()
@@ -67,11 +68,12 @@ def test_modes_follow_the_umask(tmp_path, umask_027):
 
 def test_failed_figure_keeps_the_old_file(tmp_path):
     path = tmp_path / "plot.png"
-    write_atomic(path, b"old")
+    save_figure(plt.figure(figsize=(2, 1)), path, dpi=50)
+    old = path.read_bytes()
     fig = plt.figure()
     with pytest.raises(TypeError):
         save_figure(fig, path, no_such_savefig_option=1)
-    assert path.read_bytes() == b"old"
+    assert path.read_bytes() == old
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
     assert not plt.fignum_exists(fig.number)  # closed even on failure
 
@@ -116,21 +118,148 @@ def test_destination_may_not_be_contain_or_lie_inside_the_source(tmp_path, monke
     assert not [p for p in tmp_path.rglob(".*tmp-*")]
 
 
-def test_overwrite_replaces_an_unrelated_destination_but_never_home_root_or_cwd(tmp_path, monkeypatch):
+def test_overwrite_replaces_an_attnlab_output_but_never_home_root_or_cwd(tmp_path, monkeypatch):
     src = make_source(tmp_path)
     dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "old.txt").write_text("old")
+    with atomic_dir(dst, sources=[src]) as tmp:
+        (tmp / "old.txt").write_text("old")
+    assert atomic.marker_kind(dst) == "checkpoint"
     with pytest.raises(FileExistsError, match="destination exists"):
         check_destination(dst, [src])
     with atomic_dir(dst, True, sources=[src]) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert [p.name for p in dst.iterdir()] == ["new.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == [atomic.MARKER, "new.txt"]
     monkeypatch.chdir(dst)
     for refused in (dst, tmp_path, Path.home(), Path("/")):
-        with pytest.raises(ValueError, match=r"refusing to replace|filesystem root"):
+        with pytest.raises(
+            (ValueError, FileExistsError), match=r"refusing to replace|filesystem root|marker"
+        ):
             check_destination(refused, overwrite=True)
     assert (dst / "new.txt").exists()
+
+
+@pytest.mark.parametrize("kind", ["user directory", "user file", "symlink to an output", "another kind"])
+def test_overwrite_never_replaces_what_attnlab_did_not_write(tmp_path, kind):
+    # Issue 29: --overwrite (and --run-dir) emptied or replaced directories of the user's.
+    dst = tmp_path / "dst"
+    if kind == "user directory":
+        dst.mkdir()
+        (dst / "thesis.tex").write_text("years of work")
+    elif kind == "user file":
+        dst.write_text("notes")
+    elif kind == "symlink to an output":
+        with atomic_dir(tmp_path / "real") as tmp:
+            (tmp / "v").write_text("1")
+        dst.symlink_to(tmp_path / "real")
+    else:
+        atomic.claim_dir(dst, "run")  # an attnlab run directory is not a checkpoint to replace
+    before = tree_hash(tmp_path)
+    with pytest.raises(FileExistsError, match="attnlab"), atomic_dir(dst, True) as tmp:
+        (tmp / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="attnlab"):
+        atomic.remove_owned(dst, "checkpoint")
+    assert tree_hash(tmp_path) == before and not list(tmp_path.glob(".dst*"))
+
+
+def test_claim_dir_creates_marks_empties_only_its_own(tmp_path, monkeypatch):
+    run = atomic.claim_dir(tmp_path / "a" / "run", "run", what="--run-dir")
+    assert atomic.marker_kind(run) == "run"
+    (run / "step").mkdir()
+    assert atomic.claim_dir(run, "run") == run and (run / "step").exists()  # kept unless fresh
+    atomic.claim_dir(run, "run", fresh=True)
+    assert [p.name for p in run.iterdir()] == [atomic.MARKER]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "a.txt").write_text("a")
+    with pytest.raises(FileExistsError, match=r"--run-dir .*mine exists and is a directory without"):
+        atomic.claim_dir(mine, "run", fresh=True, what="--run-dir")
+    with pytest.raises(ValueError, match="contains the source"):
+        atomic.claim_dir(tmp_path, "run", sources=[mine], what="--run-dir")
+    monkeypatch.chdir(run)
+    with pytest.raises(ValueError, match="current working directory"):
+        atomic.claim_dir(run, "run", fresh=True)
+    assert (mine / "a.txt").read_text() == "a"
+    monkeypatch.chdir(tmp_path)
+    atomic.remove_owned(tmp_path / "a" / "run", "run")
+    assert not run.exists()
+
+
+def test_a_destination_that_appears_while_writing_is_not_replaced(tmp_path):
+    # Issue 29: the final rename exchanged with whatever had appeared at DST meanwhile.
+    dst = tmp_path / "dst"
+    with pytest.raises(FileExistsError, match="appeared while"), atomic_dir(dst) as tmp:
+        (tmp / "v").write_text("ours")
+        dst.mkdir()  # another program (or a user) puts a directory there before we finish
+        (dst / "theirs.txt").write_text("theirs")
+    assert [p.name for p in dst.iterdir()] == ["theirs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+
+HOLD_LOCK = """
+import sys, time
+from attnlab.atomic import lock
+with lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(30)
+"""
+
+
+def test_one_writer_per_destination(tmp_path):
+    dst = tmp_path / "new" / "dst"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(dst)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(atomic.Busy, match=rf"being written by another attnlab process \(pid {holder.pid}"),
+            atomic_dir(dst) as tmp,
+        ):
+            (tmp / "v").write_text("1")
+        assert not dst.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with atomic_dir(dst) as tmp:  # a killed holder's lock goes with it
+        (tmp / "v").write_text("1")
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["dst"]  # no lock file left
+    with atomic.lock(dst), atomic.lock(dst):  # re-entrant in one process
+        pass
+
+
+def test_a_failed_lock_or_write_removes_the_directories_it_made(tmp_path):
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "x" / "y" / "dst") as tmp:
+        (tmp / "v").write_text("1")
+        raise RuntimeError("a bug")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_files_are_replaced_only_when_attnlab_made_them(tmp_path):
+    theirs = tmp_path / "results.json"
+    theirs.write_text('{"mine": 1}')
+    for writer in (lambda: write_atomic(theirs, "{}"), lambda: atomic.write_json(theirs, {}, by="test")):
+        with pytest.raises(FileExistsError, match="without attnlab's mark"):
+            writer()
+    assert theirs.read_text() == '{"mine": 1}'
+    ours = atomic.write_json(
+        tmp_path / "ours.json", {"loss": float("nan"), "x": [float("inf"), 1.0]}, by="test"
+    )
+    assert atomic.is_own_file(ours)
+    assert json.loads(ours.read_text()) == {"generated_by": "attnlab test", "loss": None, "x": [None, 1.0]}
+    atomic.write_json(ours, {"loss": 1.0}, by="test")  # its own: replaced
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n_Generated by `benchmarks/x.py`; do not edit._\n")
+    assert atomic.is_own_file(page)
+    write_atomic(page, "# Title\n<!-- generated by attnlab -->\n")
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    with pytest.raises(FileExistsError, match="not a plot attnlab made"):
+        save_figure(plt.figure(figsize=(1, 1)), photo)
+    assert photo.read_bytes().endswith(b"\0" * 40)
+
+
+def test_json_text_is_strict_json():
+    text = atomic.json_text({"a": float("nan"), "b": [float("-inf")], "c": 1.5})
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [None], "c": 1.5}
 
 
 @pytest.mark.parametrize("exchange", [True, False])

@@ -3,7 +3,9 @@ a figure, one hardware measurement per run, and one-line errors for sizes, a ful
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import re
 import resource
 import subprocess
@@ -155,3 +157,58 @@ def test_full_disk_during_compare_plot_is_one_line(tmp_path):
         "attnlab: error: x.png: File too large (nothing was written; any previous version is unchanged)"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version_and_help_do_not_import_torch():
+    # Issue 29: no --version; --help took 3 s because the package imported torch for it.
+    code = (
+        "import sys\nfrom attnlab.cli import app\nfrom typer.testing import CliRunner\n"
+        "for args in (['--help'], ['--version'], ['uptrain', '--help'], ['convert', '--help']):\n"
+        "    r = CliRunner().invoke(app, args)\n    assert r.exit_code == 0, r.output\n"
+        "    print(r.output.splitlines()[0])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and lines[-1] == "False", proc.stdout + proc.stderr
+    assert lines[1] == f"attnlab {importlib.metadata.version('attnlab')}"
+    import attnlab
+
+    assert attnlab.AttentionConfig(d_model=8, n_heads=2).head_dim == 4  # the public names still load on use
+
+
+def test_progress_prints_periodic_lines_when_not_a_terminal():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from attnlab.console import Progress
+
+    out = StringIO()
+    with Progress("converting", 4, fields=("loss",), every=0, console=Console(file=out)) as bar:
+        for i in range(1, 5):
+            bar.update(i, loss=f"{1 / i:.2f}")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("attnlab: converting: 1/4 (25%), loss 1.00, ")
+    assert lines[-1].startswith("attnlab: converting: 4/4 (100%), loss 0.25, ") and len(lines) == 5
+    quiet = StringIO()
+    with Progress("converting", 4, every=3600, console=Console(file=quiet)) as bar:
+        bar.update(4)
+    assert quiet.getvalue() == ""  # short work prints nothing (an error stays one line)
+
+
+def test_convert_progress_reaches_a_log_file(tmp_path):
+    # Issue 29: convert's bars vanished when output was not a terminal: a 15-minute conversion printed nothing.
+    import transformers
+
+    small = dict(
+        vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    model.save_pretrained(tmp_path / "src")
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnlab", "convert", "src", "dst", "--kv-heads", "2"], cwd=tmp_path,
+        capture_output=True, text=True, env=os.environ | {"ATTNLAB_PROGRESS_SECONDS": "0"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "attnlab: converting layers (mean): 2/2 (100%)" in proc.stderr

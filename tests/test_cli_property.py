@@ -3,6 +3,9 @@ on stderr when it fails, and it never changes its inputs or leaves a temporary b
 
 The commands are a table (``COMMANDS``): an entry draws one invocation (arguments, and files in a fresh
 directory) and names the inputs that must come out unchanged. A new command is covered by adding its entry.
+The commands that write checkpoints (``WRITERS``: uptrain, and eval and generate, which must write nothing) are held
+to the write rule of ``attnlab.atomic`` over the whole sandbox: every file is hashed before and after, and only
+what the command owns may change (DST and the run directory, when they were absent or attnlab's own).
 ``ATTNLAB_FUZZ_EXAMPLES`` raises the number of examples per command (default 30) for a longer hunt.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -19,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
@@ -290,3 +294,162 @@ def test_every_command_exits_0_or_2_and_never_changes_its_inputs(command, data, 
         assert snapshot(inputs) == before, shown
         leftovers = [p for p in work.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
         assert not leftovers, (shown, leftovers)
+
+
+# ------------------------------------------------------------------ the write rule over the whole sandbox
+
+CORPUS = ["the king and the queen", "good night lord", "love and death the day", "the lady of the night"]
+
+
+def sandbox(work: Path, checkpoints: dict[str, Path], draw) -> None:
+    """A user's directory: a causal-LM checkpoint, a corpus, a directory and a file of their own, an earlier
+    attnlab output (``prev``), and now and then a damaged checkpoint."""
+    shutil.copytree(checkpoints[draw(st.sampled_from(["llama", "qwen2"]))], work / "src")
+    damage = draw(st.sampled_from(["none"] * 7 + ["config", "weights", "tokenizer"]))
+    if damage == "config":
+        (work / "src" / "config.json").write_text(
+            odd_config(draw, json.loads((work / "src" / "config.json").read_text()))
+        )
+    elif damage == "weights":
+        damage_weights(draw, work / "src")
+    elif damage == "tokenizer":
+        (work / "src" / "tokenizer.json").write_text(
+            draw(st.sampled_from(["", "{}", "not json", '{1: "x"}']))
+        )
+    (work / "corpus").mkdir()
+    for i in range(3):
+        (work / "corpus" / f"work{i}.txt").write_text(" ".join(CORPUS[i:] + CORPUS[:i]) * 20)
+    (work / "heldout.txt").write_text(" ".join(CORPUS) * 10)
+    (work / "existing").mkdir()
+    (work / "existing" / "keep.txt").write_text("keep")
+    (work / "afile").write_text("a file")
+    from attnlab.atomic import atomic_dir
+
+    with atomic_dir(work / "prev") as tmp:  # what an earlier convert or uptrain left: attnlab's, replaceable
+        for f in (work / "src").iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+
+
+def often(draw, usual, *others):
+    """``usual`` three times in four, else one of ``others``."""
+    return usual if draw(st.integers(0, 3)) else draw(st.sampled_from(others))
+
+
+PLACES = ("out/deeper/dst", "src", "src/inside", ".", "existing", "afile", "prev", "corpus", "corpus/inside",
+          "heldout.txt")  # fmt: skip
+
+
+def draw_uptrain(draw, work: Path, checkpoints: dict[str, Path]) -> list[str]:
+    sandbox(work, checkpoints, draw)
+    dst = often(draw, "dst", *PLACES)
+    args = ["uptrain", "src", dst, "--data", often(draw, "corpus", "heldout.txt", "missing", "afile", "src")]
+    if draw(st.booleans()):
+        args += ["--run-dir", often(draw, "run", *PLACES, "dst", "prev.run")]
+    if draw(st.integers(0, 3)) == 0:
+        args += ["--eval-data", often(draw, "heldout.txt", "corpus", "src", "missing")]
+    if draw(st.integers(0, 4)) == 0:
+        args += ["--teacher", often(draw, "src", "prev", "existing")]
+    args += ["--steps", str(draw(st.integers(1, 2))), "--seq-len", often(draw, "8", "16", "500"),
+             "--batch-size", often(draw, "2", "1", str(10**9)), "--save-every", str(draw(st.integers(0, 1))),
+             "--lr", often(draw, "1e-3", "inf", "0", "1e6")]  # fmt: skip
+    args += draw(
+        st.sampled_from([[], [], ["--overwrite"], ["--resume"], ["--json"], ["--overwrite", "--json"]])
+    )
+    return args
+
+
+def draw_eval(draw, work: Path, checkpoints: dict[str, Path]) -> list[str]:
+    sandbox(work, checkpoints, draw)
+    args = ["eval", often(draw, "src", "prev", "existing", "missing", "afile")]
+    args += ["--data", often(draw, "corpus", "heldout.txt", "afile", "missing", "src")]
+    if draw(st.booleans()):
+        args += ["--seq-len", often(draw, "8", "0", "4", str(10**6))]
+    if draw(st.booleans()):
+        args += ["--batch-size", often(draw, "3", "0", "1", str(10**9))]
+    return args + draw(st.sampled_from([[], ["--json"]]))
+
+
+def draw_generate(draw, work: Path, checkpoints: dict[str, Path]) -> list[str]:
+    sandbox(work, checkpoints, draw)
+    args = ["generate", often(draw, "src", "prev", "existing", "missing")]
+    for _ in range(often(draw, 1, 0, 2)):
+        args += ["--prompt", often(draw, "the king", "good night lord", "", "zzz")]
+    args += ["--max-new", often(draw, "3", "0", "1", "40")]
+    sampling = draw(
+        st.lists(st.sampled_from(["--temperature", "--top-k", "--top-p"]), max_size=2, unique=True)
+    )
+    values = {"--temperature": ["0", "0.8", "-1"], "--top-k": ["0", "2"], "--top-p": ["0.5", "2"]}
+    for flag in sampling:
+        args += [flag, draw(st.sampled_from(values[flag]))]
+    return args + draw(st.sampled_from([[], ["--json"]]))
+
+
+WRITERS: dict[str, Callable[..., list[str]]] = {
+    "uptrain": draw_uptrain,
+    "eval": draw_eval,
+    "generate": draw_generate,
+}
+
+
+def every_file(root: Path) -> dict[str, str]:
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and not f.is_symlink()
+    }
+
+
+def owned(work: Path, args: list[str]) -> list[str]:
+    """What the command may write: DST and the run directory of an uptrain, where they were absent or attnlab's."""
+    from attnlab.atomic import marker_kind
+
+    if args[0] != "uptrain":
+        return []
+    dst = args[2]
+    run = args[args.index("--run-dir") + 1] if "--run-dir" in args else dst + ".run"
+    mine = []
+    for path, kind in ((dst, "checkpoint"), (run, "run")):
+        target = work / path
+        if not (target.exists() or target.is_symlink()) or marker_kind(target) == kind:
+            mine.append(path.rstrip("/") + "/")
+    return mine
+
+
+@pytest.mark.parametrize("command", list(WRITERS))
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_writing_commands_change_nothing_but_what_they_own(command, data, checkpoints):
+    runner = CliRunner()
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        args = [str(a) for a in WRITERS[command](data.draw, work, checkpoints)]
+        before = every_file(work)
+        mine = owned(work, args)
+        os.chdir(work)
+        try:
+            result = runner.invoke(app, args)
+        finally:
+            os.chdir(cwd)
+        shown = f"attnlab {' '.join(args)}\n{result.output}"
+        event(f"exit {result.exit_code}")
+        assert result.exit_code in (0, 2), shown
+        assert result.exception is None or isinstance(result.exception, SystemExit), shown
+        assert "Traceback" not in result.output, shown
+        if result.exit_code == 2:
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), shown
+        after = every_file(work)
+
+        def outside(name: str) -> bool:
+            return not any(name.startswith(m) for m in mine)
+
+        changed = sorted(n for n in set(before) | set(after) if outside(n) and before.get(n) != after.get(n))
+        assert changed == [], (shown, changed)
+        leftovers = [p for p in work.rglob(".*") if re.search(r"\.(tmp|old)-|\.lock$", p.name)]
+        assert not leftovers, (shown, leftovers)
+        if command == "uptrain" and result.exit_code == 0:
+            from attnlab.atomic import marker_kind
+
+            assert marker_kind(work / args[2]) == "checkpoint", shown

@@ -270,7 +270,14 @@ def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
     [
         (["--max-new", "0"], "--max-new must be >= 1"),
         (["--max-new", "500"], "max_position_embeddings=128"),
-        (["--top-p", "2"], "top_p"),
+        (["--top-p", "2", "--temperature", "1"], r"--top-p must be in (0, 1], got 2.0"),  # a flag, not top_p
+        (["--top-k", "0", "--temperature", "1"], "--top-k must be >= 1, got 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (
+            ["--top-p", "0.5"],
+            "--top-p chooses among the tokens to sample, but without --temperature",
+        ),  # issue 29
+        (["--top-k", "5", "--top-p", "0.5"], "--top-k and --top-p choose among"),
         (["--stop", "To be or not to be"], "give a single token"),
         (["--dtype", "fp8"], "--dtype"),
         (["--bandwidth", "0"], "--bandwidth"),

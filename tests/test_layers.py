@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "attnlab"
 DOC = ROOT / "docs" / "architecture.md"
 
-BASE = {"config", "hf_config", "atomic", "console"}
+BASE = {"config", "hf_config", "atomic", "console", "resources"}
 MAY_IMPORT: dict[str, set[str]] = {
     "config": set(),
     "atomic": set(),
     "console": set(),
+    "resources": set(),
     "hf_config": {"config"},
     "cache": {"config"},
     "attention": {"config", "cache"},
@@ -32,9 +33,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "convert": {"config", "cache", "attention", "model"},
     "generate": {"config", "cache", "attention", "model", "cost"},
     "parallel": {"config", "cache", "attention", "model", "cost"},
-    "hf": BASE | {"cache", "attention", "model", "convert"},
+    "hf": BASE | {"cache", "attention", "model", "convert", "data"},
     "data": BASE - {"hf_config"},
-    "train": BASE | {"cache", "attention", "model", "convert", "parallel", "hf", "data"},
+    "train": BASE | {"cache", "attention", "model", "cost", "convert", "parallel", "hf", "data"},
     "bench": BASE | {"cache", "attention", "model", "cost", "convert", "generate", "hf", "data"},
     "cli": BASE
     | {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import re
 import signal
 import sys
@@ -75,8 +76,25 @@ app = typer.Typer(
 )
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("attnlab")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return sys.modules[__package__].__version__
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"attnlab {_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print attnlab's version and exit.", is_eager=True, callback=_show_version
+    ),
+) -> None:
     """MHA, MQA, GQA and MLA: what they cost, how fast they decode, and converting checkpoints."""
 
 
@@ -138,9 +156,19 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# Errors that come from what the user gave (options, files, the checkpoint): under torchrun every rank meets them
+# alike, before or at the same collective, so only rank 0 reports them. Other failures (a full disk, memory) may
+# be one rank's own and are reported by that rank, named.
+_SAME_ON_EVERY_RANK = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError)
+
+
 def _fail(err: BaseException) -> None:
     message = " ".join(_message(err).split())  # one line, whatever the exception's text holds
-    print(f"attnlab: error: {message}", file=sys.stderr)
+    rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+    if rank == "0":
+        print(f"attnlab: error: {message}", file=sys.stderr)
+    elif not isinstance(err, _SAME_ON_EVERY_RANK):
+        print(f"attnlab: error (rank {rank}): {message}", file=sys.stderr)
     raise typer.Exit(code=2) from None
 
 

@@ -74,8 +74,9 @@ def split_held_out(files: list[Path], fraction: float = 0.1) -> tuple[list[Path]
     ]
 
 
-def load_tokenizer(checkpoint: str | Path):
-    """The ``tokenizers.Tokenizer`` saved with a checkpoint (its ``tokenizer.json``)."""
+def load_tokenizer(checkpoint: str | Path, vocab_size: int | None = None):
+    """The ``tokenizers.Tokenizer`` saved with a checkpoint (its ``tokenizer.json``), checked to be readable and,
+    given the model's ``vocab_size`` (its embedding rows), to produce no token id the embedding does not have."""
     from tokenizers import Tokenizer
 
     path = Path(checkpoint) / "tokenizer.json"
@@ -83,7 +84,31 @@ def load_tokenizer(checkpoint: str | Path):
         raise ValueError(
             f"no tokenizer.json in {checkpoint}: the text is tokenised with the checkpoint's own"
         )
-    return Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        reason = " ".join(str(err).split())[:200]
+        raise ValueError(
+            f"{path} is not a readable tokenizer ({reason}); re-download or re-export it"
+        ) from None
+    if vocab_size is not None:
+        top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise ValueError(
+                f"{path} has token ids up to {top}, but the model's embedding has {vocab_size} rows (config.json): "
+                "this tokenizer does not belong to this checkpoint"
+            )
+    return tok
+
+
+def read_text(path: Path, flag: str = "--data") -> str:
+    """A text file's contents, with an error that names the file when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{flag}: {path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8"
+        ) from None
 
 
 def train_byte_bpe(texts: list[str], vocab_size: int, end_token: str = "<|endoftext|>"):
@@ -129,13 +154,16 @@ def _token_bytes(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
 _CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
 
 
-def tokenize_files(checkpoint: str | Path, files: list[Path]) -> TokenStream:
+def tokenize_files(
+    checkpoint: str | Path, files: list[Path], vocab_size: int | None = None, flag: str = "--data"
+) -> TokenStream:
     """Tokenise ``files`` with ``checkpoint``'s tokenizer into one stream (memoised on the tokenizer's and the
-    files' contents, so that a study running many trainings on one corpus tokenises it once)."""
+    files' contents, so that a study running many trainings on one corpus tokenises it once). ``vocab_size``:
+    the model's, which the tokenizer is checked against (``load_tokenizer``)."""
     checkpoint = Path(checkpoint)
-    tok = load_tokenizer(checkpoint)
+    tok = load_tokenizer(checkpoint, vocab_size)
     sep = separator_id(checkpoint)
-    texts = [f.read_text(encoding="utf-8") for f in files]
+    texts = [read_text(f, flag) for f in files]
     key = (
         hashlib.sha256((checkpoint / "tokenizer.json").read_bytes()).hexdigest(),
         sep,
@@ -164,9 +192,16 @@ def tokenize_files(checkpoint: str | Path, files: list[Path]) -> TokenStream:
     return stream
 
 
-def load_stream(checkpoint: str | Path, path: str | Path, seq_len: int, flag: str = "--data") -> TokenStream:
+def load_stream(
+    checkpoint: str | Path,
+    path: str | Path,
+    seq_len: int,
+    flag: str = "--data",
+    vocab_size: int | None = None,
+) -> TokenStream:
     """The stream of every text file at ``path``, checked to hold at least one window of ``seq_len``."""
-    return checked_stream(tokenize_files(checkpoint, text_files(path, flag)), seq_len, f"{flag} {path}")
+    stream = tokenize_files(checkpoint, text_files(path, flag), vocab_size, flag)
+    return checked_stream(stream, seq_len, f"{flag} {path}")
 
 
 def checked_stream(stream: TokenStream, seq_len: int, what: str) -> TokenStream:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,11 +153,13 @@ def generate(
     generator: torch.Generator | None = None,
     cache: str = "auto",
     block_size: int = 256,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Extend every prompt by up to ``max_new_tokens`` tokens; see the module docstring.
 
     ``prompts``: token ids, (T,) or (B, T) tensor, or a sequence of prompts (lists or 1-D tensors) of any
     lengths. ``cache``: "auto" (contiguous when all prompts have one length, else paged), "contiguous" or "paged".
+    ``progress(done, total)``: called after every decode step with the new tokens made so far (of ``total`` at most).
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be an attnlab.model.Transformer, got {type(model).__name__}")
@@ -181,7 +183,7 @@ def generate(
             "prompts of different lengths (the paged cache) need MLA's absorbed mode: set every layer's "
             "attention.mode = 'auto' or 'absorbed' (the result is the same), or give prompts of one length"
         )
-    run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator))
+    run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator), progress)
     if max_new_tokens > 0:
         run.contiguous() if cache == "contiguous" else run.paged(block_size)
     return Generation(
@@ -202,9 +204,16 @@ class _Run:
     """The state of one ``generate`` call: the tokens made so far and the clocks."""
 
     def __init__(
-        self, model: Transformer, rows: list[list[int]], max_new: int, stops: set[int], sampling
+        self,
+        model: Transformer,
+        rows: list[list[int]],
+        max_new: int,
+        stops: set[int],
+        sampling,
+        progress=None,
     ) -> None:
         self.model, self.rows, self.max_new, self.stops, self.sampling = model, rows, max_new, stops, sampling
+        self.progress = progress
         self.out: list[list[int]] = [[] for _ in rows]
         self.stopped = [False] * len(rows)
         self.prefill_s = self.decode_s = 0.0
@@ -218,6 +227,8 @@ class _Run:
             if not self.done(row):
                 self.out[row].append(token)
                 self.stopped[row] = token in self.stops
+        if self.progress is not None:
+            self.progress(sum(len(t) for t in self.out), self.max_new * len(self.rows))
         return nxt
 
     def account(self, batch: int, kv_tokens: int) -> None:

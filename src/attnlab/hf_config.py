@@ -70,14 +70,30 @@ class _Fields:
         return value
 
     def rope_theta(self) -> float:
-        """RoPE base: transformers >= 5 writes it inside ``rope_parameters``, older configs at the top level."""
-        params = self.raw.get("rope_parameters")
-        if isinstance(params, dict) and "rope_theta" in params:
-            return _Fields(params, self.model_type).float("rope_theta")
-        return self.float("rope_theta", 10000.0)
+        """RoPE base, where transformers finds it (``rope_parameters``)."""
+        return _Fields(rope_parameters(self.raw, self.model_type), self.model_type).float("rope_theta")
 
     def fail(self, message: str) -> None:
         raise ValueError(f"{self.model_type} config.json: {message}")
+
+
+def rope_parameters(
+    raw: dict[str, Any], model_type: str = "", default_theta: float = 10000.0
+) -> dict[str, Any]:
+    """The RoPE parameters of a config.json, with transformers' precedence (``convert_rope_params_to_dict``,
+    transformers 5): the older ``rope_scaling`` when it is set, else ``rope_parameters``; ``rope_theta`` from
+    inside them, else from the top level, else the default; ``rope_type`` (or the older ``type``), else "default".
+    A config that writes both fields differently is therefore read as transformers reads it, not by field order."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+        raise ValueError(
+            f"{model_type or 'the'} config.json: field {name!r} must be an object, got {params!r}"
+        )
+    params = dict(params)
+    params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
 
 
 def _heads(

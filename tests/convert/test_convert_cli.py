@@ -134,7 +134,7 @@ def test_convert_matches_attnlab_and_loads_in_transformers(
         k: v for k, v in json.loads((src / "config.json").read_text()).items() if k != "num_key_value_heads"
     }
     assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in src.iterdir())
+    assert sorted(p.name for p in dst.iterdir()) == sorted([".attnlab", *(p.name for p in src.iterdir())])
     assert not list(tmp_path.glob(".dst.tmp-*"))  # the temporary directory was renamed, not left behind
 
     # The same conversion done in attnlab: its logits equal the transformers model loaded from dst.
@@ -163,17 +163,25 @@ def test_convert_matches_attnlab_and_loads_in_transformers(
 
 def test_table_output_and_overwrite(tmp_path):
     src = make_checkpoint(tmp_path / "src")
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("old")
+    dst, mine = tmp_path / "dst", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("old")
     before = tree_hash(src)
+    assert run("convert", src, dst, "--kv-heads", 2).exit_code == 0
     refused = run("convert", src, dst, "--kv-heads", 4)
-    assert refused.exit_code == 2 and "exists" in refused.output and (dst / "keep.txt").exists()
-    done = run("convert", src, dst, "--kv-heads", 4, "--overwrite")
+    assert refused.exit_code == 2 and "exists" in refused.output
+    done = run("convert", src, dst, "--kv-heads", 4, "--overwrite")  # an earlier attnlab output: replaced
     assert done.exit_code == 0, done.output
-    assert "n_kv_heads_after" in done.output and not (dst / "keep.txt").exists()
+    assert "n_kv_heads_after" in done.output
     assert json.loads((dst / "config.json").read_text())["num_key_value_heads"] == 4
-    assert tree_hash(src) == before  # the one relation --overwrite may replace: an unrelated directory
+    # Issue 29: a directory attnlab did not write is never replaced, --overwrite or not.
+    kept = run("convert", src, mine, "--kv-heads", 4, "--overwrite")
+    assert (
+        kept.exit_code == 2
+        and "without attnlab's .attnlab marker" in kept.output
+        and (mine / "keep.txt").read_text() == "old"
+    )
+    assert tree_hash(src) == before
 
 
 @pytest.mark.parametrize(
@@ -282,6 +290,7 @@ def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_pa
     assert "left out of the destination" in result.stderr and "pytorch_model.bin" in result.stderr
     kept = sorted(str(p.relative_to(tmp_path / "dst")) for p in (tmp_path / "dst").rglob("*") if p.is_file())
     assert kept == [
+        ".attnlab",
         "config.json",
         "generation_config.json",
         "model.safetensors",

@@ -212,10 +212,10 @@ def test_llama_checkpoint_converts_to_native_deepseek(tmp_path):
 def test_bad_targets_leave_no_destination(tmp_path):
     src = save_hf(hf_model("llama", num_key_value_heads=2, head_dim=8), tmp_path / "src")  # 6 heads of 8
     for rank, rope_dim, match in [
-        (1000, 8, r"kv_lora_rank must be an int in \[1, 32\].*1000"),  # 2 KV heads * (8 + 8) rows
-        (16, 7, "rope_dim must be even.*7"),
-        (16, 10, "rope_dim must be an int in.*10"),
-        (0, 8, "kv_lora_rank.*0"),
+        (1000, 8, r"--kv-lora-rank must be an int in \[1, 32\].*1000"),  # 2 KV heads * (8 + 8) rows
+        (16, 7, "--rope-dim must be even.*7"),
+        (16, 10, "--rope-dim must be an int in.*10"),
+        (0, 8, "--kv-lora-rank.*0"),
     ]:
         with pytest.raises(ValueError, match=match):
             convert_checkpoint_to_mla(src, tmp_path / "dst", rank, rope_dim)

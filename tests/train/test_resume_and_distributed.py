@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,3 +147,27 @@ def test_fsdp2_killed_and_resumed_matches_one_process(tmp_path, tiny_llama, corp
     summary = json.loads(done.stdout)
     assert summary["fsdp"] and summary["resumed_from_step"] >= 8
     assert_same_run(dst, one_process)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_impossible_tensor_parallel_sizes_are_one_line_from_rank_0_and_exit_2_everywhere(
+    tmp_path, tiny_llama, corpus, nproc
+):
+    # Issue 29: every rank printed its own copy of the error (2 ranks, --tp 3: ranks do not divide; 3 ranks, --tp 3:
+    # the model's 4 heads do not split in 3). Rank 0 reports it once; every rank stops with 2 before a collective.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+           "attnlab", "uptrain", str(tiny_llama), str(tmp_path / "d"), "--data", str(corpus), "--steps", "1",
+           "--tp", "3"]  # fmt: skip
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("attnlab: error")]
+    expected = (
+        "--tp 3 must divide the number of ranks (2)" if nproc == 2 else "--tp 3 must divide the model's 4"
+    )
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+    # torchrun reports each rank's exit: 2 (the rank stopped itself) or -15 (torchrun's SIGTERM once the first one
+    # had stopped); rank 0 is the root cause, with 2. No rank shows a Python traceback (torchrun prints its own).
+    codes = re.findall(r"exitcode\s+:\s+(-?\d+)", done.stderr)
+    assert done.returncode != 0 and len(codes) == nproc and set(codes) <= {"2", "-15"}, done.stderr
+    assert re.search(r"exitcode\s+:\s+2 ", done.stderr.split("Root Cause")[1]), done.stderr
+    assert not re.search(r'File ".*/attnlab/', done.stderr), done.stderr
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.run").exists()

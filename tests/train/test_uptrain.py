@@ -3,9 +3,11 @@ SRC untouched, and refuses bad arguments with one line."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -45,6 +47,7 @@ def test_uptrain_lowers_the_loss_and_writes_a_checkpoint_like_src(tmp_path, tiny
     assert {p.name for p in dst.iterdir()} == {p.name for p in tiny_llama.iterdir()} | {
         "uptrain.json",
         "uptrain_log.jsonl",
+        ".attnlab",  # the marker: attnlab's output, which a later --overwrite may replace
     }
     log = [json.loads(line) for line in (dst / "uptrain_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, 13)) and "eval" in log[5]
@@ -200,21 +203,25 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(
     common = dict(src=tiny_llama, data=corpus, steps=6, batch_size=4, seq_len=32, lr=3e-3, save_every=2)
     uptrain(UptrainOptions(dst=tmp_path / "whole", **common), progress=False)
 
-    real_save, calls = ckpt_mod.save_file, []
+    real_save, calls = ckpt_mod.save_safetensors, []
 
-    def crashing_save(tensors, path, *args, **kwargs):
+    def crashing_save(tensors, path):
         calls.append(path)
         if len(calls) == 4:  # checkpoint 2 (step 4): its model is written, then the optimizer write dies
-            raise OSError("disk full")
-        return real_save(tensors, path, *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(tensors, path)
 
-    monkeypatch.setattr(ckpt_mod, "save_file", crashing_save)
+    monkeypatch.setattr(ckpt_mod, "save_safetensors", crashing_save)
     opts = UptrainOptions(dst=tmp_path / "dst", **common)
-    with pytest.raises(OSError, match="disk full"):
-        uptrain(opts, progress=False)
-    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
     run = tmp_path / "dst.run"
-    assert [p.name for p in run.iterdir() if p.name != "log.jsonl"] == ["step-00000002"]  # no half checkpoint
+    # Issue 29: the message says where the last good checkpoint is and that --resume continues from it.
+    expected = (
+        f"No space left on device; the last complete checkpoint is {run / 'step-00000002'}: rerun the same "
+    )
+    with pytest.raises(OSError, match=re.escape(expected) + "command with --resume"):
+        uptrain(opts, progress=False)
+    monkeypatch.setattr(ckpt_mod, "save_safetensors", real_save)
+    assert sorted(p.name for p in run.iterdir()) == [".attnlab", "log.jsonl", "step-00000002"]  # no half one
     assert not (tmp_path / "dst").exists()
     # The surviving checkpoint loads into a fresh model and optimizer.
     model = load_causal_lm(tiny_llama).float()

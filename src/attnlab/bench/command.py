@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from ..atomic import check_figure_path
+from ..atomic import check_figure_path, json_text
 from .decode import DecodeGrid, run_decode
 from .report import plot as write_plot
 from .report import print_tables
@@ -60,7 +59,7 @@ def run_bench_decode(
     if plot is not None:
         result["plot"] = str(write_plot(result, plot))
     if as_json:
-        print(json.dumps(result, indent=1))
+        print(json_text(result, indent=1), end="")
     else:
         print_tables(result)
     return result

@@ -7,13 +7,12 @@ The CLI function in ``attnlab.cli`` only forwards its options to ``run_compare``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..atomic import check_figure_path, save_figure
+from ..atomic import check_figure_path, json_text, save_figure
 from ..config import ModelConfig, check_int
 from ..console import Grid, print_grid
 from ..cost import Comparison, compare, dtype_name, kv_cache_bytes, load_model, variants
@@ -189,7 +188,7 @@ def run_compare(
                 for t in timings
             ]  # fmt: skip
             doc["local_hardware"] = hw_source
-        print(json.dumps(doc, indent=1))
+        print(json_text(doc, indent=1), end="")
         return
     print_grid(compare_table(comparison), out)
     out.print(comparison.verdict())

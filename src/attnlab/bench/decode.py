@@ -80,17 +80,18 @@ class DecodeGrid:
     mla_cfg: MLAConfig = field(default=V2_LITE_MLA)
 
     def __post_init__(self) -> None:
-        for name in ("kv_heads", "batches", "contexts"):
+        # Messages name the options of `attnlab bench decode`, which builds this grid from them.
+        for name, flag in (("kv_heads", "--kv-heads"), ("batches", "--batch"), ("contexts", "--context")):
             values = getattr(self, name)
             if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
-                raise ValueError(f"DecodeGrid.{name} must be positive ints, got {values!r}")
+                raise ValueError(f"{flag} must list integers >= 1, got {values!r}")
         for n_kv in self.kv_heads:
             if self.n_heads % n_kv:
-                raise ValueError(f"DecodeGrid.kv_heads: {n_kv} does not divide n_heads={self.n_heads}")
+                raise ValueError(f"--kv-heads {n_kv} does not divide the {self.n_heads} query heads")
         for dt in self.dtypes:
             if dt not in DTYPES:
-                raise ValueError(f"DecodeGrid.dtypes: {dt!r} is not one of {', '.join(DTYPES)}")
-        check_int("DecodeGrid.repeats", self.repeats)
+                raise ValueError(f"--dtype {dt!r} is not one of {', '.join(DTYPES)}")
+        check_int("--repeats", self.repeats)
 
 
 def _sig(x: float) -> float:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import json_text
 from ..console import Grid, print_grid
 from ..cost import weight_bytes_read
 from ..generate import generate
@@ -74,6 +75,23 @@ def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool) -> se
     return stops
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """The sampling flags, named as the command takes them; ``--top-k`` / ``--top-p`` only narrow a sample, so
+    without ``--temperature`` (greedy decoding, which ignores them) they are refused rather than silently unused."""
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    given = [f for f, v in (("--top-k", top_k), ("--top-p", top_p)) if v is not None]
+    if temperature == 0 and given:
+        raise ValueError(
+            f"{' and '.join(given)} choose{'s' if len(given) == 1 else ''} among the tokens to sample, but without "
+            "--temperature decoding is greedy and would ignore it: add --temperature (e.g. 0.8) to sample"
+        )
+
+
 def run_generate(
     ckpt: Path,
     prompts: list[str],
@@ -89,6 +107,9 @@ def run_generate(
     as_json: bool,
     bandwidth_gbs: float | None = None,
 ) -> dict[str, Any]:
+    from .. import resources
+    from ..console import Progress
+    from ..cost import kv_cache_bytes
     from ..data import load_tokenizer
     from ..hf.causal_lm import load_causal_lm
     from .machine import measure_local
@@ -99,10 +120,11 @@ def run_generate(
         raise ValueError("give at least one --prompt")
     if max_new < 1:
         raise ValueError(f"--max-new must be >= 1, got {max_new}")
+    check_sampling(temperature, top_k, top_p)
     if bandwidth_gbs is not None and not 0 < bandwidth_gbs < float("inf"):
         raise ValueError(f"--bandwidth must be a number of GB/s > 0, got {bandwidth_gbs}")
-    tokenizer = load_tokenizer(ckpt)
     model = load_causal_lm(ckpt)
+    tokenizer = load_tokenizer(ckpt, model.cfg.vocab_size)
     if DTYPES[dtype] is not None:
         model = model.to(DTYPES[dtype])
     ids = [tokenizer.encode(text).ids for text in prompts]
@@ -114,13 +136,21 @@ def run_generate(
                 f"--prompt of {len(row)} tokens + --max-new {max_new} exceeds the checkpoint's "
                 f"max_position_embeddings={model.cfg.max_seq_len}"
             )
-    stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
-    gen = generate(
-        model, ids, max_new, temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops, seed=seed
+    param_dtype = next(model.parameters()).dtype
+    longest = max(len(row) for row in ids) + max_new
+    resources.check_fits(  # the weights are loaded; the caches of every prompt come on top
+        kv_cache_bytes(model.cfg, len(ids), longest, param_dtype),
+        f"{len(ids)} --prompt x {longest} tokens (prompt + --max-new)",
+        "lower --max-new or give fewer prompts",
     )
+    stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
+    with Progress("generate (tokens)", max_new * len(ids)) as bar:
+        gen = generate(
+            model, ids, max_new, temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops, seed=seed,
+            progress=lambda done, total: bar.update(done, total=total),
+        )  # fmt: skip
     bandwidth = measure_local().bandwidth if bandwidth_gbs is None else bandwidth_gbs * 1e9
     n_bytes = gen.decode_bytes
-    param_dtype = next(model.parameters()).dtype
     fraction = n_bytes / bandwidth / gen.decode_s if gen.decode_steps and gen.decode_s > 0 else None
     result = {
         "checkpoint": str(ckpt),
@@ -152,7 +182,7 @@ def run_generate(
         "roofline_fraction": fraction,
     }
     if as_json:
-        print(json.dumps(result, indent=1))
+        print(json_text(result, indent=1), end="")
     else:
         print_result(result)
     return result

@@ -20,6 +20,9 @@ import torch
 from ..atomic import write_atomic
 from ..cost import hardware as table
 from ..cost.hardware import Hardware
+from ..resources import available_memory_bytes, memory_bytes
+
+__all__ = ["available_memory_bytes", "get_hardware", "measure_local", "memory_bytes"]
 
 
 def get_hardware(name: str) -> Hardware:
@@ -39,26 +42,6 @@ def _session_key() -> dict[str, object]:
     except OSError:
         boot_id = f"pid-{os.getpid()}"  # no boot id: valid for this process only
     return {"boot_id": boot_id, "threads": torch.get_num_threads(), "torch": torch.__version__}
-
-
-def _meminfo(field: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024  # the file says kB and means KiB
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def memory_bytes() -> int:
-    """Physical memory (``MemTotal``); 0 where unknown."""
-    return _meminfo("MemTotal") or 0
-
-
-def available_memory_bytes() -> int | None:
-    """Memory the kernel could give this process now (``MemAvailable``), or None where unknown."""
-    return _meminfo("MemAvailable")
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -117,7 +100,9 @@ def _local_cached() -> Hardware:
 def _measure_and_save() -> Hardware:
     hw = _measure()
     with contextlib.suppress(OSError):  # a read-only home still gets the in-process cache
-        write_atomic(_cache_path(), json.dumps({"key": _session_key(), "hardware": asdict(hw)}, indent=1))
+        write_atomic(
+            _cache_path(), json.dumps({"key": _session_key(), "hardware": asdict(hw)}, indent=1), ours=True
+        )
     return hw
 
 

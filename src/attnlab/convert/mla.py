@@ -59,12 +59,13 @@ def _check_int(name: str, value: object, low: int, high: int, why: str) -> int:
     return value
 
 
-def check_rope_dim(rope_dim: object, head_dim: int, rope: bool) -> int:
-    """``rope_dim`` (qk_rope_head_dim) validated against the source's head_dim; returned as an int."""
+def check_rope_dim(rope_dim: object, head_dim: int, rope: bool, name: str = "rope_dim") -> int:
+    """``rope_dim`` (qk_rope_head_dim) validated against the source's head_dim; returned as an int. ``name``: how
+    the message names it (the CLI's ``--rope-dim``)."""
     high = head_dim if rope else max(head_dim, 2)
-    value = _check_int("rope_dim", rope_dim, 2, high, f"the rotary key of a source with head_dim={head_dim}")
+    value = _check_int(name, rope_dim, 2, high, f"the rotary key of a source with head_dim={head_dim}")
     if value % 2:
-        raise ValueError(f"rope_dim must be even (RoPE turns pairs of dims), got {value}")
+        raise ValueError(f"{name} must be even (RoPE turns pairs of dims), got {value}")
     return value
 
 
@@ -74,10 +75,10 @@ def max_stride(head_dim: int, rope_dim: int) -> int:
     return (head_dim // 2 - 1) // (n_planes - 1) if n_planes > 1 else 1
 
 
-def rope_planes(head_dim: int, rope_dim: int, stride: int) -> torch.Tensor:
+def rope_planes(head_dim: int, rope_dim: int, stride: int, name: str = "stride") -> torch.Tensor:
     """Source planes that keep RoPE: ``0, stride, ..., (rope_dim/2 - 1) * stride`` (long tensor)."""
     high = max_stride(head_dim, rope_dim)
-    _check_int("stride", stride, 1, high, f"{rope_dim // 2} planes of a head_dim={head_dim} head")
+    _check_int(name, stride, 1, high, f"{rope_dim // 2} planes of a head_dim={head_dim} head")
     return torch.arange(rope_dim // 2) * stride
 
 
@@ -104,16 +105,24 @@ def _nope_dim(cfg: AttentionConfig, rope_dim: int) -> int:
     return cfg.head_dim - rope_dim if cfg.rope and cfg.n_kv_heads == 1 else cfg.head_dim
 
 
-def check_target(cfg: AttentionConfig, kv_lora_rank: object, rope_dim: object, stride: object = 1) -> int:
+def check_target(
+    cfg: AttentionConfig,
+    kv_lora_rank: object,
+    rope_dim: object,
+    stride: object = 1,
+    names: dict[str, str] | None = None,
+) -> int:
     """Validate an MLA target for a source with attention ``cfg`` before any work; returns the rope_dim
-    (``None`` -> head_dim with RoPE, else 2). Raises ValueError naming the bad value."""
+    (``None`` -> head_dim with RoPE, else 2). Raises ValueError naming the bad value, by its name in ``names``
+    (keys "kv_lora_rank", "rope_dim", "stride"; the CLI passes its flags) or else by the argument's."""
+    names = {"kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "stride": "stride"} | (names or {})
     if rope_dim is None:
         rope_dim = cfg.head_dim if cfg.rope else 2
-    rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope)
+    rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope, names["rope_dim"])
     if cfg.rope:
-        rope_planes(cfg.head_dim, rope_dim, stride)
+        rope_planes(cfg.head_dim, rope_dim, stride, names["stride"])
     high = full_rank(cfg, rope_dim)
-    _check_int("kv_lora_rank", kv_lora_rank, 1, high, "the rank of the stacked nope keys and values")
+    _check_int(names["kv_lora_rank"], kv_lora_rank, 1, high, "the rank of the stacked nope keys and values")
     return rope_dim
 
 

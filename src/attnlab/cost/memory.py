@@ -151,3 +151,38 @@ def decode_step_bytes(
     check_int("kv_len", kv_len)
     kv = kv_cache_bytes(model_cfg, batch, kv_len, kv_dtype if kv_dtype is not None else dtype)
     return weight_bytes_read(model_cfg, batch, dtype) + kv
+
+
+def activation_bytes(model_cfg: ModelConfig, batch: int, seq_len: int, *, training: bool) -> int:
+    """A lower bound of the float32 activations of one forward pass over ``batch`` x ``seq_len`` tokens.
+
+    Counted: the logits, (B, T, vocab), which dominate small models with large vocabularies, and in training their
+    gradient; per layer, what autograd must keep for the backward pass at the least: the block's input and the
+    attention output (d_model each), the query, key and value rows, and the MLP's hidden activations (two of
+    ffn_dim for a gated MLP). A forward without gradients keeps one layer's worth at a time. Softmax scores are
+    not counted (SDPA's fused kernels keep only their log-sum-exp), so the true figure is higher, never lower.
+    """
+    check_int("batch", batch)
+    check_int("seq_len", seq_len)
+    attn = model_cfg.attention
+    if isinstance(attn, MLAConfig):
+        qkv = attn.n_heads * (attn.qk_head_dim * 2 + attn.v_head_dim)
+    else:
+        qkv = (attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim
+    gated = 2 if model_cfg.mlp.endswith("glu") else 1  # SwiGLU, GeGLU: gate and up
+    per_layer = 2 * model_cfg.d_model + qkv + gated * model_cfg.ffn_dim
+    layers = model_cfg.n_layers if training else 1
+    logits = (2 if training else 1) * model_cfg.vocab_size
+    return 4 * batch * seq_len * (layers * per_layer + logits)
+
+
+def training_step_bytes(
+    model_cfg: ModelConfig, batch: int, seq_len: int, *, teacher: ModelConfig | None = None
+) -> int:
+    """A lower bound of the memory one uptraining step needs in float32 (``attnlab uptrain``): every parameter
+    with its gradient and AdamW's two moments (16 bytes each), the activations of a micro-batch of ``batch``
+    sequences (``activation_bytes``), and a distillation teacher's weights and forward pass."""
+    n = 16 * model_param_count(model_cfg) + activation_bytes(model_cfg, batch, seq_len, training=True)
+    if teacher is not None:
+        n += 4 * model_param_count(teacher) + activation_bytes(teacher, batch, seq_len, training=False)
+    return n

@@ -30,22 +30,26 @@ from .hardware import Hardware
 from .memory import _bits_to_bytes, dtype_bits
 
 
-def check_tp(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int) -> None:
+def check_tp(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int, *, flag: str = "tp") -> None:
     """ValueError unless ``cfg``'s heads can be split over ``tp`` ranks: tp divides n_heads and, for MHA / GQA /
-    MQA, divides n_kv_heads or is a multiple of it."""
+    MQA, divides n_kv_heads or is a multiple of it. ``flag``: how messages name tp (the CLI's ``--tp``)."""
+    given = f"{flag} {tp}" if flag.startswith("--") else f"{flag}={tp}"
     if isinstance(tp, bool) or not isinstance(tp, int):
-        raise TypeError(f"tp must be an int, got {tp!r}")
+        raise TypeError(f"{flag} must be an int, got {tp!r}")
     if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+        raise ValueError(f"{given} must be >= 1")
     attn = cfg.attention if isinstance(cfg, ModelConfig) else cfg
     if not isinstance(attn, (AttentionConfig, MLAConfig)):
         raise TypeError(f"cfg must be an AttentionConfig, MLAConfig or ModelConfig, got {type(cfg).__name__}")
+    cli = flag.startswith("--")
     if attn.n_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={attn.n_heads}: each rank computes whole query heads")
+        heads = f"the model's {attn.n_heads} query heads" if cli else f"n_heads={attn.n_heads}"
+        raise ValueError(f"{given} must divide {heads}: each rank computes whole query heads")
     if isinstance(attn, AttentionConfig) and attn.n_kv_heads % tp and tp % attn.n_kv_heads:
+        heads = f"the model's {attn.n_kv_heads} KV heads" if cli else f"n_kv_heads={attn.n_kv_heads}"
         raise ValueError(
-            f"tp={tp} must divide n_kv_heads={attn.n_kv_heads} (each rank holds n_kv_heads / tp KV heads) or be a "
-            f"multiple of it (each KV head replicated on tp / n_kv_heads ranks)"
+            f"{given} must divide {heads} (each rank holds n_kv_heads / tp KV heads) or be a multiple of it (each "
+            "KV head replicated on tp / n_kv_heads ranks)"
         )
 
 

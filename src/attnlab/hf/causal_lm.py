@@ -70,8 +70,11 @@ def _family(hf: dict, src: str | Path) -> str:
 
 
 def load_causal_lm(src: str | Path) -> nn.Module:
-    """The attnlab model of a causal-LM checkpoint (weights keep the checkpoint's dtype)."""
-    return FAMILIES[family_of(src)].load(Path(src))
+    """The attnlab model of a causal-LM checkpoint (weights keep the checkpoint's dtype), checked to hold only
+    finite weights."""
+    model = FAMILIES[family_of(src)].load(Path(src))
+    io.check_finite(model, src)
+    return model
 
 
 def _tensor_meta(src: Path, files: dict[str, str]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -95,11 +98,13 @@ def save_causal_lm(
     like: str | Path,
     overwrite: bool = False,
     extra_files: dict[str, str] | None = None,
+    sources: tuple[str | Path | None, ...] = (),
 ) -> Path:
     """Write the attnlab state dict ``state`` (of a model with config ``cfg``) as a checkpoint like ``like``.
 
     ``extra_files``: name -> text written beside the weights (e.g. a training log). Atomic: ``dst`` appears
-    complete or not at all. Returns ``dst``.
+    complete or not at all. ``sources``: inputs besides ``like`` that ``dst`` may not be, contain or lie inside.
+    Returns ``dst``.
     """
     like, dst = Path(like), Path(dst)
     hf = io.read_config(like)
@@ -124,7 +129,7 @@ def save_causal_lm(
             for key in (k for k, v in kept.items() if v == name):
                 tensors[key] = f.get_tensor(key)
     weight_files = set(files.values()) | {io.INDEX}
-    with io.atomic_dir(dst, overwrite) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(like, *sources), what="DST") as tmp:
         io.write_tensors(tmp, tensors, files)
         # config.json, tokenizer files, generation config: unchanged.
         io.copy_other_files(like, tmp, skip=weight_files | set(extra_files or {}))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .. import data
 from ..atomic import check_destination
 from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE, Progress, convert_model
@@ -24,27 +25,25 @@ from . import bert, io, llama
 
 
 def calibration_batches(
-    src: Path, calib: str | Path, max_lines: int = 256, max_tokens: int = 128, batch_size: int = 16
+    src: Path,
+    calib: str | Path,
+    max_lines: int = 256,
+    max_tokens: int = 128,
+    batch_size: int = 16,
+    vocab_size: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Padded batches ``(ids, mask)`` of the lines of the text file ``calib``, tokenised with the source's
-    ``tokenizer.json``; padding is on the right (what ``convert_model`` needs for causal decoders)."""
-    from tokenizers import Tokenizer
-
+    ``tokenizer.json`` (checked against the model's ``vocab_size``); padding is on the right (what
+    ``convert_model`` needs for causal decoders)."""
     calib = Path(calib)
     if not calib.is_file():
         raise FileNotFoundError(f"calibration file not found: {calib}")
     if not (src / "tokenizer.json").is_file():
         raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")
-    try:
-        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
-    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
-        raise ValueError(f"{src / 'tokenizer.json'} cannot be read: {err}") from None
+    tok = data.load_tokenizer(src, vocab_size)
     tok.no_padding()
     tok.enable_truncation(max_tokens)
-    try:
-        text = calib.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"calibration file {calib} is not UTF-8 text: {err}") from None
+    text = data.read_text(calib, "--calib")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     seqs = sorted((ids for ids in (tok.encode(line).ids for line in lines[:max_lines]) if ids), key=len)
     if not seqs:
@@ -70,15 +69,6 @@ def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
             f"--kv-heads {n_kv_heads} must be a positive divisor of the checkpoint's {n_kv_src} KV heads "
             f"({n_heads} query heads)"
         )
-
-
-def check_finite(model: torch.nn.Module) -> None:
-    """A NaN or inf weight would be averaged into every head of its group (or break the fit): refuse it."""
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
-            raise ValueError(
-                f"the checkpoint's tensor {name} holds NaN or inf values; it cannot be converted"
-            )
 
 
 def convert_checkpoint(
@@ -120,8 +110,8 @@ def convert_checkpoint(
         )
     attn = model.cfg.attention
     _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
-    check_finite(model)
-    batches = calibration_batches(src, calib) if calib is not None else None
+    io.check_finite(model, src)
+    batches = calibration_batches(src, calib, vocab_size=model.cfg.vocab_size) if calib is not None else None
     model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
     converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
 

@@ -8,10 +8,10 @@ summary as a table or JSON.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from ..atomic import json_text
 from ..convert.mla_model import PLANES
 
 TARGETS = ("gqa", "mla")
@@ -70,10 +70,7 @@ def run_convert(
     as_json: bool = False,
 ) -> dict:
     """``attnlab convert``: convert, then print the summary as a table (or JSON); returns the summary."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..console import Grid, print_grid
+    from ..console import Grid, Progress, print_grid
 
     check_options(
         to,
@@ -81,30 +78,23 @@ def run_convert(
          "--planes": planes},
     )  # fmt: skip
     stride = parse_planes(planes)
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=not err.is_terminal,
-    ) as bar:  # fmt: skip
+    with Progress("loading", transient=True) as bar:
         if to == "gqa":
             from .checkpoint import convert_checkpoint
 
             method = method or "mean"
-            task = bar.add_task(f"converting layers ({method})", total=None)
+            bar.update(description=f"converting layers ({method})")
             summary = convert_checkpoint(
                 src, dst, kv_heads, method, calib=calib, overwrite=overwrite,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
+                progress=lambda done, total: bar.update(done, total=total),
             )  # fmt: skip
             title = f"attnlab convert: {summary['model_type']} -> {kv_heads} KV heads ({method})"
         else:
             from .mla_checkpoint import convert_checkpoint_to_mla
 
-            task = bar.add_task("loading", total=None)
             summary = convert_checkpoint_to_mla(
                 src, dst, kv_lora_rank, rope_dim, calib=calib, planes=stride, overwrite=overwrite,
-                progress=lambda stage, done, total: bar.update(
-                    task, description=f"{stage} (layers)", completed=done, total=total
-                ),
+                progress=lambda stage, done, total: bar.update(done, total=total, description=f"{stage} (layers)"),
             )  # fmt: skip
             title = (
                 f"attnlab convert: {summary['model_type']} -> MLA (DeepSeek-V3), kv_lora_rank "
@@ -117,7 +107,7 @@ def run_convert(
             file=sys.stderr,
         )
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary), end="")
         return summary
     grid = Grid(title, ["field", "value"])
     for key, value in summary.items():

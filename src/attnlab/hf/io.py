@@ -118,17 +118,21 @@ def write_tensors(dst: Path, tensors: dict[str, torch.Tensor], files: dict[str, 
     if set(files) != set(tensors):
         raise ValueError("write_tensors: the shard map and the tensors name different keys")
     for name in sorted(set(files.values())):
-        shard = {k: tensors[k].contiguous() for k, f in files.items() if f == name}
-        try:
-            save_file(shard, str(dst / name), metadata={"format": "pt"})
-        except SafetensorError as err:  # the Rust writer reports I/O errors as "... (os error N)"
-            code = re.search(r"os error (\d+)", str(err))
-            number = int(code.group(1)) if code else errno.EIO
-            raise OSError(number, os.strerror(number), str(dst / name)) from err
+        save_safetensors({k: tensors[k] for k, f in files.items() if f == name}, dst / name)
     if len(set(files.values())) > 1 or SINGLE not in files.values():
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(files.items()))}
         (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file``, with a failed write (disk full, a file-size limit) as an ``OSError``."""
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:  # the Rust writer reports I/O errors as "... (os error N)"
+        code = re.search(r"os error (\d+)", str(err))
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number), str(path)) from err
 
 
 def write_config(dst: Path, cfg: dict) -> None:
@@ -168,3 +172,14 @@ def copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
 
     walk(src, dst, "")
     return left_out
+
+
+def check_finite(model: torch.nn.Module, src: str | Path) -> None:
+    """Refuse a model with a NaN or inf weight: it would be averaged into every head of its group by a conversion,
+    make every loss NaN in training and evaluation, and turn generation into empty text."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise ValueError(
+                f"{src}: the checkpoint's tensor {name} holds NaN or inf values; a damaged (or diverged) checkpoint "
+                "cannot be converted, trained, evaluated or sampled"
+            )

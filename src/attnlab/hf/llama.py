@@ -27,7 +27,7 @@ import torch
 
 from ..attention.rope import interleaved_to_half_split
 from ..config import AttentionConfig, ModelConfig
-from ..hf_config import from_hf_config, to_hf_config
+from ..hf_config import from_hf_config, rope_parameters, to_hf_config
 from ..model import Transformer
 from . import io
 
@@ -50,10 +50,7 @@ _TOP_MAP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_he
 
 def check_default_rope(hf: dict) -> None:
     """Only plain RoPE converts exactly; scaled variants (yarn, llama3, dynamic, ...) are refused."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config.json field rope_parameters must be an object, got {params!r}")
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = rope_parameters(hf, hf.get("model_type", ""))["rope_type"]
     if kind != "default":
         raise ValueError(f"config.json rope_type={kind!r} is not supported (only 'default' RoPE)")
 
@@ -186,6 +183,11 @@ def load_llama(src: str | Path, layout: str = "half_split") -> Transformer:
 
 def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
     """A ``Transformer`` holding ``state`` (read from ``src``), whose key set must be exactly the model's."""
+    head, table = state.get("output.weight"), state.get("tok_embeddings.weight")
+    if cfg.tie_embeddings and head is not None and head is not table and not torch.equal(head, table):
+        # transformers' rule: tie_word_embeddings with a separate LM head that differs from the embeddings keeps the
+        # head (it does not tie them), so the checkpoint computes what transformers computes with it
+        cfg = cfg.replace(tie_embeddings=False)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = set(model.state_dict())

@@ -33,7 +33,7 @@ from ..convert.mla_model import (
     logit_distance,
 )
 from . import deepseek, io, llama
-from .checkpoint import calibration_batches, check_finite
+from .checkpoint import calibration_batches
 
 # (stage, layers done, layers in all): called after each layer of each pass over the model
 StageProgress = Callable[[str, int, int], None]
@@ -88,13 +88,14 @@ def convert_checkpoint_to_mla(
         )
     cfg = llama.model_config_from_hf(hf)
     attn_cfg = cfg.attention
-    rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim)
+    flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
+    rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
     model = llama.load_llama(src)
-    check_finite(model)
+    io.check_finite(model, src)
     dtype = model.tok_embeddings.weight.dtype
     model = model.float()
     if calib is not None:
-        batches = calibration_batches(src, calib)
+        batches = calibration_batches(src, calib, vocab_size=cfg.vocab_size)
     else:  # no longer than the positions the model was made for
         batches = random_batches(cfg.vocab_size, seed, length=min(64, cfg.max_seq_len))
 

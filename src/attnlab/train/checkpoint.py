@@ -13,8 +13,10 @@ or ``--run-dir``)::
         state.json               step, samples consumed, world size, the options of the run
       .step-00000300.tmp-XXXX/   a checkpoint being written, or left by a kill: never read, removed on resume
 
-When DST is written (atomically, see ``attnlab.hf.causal_lm.save_causal_lm``) the run directory is deleted. A
-killed run leaves a run directory and no DST; ``--resume`` continues from its newest complete checkpoint.
+The run directory is attnlab's (it carries the ``.attnlab`` marker of kind "run", see ``attnlab.atomic``): an
+existing directory without the marker is never used, emptied or deleted. When DST is written (atomically, see
+``attnlab.hf.causal_lm.save_causal_lm``) the run directory is deleted. A killed run leaves a run directory and no
+DST; ``--resume`` continues from its newest complete checkpoint.
 
 Model and optimizer states go through ``torch.distributed.checkpoint.state_dict`` in their full (unsharded)
 form, so one code path serves one process, DDP and FSDP2, and a checkpoint can be resumed on another number of
@@ -33,10 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from ..hf.io import atomic_dir
+from ..atomic import atomic_dir, remove_owned
+from ..hf.io import save_safetensors
 from .distributed import Env, barrier, broadcast_object, gather_objects
 
 MODEL = "model.safetensors"
@@ -135,21 +138,22 @@ def save_checkpoint(
     if env.is_main:
         tensors, optim_meta = _flatten_optimizer(optim_state)
         with atomic_dir(path, overwrite=True) as tmp:
-            save_file(_unshared(model_state), str(tmp / MODEL))
-            save_file(tensors, str(tmp / OPTIMIZER))
+            save_safetensors(_unshared(model_state), tmp / MODEL)
+            save_safetensors(tensors, tmp / OPTIMIZER)
             (tmp / "optimizer.json").write_text(json.dumps(optim_meta, indent=1) + "\n")
             (tmp / "rng.json").write_text(json.dumps(rngs) + "\n")
             (tmp / "state.json").write_text(json.dumps(meta | {"step": step}, indent=2) + "\n")
         for old in checkpoints(run)[:-keep]:
-            shutil.rmtree(old)
+            remove_owned(old, "checkpoint")
     barrier(env)
     return path
 
 
 def remove_partial(run: Path) -> None:
-    """Delete checkpoints that were being written when a run died (hidden ``.step-*.tmp-*`` directories)."""
+    """Delete checkpoints that were being written when a run died (hidden ``.step-*.tmp-*`` directories): the run
+    directory has one writer (its lock), so none of them is being written now."""
     if run.is_dir():
-        for path in run.glob(".step-*"):
+        for path in run.glob(".step-*.tmp-*"):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from rich.console import Console
 from rich.table import Table
 
+from ..atomic import json_text
 from .evaluate import evaluate_checkpoint
 from .loop import uptrain
 from .options import UptrainOptions
@@ -37,7 +37,7 @@ def run_uptrain(opts: UptrainOptions, *, as_json: bool) -> dict:
     if not _is_main():
         return summary
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary), end="")
         return summary
     shown = {k: v for k, v in summary.items() if k not in ("options", "eval", "eval_before")}
     for name in ("eval_before", "eval"):
@@ -52,9 +52,11 @@ def run_uptrain(opts: UptrainOptions, *, as_json: bool) -> dict:
 
 
 def run_eval(ckpt, data, *, seq_len: int | None, batch_size: int, max_windows: int, as_json: bool) -> dict:
-    result = evaluate_checkpoint(ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows)
+    result = evaluate_checkpoint(
+        ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, show_progress=True
+    )
     if as_json:
-        print(json.dumps(result, indent=2))
+        print(json_text(result), end="")
     else:
         Console().print(_table(f"attnlab eval: {ckpt}", result))
     return result

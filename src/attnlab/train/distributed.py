@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +191,30 @@ def broadcast_object(obj: Any, env: Env) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# What rank 0's failure is raised as on the other ranks: the nearest of these in the error's class hierarchy.
+_SHARED_ERRORS = (FileNotFoundError, FileExistsError, OSError, ValueError, TypeError, MemoryError)
+
+
+def on_main(fn: Callable[[], Any], env: Env) -> Any:
+    """``fn()`` run on rank 0 alone (a decision about files only rank 0 touches); its result, or its error, reaches
+    every rank. A user error on rank 0 is raised on every rank with the same message, so that all of them stop
+    (and only rank 0 reports it, see ``attnlab.cli``)."""
+    if not env.distributed:
+        return fn()
+    box: tuple = ()
+    if env.is_main:
+        try:
+            box = ("ok", fn())
+        except _SHARED_ERRORS as err:
+            box = ("error", next(c.__name__ for c in _SHARED_ERRORS if isinstance(err, c)), str(err), err)
+    verdict = broadcast_object(box[:3] if env.is_main else None, env)
+    if verdict[0] == "ok":
+        return verdict[1]
+    if env.is_main:
+        raise box[3]
+    raise {c.__name__: c for c in _SHARED_ERRORS}[verdict[1]](verdict[2])
 
 
 def gather_objects(obj: Any, env: Env) -> list[Any]:

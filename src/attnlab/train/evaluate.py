@@ -10,12 +10,16 @@ bytes``, where bytes are the UTF-8 bytes of the text the scored tokens spell (co
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import resources
+from ..console import Progress
+from ..cost.memory import activation_bytes
 from ..data import TokenStream, load_stream
 from .distributed import ONE_PROCESS, Env, all_reduce_sum
 
@@ -40,11 +44,13 @@ def evaluate(
     batch_size: int = 8,
     max_windows: int = 0,
     env: Env = ONE_PROCESS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Loss, perplexity and bits per byte of ``model`` (tokens (B, T) -> logits (B, T, vocab)) on ``stream``.
 
     Under torchrun each data-parallel replica scores a share of the windows and the sums are reduced; every rank runs
     the same number of forward passes (a sharded model needs all of them), padding its share with zero-weight windows.
+    ``progress(done, total)``: called after each batch with this rank's windows scored.
     """
     index = eval_windows(stream, seq_len, max_windows)
     share = -(-len(index) // env.dp_size)
@@ -62,6 +68,8 @@ def evaluate(
             nll = F.cross_entropy(logits.float().flatten(0, 1), y.to(env.device).flatten(), reduction="none")
             nll = nll.view_as(y).double().cpu()
             sums += torch.stack(((nll * w).sum(), (w * torch.ones_like(nll)).sum(), (nbytes * w).sum()))
+            if progress is not None:
+                progress(min(start + batch_size, share), share)
     finally:
         model.train(was_training)
     nats, tokens, nbytes_total = all_reduce_sum(sums.to(env.device), env).cpu().tolist()
@@ -84,8 +92,10 @@ def evaluate_checkpoint(
     seq_len: int | None = None,
     batch_size: int = 8,
     max_windows: int = 0,
+    show_progress: bool = False,
 ) -> dict:
-    """``attnlab eval``: load a causal-LM checkpoint, tokenise ``data`` with its tokenizer, ``evaluate``."""
+    """``attnlab eval``: load a causal-LM checkpoint, tokenise ``data`` with its tokenizer, ``evaluate``
+    (``show_progress``: windows scored, on stderr)."""
     from ..hf.causal_lm import family_of, load_causal_lm
 
     ckpt = Path(ckpt)
@@ -101,8 +111,18 @@ def evaluate_checkpoint(
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if max_windows < 0:
         raise ValueError(f"--max-windows must be >= 0, got {max_windows}")
-    stream = load_stream(ckpt, data, seq_len)
-    result = evaluate(model, stream, seq_len, batch_size=batch_size, max_windows=max_windows)
+    stream = load_stream(ckpt, data, seq_len, vocab_size=model.cfg.vocab_size)
+    windows = len(eval_windows(stream, seq_len, max_windows))
+    resources.check_fits(  # the weights are loaded; a forward pass over one batch of windows comes on top
+        activation_bytes(model.cfg, min(batch_size, windows), seq_len, training=False),
+        f"--batch-size {batch_size} x --seq-len {seq_len}",
+        "lower --batch-size",
+    )
+    with Progress("eval (windows)", windows, enabled=show_progress) as bar:
+        result = evaluate(
+            model, stream, seq_len, batch_size=batch_size, max_windows=max_windows,
+            progress=lambda done, total: bar.update(done, total=total),
+        )  # fmt: skip
     return {
         "checkpoint": str(ckpt),
         "model_type": model_type,

@@ -17,20 +17,21 @@ logits softened by the temperature T (Hinton et al. 2015, arXiv 1503.02531).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
-import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import data
+from .. import atomic, data, resources
+from ..cost.memory import training_step_bytes
 from ..hf.causal_lm import family_of, load_causal_lm, save_causal_lm
+from ..hf_config import from_hf_config
 from . import checkpoint, distributed
 from .evaluate import evaluate
 from .options import SAME_ON_RESUME, UptrainOptions
@@ -84,34 +85,66 @@ class Prepared:
     resume_from: Path | None
 
 
+def _inputs(opts: UptrainOptions) -> tuple[Path | None, ...]:
+    """Every path the run reads: never written, emptied or deleted (``attnlab.atomic``)."""
+    return (opts.src, opts.data, opts.eval_data, opts.teacher)
+
+
+def _run_name(opts: UptrainOptions) -> str:
+    """How messages name the run directory (they add its path)."""
+    return "--run-dir" if opts.run_dir is not None else "the run directory"
+
+
 def _check_paths(opts: UptrainOptions) -> None:
-    src, dst = opts.src.resolve(), opts.dst.resolve()
+    """The write rule for DST and the run directory, checked on every rank before anything is loaded."""
     if not opts.src.is_dir():
         raise FileNotFoundError(f"SRC checkpoint directory not found: {opts.src}")
-    if src == dst or src in dst.parents:
-        raise ValueError(f"DST {opts.dst} must be outside SRC {opts.src} (uptraining never modifies SRC)")
-    if opts.dst.exists() and not opts.overwrite:
-        raise FileExistsError(f"DST exists: {opts.dst} (pass --overwrite to replace it)")
-    run = opts.run_path.resolve()
-    if run in (src, dst) or src in run.parents or dst in run.parents:
-        raise ValueError(f"the run directory {opts.run_path} must be outside SRC and DST")
     if opts.teacher is not None and not opts.teacher.is_dir():
         raise FileNotFoundError(f"--teacher checkpoint directory not found: {opts.teacher}")
+    atomic.check_destination(opts.dst, _inputs(opts), overwrite=opts.overwrite, what="DST")
+    atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), what=_run_name(opts))
+    run, dst = opts.run_path.resolve(), opts.dst.resolve()
+    if run == dst or dst in run.parents or run in dst.parents:
+        raise ValueError(f"{_run_name(opts)} {opts.run_path} and DST {opts.dst} must lie outside each other")
 
 
-def _streams(opts: UptrainOptions) -> tuple[data.TokenStream, data.TokenStream | None]:
+def _check_sizes(opts: UptrainOptions, env: distributed.Env) -> None:
+    """What the model's config.json alone decides (no weights loaded, no collective issued, on every rank):
+    tensor-parallel sizes, the sequence length, and whether a training step fits in memory."""
+    cfg = from_hf_config(opts.src)
+    if opts.tp > 1:
+        from ..parallel import check_tp
+
+        check_tp(cfg, opts.tp, flag="--tp")
+    if opts.seq_len > cfg.max_seq_len:
+        raise ValueError(
+            f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings {cfg.max_seq_len}"
+        )
+    if env.device.type == "cpu":
+        teacher = from_hf_config(opts.teacher) if opts.teacher is not None else None
+        resources.check_fits(
+            training_step_bytes(cfg, opts.batch_size, opts.seq_len, teacher=teacher),
+            f"--batch-size {opts.batch_size} x --seq-len {opts.seq_len}",
+            "lower --batch-size (--grad-accum N keeps the global batch: N micro-steps per optimizer step)",
+        )
+
+
+def _streams(opts: UptrainOptions, vocab_size: int) -> tuple[data.TokenStream, data.TokenStream | None]:
     files = data.text_files(opts.data, "--data")
     if opts.eval_data is not None:
         train_files, eval_files = files, data.text_files(opts.eval_data, "--eval-data")
     else:
         train_files, eval_files = data.split_held_out(files, opts.held_out)
     train = data.checked_stream(
-        data.tokenize_files(opts.src, train_files), opts.seq_len, f"--data {opts.data}"
+        data.tokenize_files(opts.src, train_files, vocab_size), opts.seq_len, f"--data {opts.data}"
     )
     held = None
     if eval_files:
+        flag = "--eval-data" if opts.eval_data is not None else "--data"
         what = f"--eval-data {opts.eval_data}" if opts.eval_data is not None else "the held-out files"
-        held = data.checked_stream(data.tokenize_files(opts.src, eval_files), opts.seq_len, what)
+        held = data.checked_stream(
+            data.tokenize_files(opts.src, eval_files, vocab_size, flag), opts.seq_len, what
+        )
     return train, held
 
 
@@ -122,62 +155,60 @@ def _check_teacher(teacher: nn.Module, student: nn.Module, opts: UptrainOptions)
             f"{student.cfg.vocab_size}: distillation needs the same vocabulary"
         )
     if (opts.teacher / "tokenizer.json").is_file():
-        theirs = data.load_tokenizer(opts.teacher).get_vocab()
-        if theirs != data.load_tokenizer(opts.src).get_vocab():
+        theirs = data.load_tokenizer(opts.teacher, teacher.cfg.vocab_size).get_vocab()
+        if theirs != data.load_tokenizer(opts.src, student.cfg.vocab_size).get_vocab():
             raise ValueError(f"--teacher {opts.teacher} has another tokenizer vocabulary than SRC {opts.src}")
 
 
-def _resume_point(opts: UptrainOptions, env: distributed.Env) -> Path | None:
-    """Decide, on rank 0, whether the run directory is continued, started over or refused."""
+def _claim(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStack) -> Path | None:
+    """On rank 0: take DST's and the run directory's one-writer locks for the whole run, then decide whether the
+    run directory is continued (the checkpoint returned), started over (None) or refused."""
 
-    def decide() -> tuple[str, Any]:
-        run = opts.run_path
-        found = checkpoint.checkpoints(run)
+    def decide() -> str | None:
+        held.enter_context(atomic.lock(opts.dst, "DST"))
+        held.enter_context(atomic.lock(opts.run_path, _run_name(opts)))
+        _check_paths(opts)  # again, under the locks
+        found = checkpoint.checkpoints(opts.run_path)
         if found and opts.resume:
             saved = checkpoint.read_state(found[-1])
             for name in SAME_ON_RESUME:
                 was, now = saved["options"].get(name), opts.to_json()[name]
                 if was != now:
                     flag = "--" + name.replace("_", "-")
-                    return "error", f"--resume: {flag} was {was!r} in the interrupted run, now {now!r}"
+                    raise ValueError(f"--resume: {flag} was {was!r} in the interrupted run, now {now!r}")
             if saved["global_batch"] != opts.batch_size * env.dp_size * opts.grad_accum:
-                return "error", (
+                raise ValueError(
                     f"--resume: the global batch (batch size x data-parallel replicas x grad accum) was "
                     f"{saved['global_batch']}, now {opts.batch_size * env.dp_size * opts.grad_accum}"
                 )
-            return "ok", str(found[-1])
+            return str(found[-1])
         if found and not opts.overwrite:
-            return "error", (
-                f"{run} holds checkpoints of an interrupted run (newest {found[-1].name}): pass --resume to "
+            raise ValueError(
+                f"{opts.run_path} holds checkpoints of an interrupted run (newest {found[-1].name}): pass --resume to "
                 "continue it or --overwrite to start over"
             )
-        return "ok", None
+        return None
 
-    verdict, value = distributed.broadcast_object(decide() if env.is_main else None, env)
-    if verdict == "error":
-        raise ValueError(value)
+    value = distributed.on_main(decide, env)
     return Path(value) if value else None
 
 
-def prepare(opts: UptrainOptions, env: distributed.Env) -> Prepared:
-    """Every check that can fail, before anything is written; loads the model (float32) and the teacher."""
+def prepare(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStack) -> Prepared:
+    """Every check that can fail, before anything is written; loads the model (float32) and the teacher.
+
+    Checks that need no collective come first, on every rank (a bad tensor-parallel size stops every rank before
+    the first one); then rank 0 takes the locks and decides about the run directory (``_claim``)."""
     _check_paths(opts)
     model_type = family_of(opts.src)
+    _check_sizes(opts, env)
+    resume_from = _claim(opts, env, held)
     model = load_causal_lm(opts.src).float()
-    if opts.tp > 1:
-        from ..parallel import check_tp
-
-        check_tp(model.cfg, opts.tp)  # on every rank, before a collective touches the model
-    if opts.seq_len > model.cfg.max_seq_len:
-        raise ValueError(
-            f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings {model.cfg.max_seq_len}"
-        )
     teacher = None
     if opts.teacher is not None:
         teacher = load_causal_lm(opts.teacher).float().requires_grad_(False)
         _check_teacher(teacher, model, opts)
-    train, held = _streams(opts)
-    return Prepared(model_type, model, teacher, train, held, _resume_point(opts, env))
+    train, held_out = _streams(opts, model.cfg.vocab_size)
+    return Prepared(model_type, model, teacher, train, held_out, resume_from)
 
 
 def _batch(
@@ -196,17 +227,51 @@ def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
     """Run (or resume) an uptraining; returns the summary (also written to DST/uptrain.json)."""
     env = distributed.setup(opts.tp)
     try:
-        return _uptrain(opts, env, progress)
+        with (
+            contextlib.ExitStack() as held
+        ):  # DST's and the run directory's locks (rank 0), for the whole run
+            return _uptrain(opts, env, progress, held)
     finally:
         distributed.teardown(env)
 
 
-def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict:
+def _last_checkpoint(run: Path) -> str:
+    found = checkpoint.checkpoints(run)
+    if not found:
+        return "no checkpoint was saved yet, so a rerun starts from the beginning"
+    return f"the last complete checkpoint is {found[-1]}: rerun the same command with --resume to continue from it"
+
+
+@contextlib.contextmanager
+def _resumable(run: Path) -> Iterator[None]:
+    """A failed write during training (a full disk, a quota) leaves the run directory's last complete checkpoint;
+    the error says where it is and how to continue."""
+    try:
+        yield
+    except OSError as err:
+        if err.strerror is None:
+            raise
+        reason = err.strerror.removesuffix(" (nothing was written; any previous version is unchanged)")
+        raise OSError(err.errno, f"{reason}; {_last_checkpoint(run)}", err.filename) from err
+
+
+def _check_finite_step(step: int, loss: float, grad_norm: float, lr: float, run: Path) -> None:
+    """A non-finite loss or gradient would make every later weight NaN: stop before the optimizer uses it."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    raise ValueError(
+        f"training diverged at step {step + 1} (loss {loss}, gradient norm {grad_norm}, learning rate {lr:.3g}); "
+        f"nothing was written to DST and {_last_checkpoint(run).split(':')[0]}: lower --lr (or raise --warmup) "
+        "and start over with --overwrite"
+    )
+
+
+def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: contextlib.ExitStack) -> dict:
     from .progress import StepLog
 
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
-    prep = prepare(opts, env)
+    prep = prepare(opts, env, held)
     model, cfg = prep.model.to(env.device), prep.model.cfg
     teacher = None
     if prep.teacher is not None:
@@ -221,9 +286,10 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
     step = resumed = 0
     if env.is_main:
         checkpoint.remove_partial(run)
-        if prep.resume_from is None and run.exists():
-            shutil.rmtree(run)  # a run that never saved a checkpoint (or --overwrite): start over
-        run.mkdir(parents=True, exist_ok=True)
+        # Created with attnlab's marker, or (a run that never saved a checkpoint, or --overwrite) emptied.
+        atomic.claim_dir(
+            run, "run", sources=_inputs(opts), fresh=prep.resume_from is None, what=_run_name(opts)
+        )
     distributed.barrier(env)
     if prep.resume_from is not None:
         step = resumed = checkpoint.load_checkpoint(prep.resume_from, model, optimizer, env)["step"]
@@ -237,7 +303,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
 
     eval_before = held_out() if opts.eval_every and step == 0 else None
     model.train()
-    with log:
+    with log, _resumable(run):
         while step < opts.steps:
             tick = time.perf_counter()
             lr = learning_rate(
@@ -265,10 +331,11 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
             grad_norm = distributed.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], opts.grad_clip or float("inf")
             )
+            loss, ce, kl = (distributed.all_reduce_sum(sums, env) / (opts.grad_accum * env.dp_size)).tolist()
+            _check_finite_step(step, loss, float(grad_norm), lr, run)  # the same values on every rank
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            loss, ce, kl = (distributed.all_reduce_sum(sums, env) / (opts.grad_accum * env.dp_size)).tolist()
             record = {"step": step, "lr": lr, "loss": loss, "ce": ce, "grad_norm": float(grad_norm)}
             if teacher is not None:
                 record["distill"] = kl
@@ -310,17 +377,19 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool) -> dict
         "options": opts.to_json(),
     }
     if env.is_main:
-        save_causal_lm(
-            state,
-            cfg,
-            opts.dst,
-            like=opts.src,
-            overwrite=opts.overwrite,
-            extra_files={
-                "uptrain_log.jsonl": (run / "log.jsonl").read_text(),
-                "uptrain.json": json.dumps(summary, indent=2) + "\n",
-            },
-        )
-        shutil.rmtree(run)
+        with _resumable(run):
+            save_causal_lm(
+                state,
+                cfg,
+                opts.dst,
+                like=opts.src,
+                overwrite=opts.overwrite,
+                sources=(*_inputs(opts), run),
+                extra_files={
+                    "uptrain_log.jsonl": (run / "log.jsonl").read_text(),
+                    "uptrain.json": atomic.json_text(summary),
+                },
+            )
+        atomic.remove_owned(run, "run", _run_name(opts))
     distributed.barrier(env)
     return summary

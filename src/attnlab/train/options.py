@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ class UptrainOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{_flag(name)} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
             if value < low or (value == low and not closed) or (high is not None and value > high):
                 bounds = f"{'[' if closed else '('}{low}, {high if high is not None else 'inf'}]"
                 raise ValueError(f"{_flag(name)} must be in {bounds}, got {value}")
