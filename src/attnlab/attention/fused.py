@@ -14,7 +14,8 @@ Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension
 installation whose headers it names, and the CPU model. So a build is reused by later processes of the same
 environment on the same machine, and two environments (two virtual environments, two checkouts) keep one build
 each rather than rebuilding each other's in turn. The source includes no PyTorch header (it is one C function
-called through ``ctypes``), so the build takes seconds, not a minute.
+called through ``ctypes``), so the build takes seconds, not a minute; a build (not a load from the cache) says so
+on stderr before it starts, once. Commands that time something call ``ensure_built`` before starting a clock.
 On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups have 8 or more queries run on
 the tile unit (the C++ file says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends
 them to the float32 tiles instead.
@@ -113,14 +114,41 @@ def _build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
+# Where the last build's duration is kept, in the build root: the next build's announced estimate.
+_BUILD_SECONDS = "attnlab_fused_build_seconds"
+_DEFAULT_BUILD_S = 15  # seconds: 5-40 s were seen, depending on the machine and its load
+
+
+def _announce_build(root: Path) -> None:
+    try:
+        estimate = float((root / _BUILD_SECONDS).read_text())
+    except (OSError, ValueError):
+        estimate = _DEFAULT_BUILD_S
+    print(
+        f"attnlab: building the decode kernel for this CPU (first use, ~{max(1, round(estimate))} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
-    """Compile (or find the cached build of) the kernel; the path of the shared library."""
+    """Compile (or find the cached build of) the kernel; the path of the shared library.
+
+    A compile is needed when the library is missing or older than the source (ninja's own rule, the build's
+    command being fixed by the name); it is announced on stderr first, unless there is no compiler to run.
+    """
     from torch.utils.cpp_extension import load
 
     name = extension_name(source, flags)
-    directory = _build_root() / name
+    root = _build_root()
+    directory = root / name
+    library = directory / f"{name}.so"
+    compiles = not library.is_file() or library.stat().st_mtime < source.stat().st_mtime
+    if compiles and _compiler_version(_compiler()) is not None:
+        _announce_build(root)
     directory.mkdir(parents=True, exist_ok=True)
-    return load(
+    start = time.perf_counter()
+    path = load(
         name=name,
         sources=[str(source)],
         extra_cflags=[*_FLAGS, *flags],
@@ -129,6 +157,13 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
         is_python_module=False,
         verbose=False,
     )
+    if compiles:
+        # an estimate only, written whole (another process may read it): a temporary file renamed over it
+        with contextlib.suppress(OSError):
+            temp = root / f"{_BUILD_SECONDS}.{os.getpid()}.tmp"
+            temp.write_text(f"{time.perf_counter() - start:.1f}\n")
+            os.replace(temp, root / _BUILD_SECONDS)
+    return path
 
 
 def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -198,6 +233,14 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the fused kernel runs (builds it on the first call)."""
     return _library() is not None
+
+
+def ensure_built(device: torch.device | str = "cpu") -> None:
+    """Build (or load) the kernel now if work on ``device`` may run it: a command calls this before it starts a
+    clock, so that a first-use build (seconds to tens of seconds) is never part of a time it reports. Nothing for
+    other devices: the kernel is for CPUs only."""
+    if torch.device(device).type == "cpu":
+        _library()
 
 
 def status() -> str:

@@ -504,6 +504,7 @@ def check_memory(grid: DecodeGrid) -> None:
 def run_decode(grid: DecodeGrid, progress=None) -> dict[str, Any]:
     """Run ``grid``; returns {"machine": ..., "grid": ..., "rows": [...]} (JSON-ready)."""
     check_memory(grid)
+    fused.ensure_built()  # a first-use build before any clock starts
     hw = measure_local(fresh=grid.fresh_hardware)
     rows: list[dict] = []
 
