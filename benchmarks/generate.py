@@ -137,10 +137,12 @@ def best(runs: list[dict]) -> dict:
 def run(variants: list[str], contexts: list[int], new: int, repeats: int, long_variants: list[str]) -> dict:
     import transformers
 
+    from attnlab.attention import fused
     from attnlab.bench.machine import measure_local
     from attnlab.cost import kv_cache_bytes
     from attnlab.hf import load_causal_lm
 
+    fused.ensure_built()  # a first-use build is not part of the run's time
     started, load_start = time.perf_counter(), load()
     hw = measure_local(fresh=True)
     rows = []

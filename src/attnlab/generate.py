@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import fused
 from .cost import kv_cache_bytes, weight_bytes_read
 from .model import Transformer
 
@@ -183,6 +184,7 @@ def generate(
             "prompts of different lengths (the paged cache) need MLA's absorbed mode: set every layer's "
             "attention.mode = 'auto' or 'absorbed' (the result is the same), or give prompts of one length"
         )
+    fused.ensure_built(next(model.parameters()).device)  # a first-use build is not prefill time
     run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator), progress)
     if max_new_tokens > 0:
         run.contiguous() if cache == "contiguous" else run.paged(block_size)

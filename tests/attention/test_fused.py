@@ -314,10 +314,10 @@ def test_inputs_the_kernel_does_not_take_run_the_grouped_kernel():
     assert qg.grad is not None and qg.grad.abs().sum() > 0
 
 
-def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monkeypatch, tmp_path):
-    """No compiler (CXX pointing nowhere) and a fresh build directory: the build fails, one warning says so,
-    ``available()`` is False with the reason in ``status()``, and "fused" and "auto" give the reference's
-    results through the PyTorch kernels."""
+def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monkeypatch, tmp_path, capsys):
+    """No compiler (CXX pointing nowhere) and a fresh build directory: the build fails, one warning says so (and
+    no build is announced: there is nothing to run), ``available()`` is False with the reason in ``status()``, and
+    "fused" and "auto" give the reference's results through the PyTorch kernels."""
     for key, value in fused._state.items():  # restored after the test: the built kernel stays in use
         monkeypatch.setitem(fused._state, key, value)
     monkeypatch.setenv("CXX", "/nonexistent/c++")
@@ -330,6 +330,7 @@ def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monke
         auto = attend(q, k, v)
     assert [str(w.message) for w in caught if "could not be built" in str(w.message)] != []
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert "building the decode kernel" not in capsys.readouterr().err
     assert fused.available() is False
     assert fused.status().startswith("build failed, the PyTorch kernels run")
     ref = attend(q, k, v, backend="reference")

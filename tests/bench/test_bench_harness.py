@@ -93,18 +93,18 @@ def test_cli_bench_decode_json_and_errors():
 
 def test_roofline_of_a_bfloat16_step_takes_the_faster_compute_rate(tiny_result):
     """bfloat16 products may be widened and run at the float32 rate (the fused kernel does), so a bf16 step's
-    roofline is the faster of the two peaks; rescore recomputes stored rows with that rule, from their bytes,
-    FLOPs and the timed column of their kind."""
-    from attnlab.bench.decode import OURS, rescore, roofline_seconds
-    from attnlab.cost import Hardware
+    roofline is the faster of the two peaks (the cost model's rule, ``cost.compute_peak``); rescore recomputes
+    stored rows with that rule, from their bytes, FLOPs and the timed column of their kind."""
+    from attnlab.bench.decode import OURS, rescore
+    from attnlab.cost import Hardware, step_seconds
 
     hw = Hardware("toy", {"fp32": 100e9, "bf16": 1e9}, bandwidth=10e9, memory_bytes=2**30, source="test")
-    assert roofline_seconds(hw, 1e9, 1e6, "bf16") == roofline_seconds(hw, 1e9, 1e6, "fp32") == 1e9 / 100e9
-    assert roofline_seconds(hw, 1e6, 1e9, "bf16") == 1e9 / 10e9  # memory-bound either way
+    assert step_seconds(hw, 1e9, 1e6, "bf16") == step_seconds(hw, 1e9, 1e6, "fp32") == 1e9 / 100e9
+    assert step_seconds(hw, 1e6, 1e9, "bf16") == 1e9 / 10e9  # memory-bound either way
     fast_bf16 = Hardware(
         "toy", {"fp32": 1e9, "bf16": 100e9}, bandwidth=10e9, memory_bytes=2**30, source="test"
     )
-    assert roofline_seconds(fast_bf16, 1e9, 1e6, "bf16") == 1e9 / 100e9
+    assert step_seconds(fast_bf16, 1e9, 1e6, "bf16") == 1e9 / 100e9
     rows = [dict(r, dtype="bf16") for r in tiny_result["rows"]]
     rescore(rows, hw)
     for row in rows:

@@ -66,6 +66,33 @@ def test_roofline_is_the_max_of_compute_and_memory_time():
     assert roofline(llama, fast_flops).prefill.seconds == pytest.approx(r.prefill.seconds / 2)
 
 
+def test_a_narrow_dtype_computes_at_the_faster_of_its_own_and_float32s_peak():
+    """A CPU without fast bfloat16 arithmetic (measured: bf16 matmuls at 1 GFLOP/s, float32 at 200): compare's
+    roofline and bench's roofline give a bf16 step the float32 rate alike, so a 7B decode step stays memory
+    bound instead of a predicted ~13 s "compute bound"; float64 keeps its own rate; on every GPU preset float32 is
+    the slowest rate, so nothing changes there."""
+    from attnlab.bench.decode import rescore
+    from attnlab.cost import compute_peak, step_seconds
+
+    local = Hardware(
+        "local", {"fp32": 200e9, "bf16": 1e9, "fp16": 1e9, "fp64": 100e9}, 20e9, 64 * 10**9, "test"
+    )
+    llama = get_preset("llama-2-7b")
+    r = roofline(llama, local, batch=1, seq_len=4096, dtype="bf16")
+    assert r.decode.compute_seconds == r.decode.flops / 200e9
+    assert r.decode.bound == "memory" and r.decode.seconds == r.decode.bytes / 20e9
+    row = {"kind": "attention", "dtype": "bf16", "flops": r.prefill.flops, "bytes": 1, "ms": {"fused": 1.0}}
+    rescore([row], local)  # bench decode's roofline of a stored row: compute bound here
+    assert row["roofline_ms"] == pytest.approx(r.prefill.compute_seconds * 1e3, rel=1e-3)
+    assert r.prefill.compute_seconds == r.prefill.flops / 200e9
+    assert step_seconds(local, 1e12, 1, "fp16") == 1e12 / 200e9
+    assert step_seconds(local, 1e12, 1, "int8") == 1e12 / 200e9  # dequantised to bf16, widened again
+    assert compute_peak(local, "fp64") == 100e9 and compute_peak(local, torch.bfloat16) == 200e9
+    for hw in HARDWARE.values():
+        for dtype, peak in hw.peak_flops.items():
+            assert compute_peak(hw, dtype) == peak, (hw.name, dtype)
+
+
 def test_max_batch_and_context_fit_exactly():
     llama = get_preset("llama-2-7b")
     r = roofline(llama, "h100", batch=3, seq_len=4096)

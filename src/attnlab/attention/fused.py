@@ -9,9 +9,13 @@ C++ file for the algorithm. The same library holds the few-row matrix-vector pro
 
 Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP,
 ``-O3 -march=native``) into PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``, else
-``~/.cache/torch_extensions``) under a name that carries a hash of the source, the flags, PyTorch's version and
-the CPU model, so a build is reused by later processes on the same machine only. The source includes no
-PyTorch header (it is one C function called through ``ctypes``), so the build takes a few seconds, not a minute.
+``~/.cache/torch_extensions``) under a name that hashes everything the generated build file depends on
+(``build_inputs``): the source and its path, the flags, the compiler, the Python environment and the PyTorch
+installation whose headers it names, and the CPU model. So a build is reused by later processes of the same
+environment on the same machine, and two environments (two virtual environments, two checkouts) keep one build
+each rather than rebuilding each other's in turn. The source includes no PyTorch header (it is one C function
+called through ``ctypes``), so the build takes seconds, not a minute; a build (not a load from the cache) says so
+on stderr before it starts, once. Commands that time something call ``ensure_built`` before starting a clock.
 On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups have 8 or more queries run on
 the tile unit (the C++ file says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends
 them to the float32 tiles instead.
@@ -25,10 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
+import json
 import math
 import os
 import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -55,24 +65,105 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _compiler() -> str:
+    """The C++ compiler the extension builder runs (``torch.utils.cpp_extension.get_cxx_compiler``)."""
+    return os.environ.get("CXX", "c++")
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> str | None:
+    """Where ``cxx`` resolves and the first line of its ``--version`` (a few milliseconds, once per process):
+    an upgraded compiler changes the name. None when there is no such program."""
+    path = shutil.which(cxx)
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return " ".join([os.path.realpath(path), *out.splitlines()[:1]])
+
+
+def build_inputs(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> dict[str, str]:
+    """Everything the build file that ``torch.utils.cpp_extension.load`` writes (build.ninja) is made from, and
+    so everything a cached build must match: the source's text and path, the flags, the compiler (``$CXX``, else
+    ``c++``), the Python environment (its prefix; the Python headers' directory, which the build includes), the
+    PyTorch installation (its version; its directory, whose headers and libraries the build names) and the CPU
+    (``-march=native``)."""
+    cxx = _compiler()
+    return {
+        "source": source.read_text(),
+        "source_path": str(source.resolve()),
+        "flags": " ".join([*_FLAGS, *flags]),
+        "compiler": f"{cxx}: {_compiler_version(cxx)}",
+        "python": f"{sys.prefix} {sysconfig.get_path('include', scheme='posix_prefix')}",
+        "torch": f"{torch.__version__} {Path(torch.__file__).resolve().parent}",
+        "cpu": _cpu_model(),
+    }
+
+
 def extension_name(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> str:
-    """The name the build is cached under: changes with the source, the flags, PyTorch and the CPU."""
-    key = "\n".join([source.read_text(), " ".join([*_FLAGS, *flags]), torch.__version__, _cpu_model()])
+    """The name the build is cached under: a hash of ``build_inputs``."""
+    key = json.dumps(build_inputs(source, flags), sort_keys=True)
     return "attnlab_fused_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def _build_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+# Where the last build's duration is kept, in the build root: the next build's announced estimate.
+_BUILD_SECONDS = "attnlab_fused_build_seconds"
+_DEFAULT_BUILD_S = 15  # seconds: 5-40 s were seen, depending on the machine and its load
+
+
+def _announce_build(root: Path) -> None:
+    try:
+        estimate = float((root / _BUILD_SECONDS).read_text())
+    except (OSError, ValueError):
+        estimate = _DEFAULT_BUILD_S
+    print(
+        f"attnlab: building the decode kernel for this CPU (first use, ~{max(1, round(estimate))} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
-    """Compile (or find the cached build of) the kernel; the path of the shared library."""
+    """Compile (or find the cached build of) the kernel; the path of the shared library.
+
+    A compile is needed when the library is missing or older than the source (ninja's own rule, the build's
+    command being fixed by the name); it is announced on stderr first, unless there is no compiler to run.
+    """
     from torch.utils.cpp_extension import load
 
-    return load(
-        name=extension_name(source, flags),
+    name = extension_name(source, flags)
+    root = _build_root()
+    directory = root / name
+    library = directory / f"{name}.so"
+    compiles = not library.is_file() or library.stat().st_mtime < source.stat().st_mtime
+    if compiles and _compiler_version(_compiler()) is not None:
+        _announce_build(root)
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    path = load(
+        name=name,
         sources=[str(source)],
         extra_cflags=[*_FLAGS, *flags],
         extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
         is_python_module=False,
         verbose=False,
     )
+    if compiles:
+        # an estimate only, written whole (another process may read it): a temporary file renamed over it
+        with contextlib.suppress(OSError):
+            temp = root / f"{_BUILD_SECONDS}.{os.getpid()}.tmp"
+            temp.write_text(f"{time.perf_counter() - start:.1f}\n")
+            os.replace(temp, root / _BUILD_SECONDS)
+    return path
 
 
 def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -142,6 +233,14 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the fused kernel runs (builds it on the first call)."""
     return _library() is not None
+
+
+def ensure_built(device: torch.device | str = "cpu") -> None:
+    """Build (or load) the kernel now if work on ``device`` may run it: a command calls this before it starts a
+    clock, so that a first-use build (seconds to tens of seconds) is never part of a time it reports. Nothing for
+    other devices: the kernel is for CPUs only."""
+    if torch.device(device).type == "cpu":
+        _library()
 
 
 def status() -> str:

@@ -22,8 +22,9 @@ so speedups are ratios measured side by side. Rows by ``kind``:
 
 Roofline: bytes = KV read for the live length (``cost.kv_cache_bytes``) + queries + outputs (+ weights for
 layer/mla rows); FLOPs from ``cost.attention_flops``; time = max(bytes / bandwidth, FLOPs / peak) with the
-machine's measured bandwidth and matmul peak (``bench.machine.measure_local``; for bfloat16 the faster of its own
-and float32's peak: ``roofline_seconds``).
+machine's measured bandwidth and matmul peaks (``bench.machine.measure_local``), by ``cost.step_seconds``: the
+cost model's one rule, which ``attnlab compare`` follows too (``cost.compute_peak``: for bfloat16 the faster of
+its own and float32's peak).
 """
 
 from __future__ import annotations
@@ -189,24 +190,15 @@ OURS = {
 }  # the timed column per kind
 
 
-def roofline_seconds(hw: Hardware, flops: float, n_bytes: float, dtype: str) -> float:
-    """The fastest a step could run on ``hw``: max(bytes / bandwidth, FLOPs / peak), the peak being the best rate
-    at which products of ``dtype`` can be computed there: bfloat16 operands widened to float32 in registers (as the
-    fused kernel does) run at the float32 rate, which on CPUs without bfloat16 arithmetic is far above the
-    library's bfloat16 matmuls; so a bfloat16 step is allowed the faster of the two."""
-    rates = [dtype, "fp32"] if dtype == "bf16" else [dtype]
-    return min(step_seconds(hw, flops, n_bytes, d) for d in rates)
-
-
 def _score(row: dict, hw: Hardware, ours: str) -> None:
-    """Set a timed row's roofline (``roofline_seconds`` of its bytes and FLOPs) and the fraction of it that its
+    """Set a timed row's roofline (``cost.step_seconds`` of its bytes and FLOPs) and the fraction of it that its
     saved (rounded) time for ``ours`` reaches: one definition for fresh rows and rescored ones alike."""
-    roof = roofline_seconds(hw, row["flops"], row["bytes"], row["dtype"])  # the fastest this step could run
+    roof = step_seconds(hw, row["flops"], row["bytes"], row["dtype"])  # the fastest this step could run
     row.update(roofline_ms=_sig(roof * 1e3), roofline_fraction=_sig(roof / (row["ms"][ours] / 1e3)))
 
 
 def rescore(rows: list[dict], hw: Hardware) -> None:
-    """Recompute every timed row's roofline (``roofline_seconds``) from its stored bytes, FLOPs and times, so that
+    """Recompute every timed row's roofline (``cost.step_seconds``) from its stored bytes, FLOPs and times, so that
     saved results follow the current definition."""
     for row in rows:
         if row.get("kind") in OURS and {"bytes", "flops", "ms"} <= row.keys():
@@ -505,6 +497,7 @@ def check_memory(grid: DecodeGrid) -> None:
 def run_decode(grid: DecodeGrid, progress=None) -> dict[str, Any]:
     """Run ``grid``; returns {"machine": ..., "grid": ..., "rows": [...]} (JSON-ready)."""
     check_memory(grid)
+    fused.ensure_built()  # a first-use build before any clock starts
     hw = measure_local(fresh=grid.fresh_hardware)
     rows: list[dict] = []
 

@@ -1,8 +1,8 @@
 """The cost model: what MHA, MQA, GQA and MLA cost for a model, as pure functions of the configs.
 
 ``attention_flops`` / ``model_flops`` (FLOPs), ``param_count`` / ``model_param_count`` (weights),
-``kv_cache_bytes`` / ``decode_step_bytes`` (memory), ``roofline`` / ``step_seconds`` (time and fit on a
-``Hardware``), ``get_preset`` / ``from_hf_config`` (models), ``variants`` / ``compare`` (the sweep ``attnlab compare``
+``kv_cache_bytes`` / ``decode_step_bytes`` (memory), ``roofline`` / ``step_seconds`` / ``compute_peak`` (time and
+fit on a ``Hardware``), ``get_preset`` / ``from_hf_config`` (models), ``variants`` / ``compare`` (the sweep ``attnlab compare``
 prints). Nothing here runs a model, times, prints or plots: measuring this machine (``measure_local``), counting
 FLOPs of real modules (``count_flops``), tables, plots and timed layers are in ``attnlab.bench``.
 """
@@ -21,7 +21,7 @@ from .memory import (
 )
 from .params import model_param_count, param_count
 from .presets import get_preset, load_model, preset_names
-from .roofline import PhaseCost, Roofline, roofline, step_seconds, weight_bytes
+from .roofline import PhaseCost, Roofline, compute_peak, roofline, step_seconds, weight_bytes
 from .sweep import CompareRow, Comparison, Variant, compare, variants
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Variant",
     "attention_flops",
     "compare",
+    "compute_peak",
     "decode_step_bytes",
     "dtype_bits",
     "dtype_name",

@@ -2,6 +2,7 @@
 
 A phase takes ``max(FLOPs / peak FLOP/s, bytes / bandwidth)`` (Williams, Waterman and Patterson, "Roofline",
 CACM 2009): the ideal time if compute and memory traffic overlap perfectly; real kernels reach a fraction of it.
+The peak of a dtype narrower than float32 is the faster of its own and float32's (``compute_peak`` says why).
 
 - Prefill of ``seq_len`` tokens per sequence: FLOPs with the causal mask skipped (``causal=True``, as flash
   kernels do); bytes = the weights read once (every expert: a long prompt routes to all of them) plus the KV
@@ -83,20 +84,32 @@ def weight_bytes(model_cfg: ModelConfig, dtype: str | torch.dtype = "bf16") -> i
     return -(-model_param_count(model_cfg) * dtype_bits(dtype) // 8)
 
 
-def _peak(hw: Hardware, dtype: str) -> float:
-    # Weights stored narrower than the table's dtypes (int8, int4, fp6) are computed in bf16 after dequantising.
+def compute_peak(hw: Hardware, dtype: str | torch.dtype) -> float:
+    """The best rate at which products of ``dtype`` can be computed on ``hw``: for any dtype but float64, the
+    faster of its own peak and float32's.
+
+    A value of a narrower dtype widens to float32 exactly, so its products can always run at float32's rate (the
+    fused CPU kernel widens bfloat16 in registers). On a CPU without fast native bfloat16 arithmetic, the measured
+    bfloat16 peak (PyTorch's bfloat16 matmul there) is far below float32's, and taken alone it predicted a 7B
+    decode step of 11-34 s, "compute bound"; on GPUs float32 is the slower rate, so the rule changes nothing.
+    Weights stored narrower than the table's dtypes (int8, int4, fp6) are computed in bf16 after dequantising.
+    """
+    dtype = dtype_name(dtype)
     compute = dtype if dtype in hw.peak_flops else "bf16"
     if compute not in hw.peak_flops:
         raise ValueError(
             f"hardware {hw.name!r} has no peak FLOP/s for dtype {dtype!r}; it has {', '.join(hw.peak_flops)}"
         )
-    return hw.peak_flops[compute]
+    peak = hw.peak_flops[compute]
+    if dtype != "fp64":
+        peak = max(peak, hw.peak_flops.get("fp32", 0.0))
+    return peak
 
 
 def step_seconds(hw: Hardware, flops: float, n_bytes: float, dtype: str | torch.dtype) -> float:
     """The roofline time of ``flops`` and ``n_bytes`` of memory traffic on one ``hw`` device, nothing to communicate
     (``PhaseCost.seconds``); what a benchmark compares a measured step with."""
-    return PhaseCost(flops, n_bytes, flops / _peak(hw, dtype_name(dtype)), n_bytes / hw.bandwidth).seconds
+    return PhaseCost(flops, n_bytes, flops / compute_peak(hw, dtype), n_bytes / hw.bandwidth).seconds
 
 
 def _phase(model_cfg: ModelConfig, fn, peak: float, bandwidth: float, comm) -> PhaseCost:
@@ -132,7 +145,7 @@ def roofline(
         check_int(name, value)
     dtype = dtype_name(dtype)
     kv_dtype = dtype if kv_dtype is None else dtype_name(kv_dtype)
-    peak, bandwidth, memory = _peak(hw, dtype), hw.bandwidth, hw.memory_bytes
+    peak, bandwidth, memory = compute_peak(hw, dtype), hw.bandwidth, hw.memory_bytes
     whole, model_cfg = model_cfg, rank_config(model_cfg, tp)
     prefill_comm = tp_comm(whole, hw, tp, tokens=batch * seq_len, sampled=batch, dtype=dtype)
     decode_comm = tp_comm(whole, hw, tp, tokens=batch, sampled=batch, dtype=dtype)
