@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ..atomic import check_figure_path, json_text, save_figure
 from ..config import ModelConfig, check_int
 from ..console import Grid, print_grid
-from ..cost import Comparison, compare, dtype_name, kv_cache_bytes, load_model, variants
+from ..cost import Comparison, compare, compute_peak, dtype_name, kv_cache_bytes, load_model, variants
 from ..cost.hardware import HARDWARE_NAMES, get_hardware
 from ..cost.parallel import rank_config
 from .layer import LayerTiming, check_fits, measure_variants
@@ -176,7 +176,8 @@ def run_compare(
                 chosen, batch=batch, seq_len=seq_len, dtype=comparison.dtype, progress=step, hw=local
             )
             bar.update(task, completed=len(chosen))
-        hw_source = f"bandwidth {_si(hw.bandwidth, 'B/s')}, {comparison.dtype} matmul {_si(hw.peak_flops[comparison.dtype], 'FLOP/s')}"
+        peak = compute_peak(hw, comparison.dtype)  # the rate the prediction used (the cost model's one rule)
+        hw_source = f"bandwidth {_si(hw.bandwidth, 'B/s')}, {comparison.dtype} compute {_si(peak, 'FLOP/s')}"
     if as_json:
         doc = {**comparison.to_json(), "verdict": comparison.verdict()}
         if plot is not None:
