@@ -4,9 +4,10 @@ The suite must pass in a plain clone, so nothing it reads may lie next to the ch
 machine keeps the full data corpus, or another checkout). ``install()`` adds a hook that sees this process's
 ``open``, ``os.listdir`` and ``os.scandir`` calls and records each path under the checkout's parent directory
 that is neither inside the checkout nor in a place Python itself uses: the interpreter's prefixes, the
-``sys.path`` entries, the temporary directory, and hidden directories beside the checkout (``~/.cache`` and
-``~/.config`` when the checkout lies in the home directory, a ``.venv``). tests/conftest.py fails the session if
-any was recorded. A checkout at the filesystem's root has nothing beside it to watch.
+``sys.path`` entries, the temporary directory, ``$XDG_CACHE_HOME``, and hidden directories beside the checkout
+(``~/.cache`` and ``~/.config`` when the checkout lies in the home directory, a ``.venv``). tests/conftest.py
+fails the session if any was recorded. Nothing is watched beside a checkout at the filesystem's root or inside
+one of those places (a clone in the temporary directory).
 
 The hook runs on every audited event, so it stays cheap: a set lookup for other events, and for the watched
 ones a few string operations (paths are made absolute, not resolved: a link beside the checkout is not
@@ -31,19 +32,17 @@ def _prefix(path: str | os.PathLike) -> str:
 
 
 PARENT = _prefix(ROOT.parent)
-ALLOWED = tuple(
-    {
-        _prefix(p)
-        for p in [ROOT, sys.prefix, sys.base_prefix, sys.exec_prefix, tempfile.gettempdir(), *sys.path]
-        if p and os.path.isabs(p)
-    }
-)
+_PLACES = [ROOT, sys.prefix, sys.base_prefix, sys.exec_prefix, tempfile.gettempdir(), *sys.path,
+           os.environ.get("XDG_CACHE_HOME", "")]  # fmt: skip
+ALLOWED = tuple({_prefix(p) for p in _PLACES if p and os.path.isabs(p)})
+# Nothing to watch beside a checkout at the filesystem's root, or inside one of those places (cloned into /tmp).
+WATCHING = not PARENT.startswith(ALLOWED) and _prefix(ROOT.anchor) != PARENT
 
 
 def outside(path: str) -> bool:
-    """Whether reading the absolute ``path`` reads beside the checkout."""
+    """Whether reading the absolute ``path`` reads beside the checkout (never, where nothing is watched)."""
     path = os.path.join(path, "")  # a directory named without its last separator is still itself
-    if not path.startswith(PARENT) or path.startswith(ALLOWED):
+    if not WATCHING or not path.startswith(PARENT) or path.startswith(ALLOWED):
         return False
     return not path[len(PARENT) :].startswith(".")  # hidden: ~/.cache, ~/.config, a venv's .venv
 
@@ -64,6 +63,6 @@ def _hook(event: str, args: tuple) -> None:
 
 def install() -> None:
     """Add the hook, once: an audit hook stays for the life of the process."""
-    if not _installed[0] and _prefix(ROOT.anchor) != PARENT:
+    if WATCHING and not _installed[0]:
         _installed[0] = True
         sys.addaudithook(_hook)
