@@ -7,6 +7,10 @@ fraction of sentences whose nearest neighbour (cosine, among the other held-out 
 Calibration lines ("fit", "grouped-fit") come from different plays than the evaluation lines.
 
     python benchmarks/convert_minilm.py            # writes the JSON, the PNG and docs/conversion.md
+
+The full run reads the whole corpus beside the checkout (../shared/data/shakespeare) and stops (exit 2) without
+it. A run with fewer heads, methods or lines reads the plays attnlab ships and writes its JSON, PNG and page under
+benchmarks/.cache/quick/ instead (see locations.py).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from attnlab.hf import load_bert, sentence_embeddings
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import at_defaults, corpus, output
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "shakespeare"
 
 
 def model_path() -> Path:
@@ -76,9 +82,9 @@ def nearest(emb: torch.Tensor) -> torch.Tensor:
     return sims.argmax(dim=1)
 
 
-def run(kv_heads: list[int], methods: list[str], n_eval: int, n_calib: int, seed: int) -> dict:
+def run(kv_heads: list[int], methods: list[str], n_eval: int, n_calib: int, seed: int, data: Path) -> dict:
     torch.manual_seed(seed)
-    plays = sorted(DATA.glob("*.txt"))
+    plays = sorted(data.glob("*.txt"))
     calib_plays, eval_plays = plays[0::2], plays[1::2]  # disjoint plays: calibration never sees eval text
     eval_lines = lines_from(eval_plays, n_eval, seed)
     calib_lines = lines_from(calib_plays, n_calib, seed + 1)
@@ -262,32 +268,40 @@ def mla_section() -> str:
     return mla_study_report.section(json.loads(mla_study_report.JSON.read_text()))
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the files filled in: the committed ones for a full run (heads, methods, lines and seed
+    at their defaults), else their places under benchmarks/.cache/quick/ (locations.py)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-heads", default="12,6,4,3,2,1")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--n-eval", type=int, default=512)
     parser.add_argument("--n-calib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "convert_minilm.json")
-    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "conversion_minilm.png")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "conversion.md")
+    parser.add_argument("--json", type=Path, help="Default: benchmarks/results/convert_minilm.json.")
+    parser.add_argument("--png", type=Path, help="Default: docs/conversion_minilm.png.")
+    parser.add_argument("--doc", type=Path, help="Default: docs/conversion.md.")
     parser.add_argument("--replot", action="store_true", help="Only redraw PNG and doc from the JSON.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.full = at_defaults(parser, args, "kv_heads", "methods", "n_eval", "n_calib", "seed")
+    args.json = args.json or output(ROOT / "benchmarks" / "results" / "convert_minilm.json", args.full)
+    args.png = args.png or output(ROOT / "docs" / "conversion_minilm.png", args.full)
+    args.doc = args.doc or output(ROOT / "docs" / "conversion.md", args.full)
+    return args
+
+
+def main() -> None:
+    args = arguments()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.replot:
         result = json.loads(args.json.read_text())
     else:
         kv = [int(g) for g in args.kv_heads.split(",")]
-        result = run(kv, args.methods.split(","), args.n_eval, args.n_calib, args.seed)
+        data = corpus(args.full, "convert_minilm.py")
+        result = run(kv, args.methods.split(","), args.n_eval, args.n_calib, args.seed, data)
         write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(result, args.png)
-    command = "python benchmarks/convert_minilm.py" + (
-        ""
-        if args.kv_heads == "12,6,4,3,2,1" and args.n_eval == 512 and args.n_calib == 256
-        else " (non-default options)"
-    )
+    command = "python benchmarks/convert_minilm.py" + ("" if args.full else " (non-default options)")
     write_atomic(args.doc, markdown(result, args.png, args.json, command) + mla_section())
     print(f"wrote {args.json}, {args.png}, {args.doc}")
 

@@ -23,6 +23,10 @@ Target (issue 13): after <= 2 x (forward + solves).
 
     python benchmarks/convert_speed.py            # writes benchmarks/results/convert_speed.json and docs/convert_speed.md
     python benchmarks/convert_speed.py --replot   # only rewrites docs/convert_speed.md from the JSON
+
+The full run trains its tokenizer on the whole corpus beside the checkout (../shared/data/shakespeare) and stops
+(exit 2) without it. A run with other sizes (``--n-layers 2``, one calibration, ...) reads the plays attnlab ships
+and writes under benchmarks/.cache/quick/ instead (see locations.py).
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ from attnlab.hf import convert_checkpoint, load_llama, save_llama
 from attnlab.hf.checkpoint import calibration_batches
 from attnlab.model import Transformer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import at_defaults, corpus, output
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "shakespeare"
 BEFORE = "2d78f8b"  # main before the one-pass calibration: convert_model reran the model for every layer
 SHAPE = {  # SmolLM-135M
     "n_layers": 30,
@@ -68,7 +74,7 @@ SHAPE = {  # SmolLM-135M
 }
 
 
-def build_checkpoint(dst: Path, shape: dict, vocab: int) -> Path:
+def build_checkpoint(dst: Path, shape: dict, vocab: int, data: Path) -> Path:
     attn = AttentionConfig(
         d_model=shape["d_model"],
         n_heads=shape["n_heads"],
@@ -87,13 +93,13 @@ def build_checkpoint(dst: Path, shape: dict, vocab: int) -> Path:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tok.train([str(p) for p in sorted(DATA.glob("*.txt"))], trainer)
+    tok.train([str(p) for p in sorted(data.glob("*.txt"))], trainer)
     tok.save(str(dst / "tokenizer.json"))
     return dst
 
 
-def calibration_files(tok: Tokenizer, dst: Path) -> dict[str, Path]:
-    lines = [ln.strip() for ln in (DATA / "hamlet.txt").read_text().splitlines() if ln.strip()]
+def calibration_files(tok: Tokenizer, dst: Path, data: Path) -> dict[str, Path]:
+    lines = [ln.strip() for ln in (data / "hamlet.txt").read_text().splitlines() if ln.strip()]
     passages, current = [], []
     for line in lines:
         current.append(line)
@@ -215,8 +221,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        src = build_checkpoint(tmp / "src", shape, args.tokenizer_vocab)
-        files = calibration_files(Tokenizer.from_file(str(src / "tokenizer.json")), tmp)
+        src = build_checkpoint(tmp / "src", shape, args.tokenizer_vocab, args.corpus)
+        files = calibration_files(Tokenizer.from_file(str(src / "tokenizer.json")), tmp, args.corpus)
         model = load_llama(src).float()
         for name in args.calibrations:
             batches = calibration_batches(src, files[name])
@@ -338,7 +344,9 @@ def markdown(result: dict, json_path: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with ``--json`` and ``--doc`` filled in: the committed files for a full run (every option that
+    sets what is converted and timed at its default), else their places under .cache/quick/."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument(
@@ -348,15 +356,26 @@ def main() -> None:
     parser.add_argument("--before-on", default="lines", help="Calibrations to time the old code on.")
     parser.add_argument("--before", default=BEFORE, help="Commit whose code is 'before'.")
     parser.add_argument("--tokenizer-vocab", type=int, default=8192)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "convert_speed.json")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "convert_speed.md")
+    parser.add_argument("--json", type=Path, help="Default: benchmarks/results/convert_speed.json.")
+    parser.add_argument("--doc", type=Path, help="Default: docs/convert_speed.md.")
     parser.add_argument("--replot", action="store_true", help="Only rewrite the doc from the JSON.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.full = at_defaults(
+        parser, args, "kv_heads", "n_layers", "calibrations", "before_on", "before", "tokenizer_vocab"
+    )
+    args.json = args.json or output(ROOT / "benchmarks" / "results" / "convert_speed.json", args.full)
+    args.doc = args.doc or output(ROOT / "docs" / "convert_speed.md", args.full)
     args.calibrations = [c for c in args.calibrations.split(",") if c]
     args.before_on = [c for c in args.before_on.split(",") if c]
+    return args
+
+
+def main() -> None:
+    args = arguments()
     if args.replot:
         result = json.loads(args.json.read_text())
     else:
+        args.corpus = corpus(args.full, "convert_speed.py")
         result = run(args)
         write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     write_atomic(args.doc, markdown(result, args.json))

@@ -1,7 +1,7 @@
 """The full decode sweep: writes benchmarks/results/decode.json + decode.png and regenerates docs/performance.md.
 
     python benchmarks/decode.py                 # the representative grid (the page records how long it took)
-    python benchmarks/decode.py --quick         # a 1-2 minute subset
+    python benchmarks/decode.py --quick         # a 1-2 minute subset, written under benchmarks/.cache/quick/
     python benchmarks/decode.py --from-json     # rebuild the page and plot from the saved JSON (seconds), the
                                                 # rooflines recomputed with the current definition
 
@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import output
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -373,7 +375,9 @@ def with_generation_section(page: str) -> str:
     return page.rstrip("\n") + "\n\n" + module.section(json.loads(saved.read_text())) + "\n"
 
 
-def main() -> int:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the files to write filled in: the committed ones for the full grid, else their places
+    under benchmarks/.cache/quick/ (locations.py)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 1-2 minute subset")
     parser.add_argument(
@@ -383,9 +387,9 @@ def main() -> int:
         action="store_true",
         help="regenerate the page and plot from the saved JSON without running anything",
     )
-    parser.add_argument("--json", type=Path, default=RESULTS / "decode.json", help="the result file")
-    parser.add_argument("--doc", type=Path, default=DOC, help="the page to write")
-    parser.add_argument("--png", type=Path, default=RESULTS / "decode.png", help="the plot to write")
+    parser.add_argument("--json", type=Path, help="the result file (default: benchmarks/results/decode.json)")
+    parser.add_argument("--doc", type=Path, help="the page to write (default: docs/performance.md)")
+    parser.add_argument("--png", type=Path, help="the plot to write (default: benchmarks/results/decode.png)")
     parser.add_argument(
         "--cached-hardware", action="store_true", help="reuse this boot's bandwidth/peak measurement"
     )
@@ -393,7 +397,16 @@ def main() -> int:
         "--repeats", type=int, default=None, help="timed repeats per contender (default: the grid's)"
     )
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    full = not args.quick  # --repeats and --threads change how the grid is timed, not which grid
+    args.json = args.json or output(RESULTS / "decode.json", full)
+    args.doc = args.doc or output(DOC, full)
+    args.png = args.png or output(RESULTS / "decode.png", full)
+    return args
+
+
+def main() -> int:
+    args = arguments()
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 

@@ -19,7 +19,8 @@ Roofline fraction = (weights + KV bytes every decode step must read, ``Generatio
 ``attnlab.cost``) / bandwidth (``measure_local(fresh=True)``, measured at the start of the run) / decode time.
 
     python benchmarks/generate.py                          # everything (long: the 16384-token prefills)
-    python benchmarks/generate.py --contexts 512,4096      # a subset; --variants gqa3 keeps one variant
+    python benchmarks/generate.py --contexts 512,4096      # a subset (under benchmarks/.cache/quick/); --variants
+                                                           # gqa3 keeps one variant
     python benchmarks/generate.py --long-variants gqa3     # contexts above 4096 for GQA-3 only
     python benchmarks/generate.py --from-json              # rewrite the page section from the saved JSON
 """
@@ -36,6 +37,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import at_defaults, output
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -288,7 +292,9 @@ def write_section(result: dict, doc: Path = DOC) -> None:
     """Replace the section between the markers (or append it): the rest of the page is benchmarks/decode.py's."""
     from attnlab.atomic import write_atomic
 
-    text = doc.read_text()
+    text = (
+        doc if doc.is_file() else DOC
+    ).read_text()  # a partial run's first page starts from the committed one
     block = section(result)
     if BEGIN in text:
         head, rest = text.split(BEGIN, 1)
@@ -298,7 +304,11 @@ def write_section(result: dict, doc: Path = DOC) -> None:
     write_atomic(doc, text)
 
 
-def main() -> int:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the files to write filled in: the committed ones for a full run (every variant and
+    context, ``--new`` tokens as by default), else their places under benchmarks/.cache/quick/ (locations.py).
+    ``--long-variants`` only leaves out some variants' longest prompts, as the published run did (its command is
+    on the page), so it does not make a run partial."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--contexts", default="512,4096,16384", help="comma list of prompt lengths")
@@ -307,12 +317,26 @@ def main() -> int:
     parser.add_argument(
         "--long-variants", default=None, help="variants also run at contexts above 4096 (default: all)"
     )
-    parser.add_argument("--json", type=Path, default=RESULTS / "generate.json", help="the result file")
-    parser.add_argument("--doc", type=Path, default=DOC, help="the page whose section is written")
+    parser.add_argument(
+        "--json", type=Path, help="the result file (default: benchmarks/results/generate.json)"
+    )
+    parser.add_argument(
+        "--doc", type=Path, help="the page whose section is written (default: docs/performance.md)"
+    )
     parser.add_argument(
         "--from-json", action="store_true", help="only rewrite the page section from the JSON"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if bad := [v for v in args.variants.split(",") if v not in VARIANTS]:
+        parser.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+    full = at_defaults(parser, args, "variants", "contexts", "new")
+    args.json = args.json or output(RESULTS / "generate.json", full)
+    args.doc = args.doc or output(DOC, full)
+    return args
+
+
+def main() -> int:
+    args = arguments()
     sys.path.insert(0, str(ROOT / "src"))
     from attnlab.atomic import write_atomic
 
@@ -320,8 +344,6 @@ def main() -> int:
         result = json.loads(args.json.read_text())
     else:
         variants = args.variants.split(",")
-        if bad := [v for v in variants if v not in VARIANTS]:
-            parser.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
         contexts = [int(c) for c in args.contexts.split(",")]
         long_variants = variants if args.long_variants is None else args.long_variants.split(",")
         result = run(variants, contexts, args.new, args.repeats, long_variants)

@@ -10,13 +10,17 @@
    function behind ``attnlab eval``) on every window of the held-out works; a unigram model is the floor.
 4. Decode tokens/s of each shape; MiniLM (BERT) conversions at 4 and 2 KV heads distilled towards the original.
 
+The full study reads the whole corpus beside the checkout, ``../shared/data/shakespeare`` (42 works; the published
+numbers were made on them), and stops (exit 2) without it; ``--quick`` reads the 36 plays attnlab ships
+(``attnlab.data.shakespeare()``), so it runs in a plain clone, and writes only under benchmarks/.cache/.
+
 Independent runs go to a pool of worker processes with one thread each (on a shared 2-core machine two
 single-threaded processes beat one process whose second thread waits on the other jobs). Finished runs are cached
 in benchmarks/.cache/gqa_study/, so an interrupted study continues where it stopped, and the pretrained model is
 reused between runs.
 
     python benchmarks/gqa_study.py            # the study (<= 60 min on 2 cores); writes JSON, PNGs, docs/results.md
-    python benchmarks/gqa_study.py --quick    # tiny sizes, a few minutes, output kept in the cache: development
+    python benchmarks/gqa_study.py --quick    # tiny sizes, a few minutes, output in benchmarks/.cache: development
     python benchmarks/gqa_study.py --replot   # redraw the plots and the page from the JSON
 """
 
@@ -29,6 +33,7 @@ import os
 import platform
 import random
 import shutil
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -47,8 +52,10 @@ from attnlab.model import Transformer
 from attnlab.train import UptrainOptions, evaluate_checkpoint, learning_rate, uptrain
 from attnlab.train.evaluate import eval_windows
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import corpus, output
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "shakespeare"
 CACHE = ROOT / "benchmarks" / ".cache" / "gqa_study"
 KV_HEADS = (4, 2, 1)
 METHODS = ("mean", "first", "random", "fit")
@@ -132,9 +139,10 @@ def uptrain_steps(alpha: float, scale: Scale) -> int:
 # ----------------------------------------------------------------------------------------------- setup
 
 
-def prepare(scale: Scale, cache: Path) -> dict:
-    """Corpus split (symlinks to whole works), tokenizer, calibration lines, random-init checkpoints."""
-    works = text_files(DATA)
+def prepare(scale: Scale, cache: Path, data: Path) -> dict:
+    """Corpus split (symlinks to the whole works of ``data``), tokenizer, calibration lines, random-init
+    checkpoints."""
+    works = text_files(data)
     train, valid = split_held_out(works, 0.1)
     for name, files in (("train", train), ("valid", valid)):
         folder = cache / name
@@ -460,16 +468,30 @@ def decode_speed(
     return out
 
 
-def run(scale: Scale, cache: Path, quick: bool, pretrain_only: bool = False) -> dict | None:
-    started = time.perf_counter()
-    loads = [os.getloadavg()[0]]
+def cached_works(cache: Path) -> list[str]:
+    """The names of the works in the cached corpus split (none for a new cache)."""
+    folders = [cache / name for name in ("train", "valid") if (cache / name).is_dir()]
+    return sorted(p.name for folder in folders for p in folder.iterdir())
+
+
+def open_cache(scale: Scale, cache: Path, corpus_dir: Path) -> dict:
+    """The study's data (``prepare``) in ``cache``, emptied first if it holds runs of another model, pretraining
+    or corpus (nothing cached would apply)."""
     cache.mkdir(parents=True, exist_ok=True)
     marker = cache / "pretrain_key.json"
-    if marker.is_file() and json.loads(marker.read_text()) != key(scale, PRETRAIN_FIELDS):
-        shutil.rmtree(cache)  # another model or pretraining: nothing cached applies
+    other_model = marker.is_file() and json.loads(marker.read_text()) != key(scale, PRETRAIN_FIELDS)
+    other_text = cached_works(cache) not in ([], sorted(f.name for f in text_files(corpus_dir)))
+    if other_model or other_text:
+        shutil.rmtree(cache)
         cache.mkdir(parents=True)
     write_atomic(marker, json.dumps(key(scale, PRETRAIN_FIELDS), indent=2))
-    data = prepare(scale, cache)
+    return prepare(scale, cache, corpus_dir)
+
+
+def run(scale: Scale, cache: Path, quick: bool, corpus_dir: Path, pretrain_only: bool = False) -> dict | None:
+    started = time.perf_counter()
+    loads = [os.getloadavg()[0]]
+    data = open_cache(scale, cache, corpus_dir)
     done_dir = cache / "done"
     done_dir.mkdir(exist_ok=True)
     keys = {"pretrain": key(scale, PRETRAIN_FIELDS), "cell": key(scale, CELL_FIELDS)}
@@ -578,9 +600,9 @@ def run_record(result: dict) -> dict:
             "load_max": load["max"]}  # fmt: skip
 
 
-def main() -> None:
-    from gqa_study_report import write_report
-
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the scale, the cache and the files filled in: ``--quick`` keeps its JSON, plots and page
+    under benchmarks/.cache/ (locations.py), out of the repository."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Tiny sizes, for development (a few minutes).")
     parser.add_argument(
@@ -590,20 +612,26 @@ def main() -> None:
     parser.add_argument("--pretrain-only", action="store_true", help="Only pretrain (and cache) the models.")
     parser.add_argument("--json", type=Path, default=None, help="The results JSON (read by --replot).")
     parser.add_argument("--docs", type=Path, default=None, help="Directory for results.md and its plots.")
-    args = parser.parse_args()
-    scale = QUICK if args.quick else FULL
+    args = parser.parse_args(argv)
+    args.scale = QUICK if args.quick else FULL
     if args.workers is not None:
-        scale = dataclasses.replace(scale, workers=args.workers)
-    cache = CACHE / ("quick" if args.quick else "full")
-    # --quick is for development: its JSON, plots and page stay in the cache, out of the repository.
-    docs = args.docs or (cache / "report" if args.quick else ROOT / "docs")
-    out = args.json or (
-        cache / "gqa_study_quick.json" if args.quick else ROOT / "benchmarks" / "results" / "gqa_study.json"
-    )
+        args.scale = dataclasses.replace(args.scale, workers=args.workers)
+    args.cache = CACHE / ("quick" if args.quick else "full")
+    args.docs = args.docs or output(ROOT / "docs", not args.quick)
+    args.json = args.json or output(ROOT / "benchmarks" / "results" / "gqa_study.json", not args.quick)
+    return args
+
+
+def main() -> None:
+    from gqa_study_report import write_report
+
+    args = arguments()
+    out, docs = args.json, args.docs
     if args.replot:
         result = json.loads(out.read_text())
     else:
-        result = run(scale, cache, args.quick, args.pretrain_only)
+        data = corpus(not args.quick, "gqa_study.py")
+        result = run(args.scale, args.cache, args.quick, data, args.pretrain_only)
         if result is None:
             return
         result["runs"] = run_history(out, result)

@@ -14,7 +14,8 @@ order. Three states per call:
   layers read theirs one after another: the KV comes from memory and the cores are busy, not waking up. The
   time per call.
 
-Prints one row per shape (median ms of each version and state, and base / new) and writes the JSON result.
+Prints one row per shape (median ms of each version and state, and base / new) and writes the JSON result:
+benchmarks/results/kernel_ab.json for the default shapes, else the same name under benchmarks/.cache/quick/.
 Absolute times on a shared machine drift by tens of percent within an hour; compare versions only within a run.
 """
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +34,9 @@ import torch
 
 from attnlab.atomic import write_atomic
 from attnlab.attention import fused
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import at_defaults, output
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "src" / "attnlab" / "attention" / "fused.cpp"
@@ -129,7 +134,9 @@ def measure(libs: dict, dtype: str, context: int, n_kv: int, args, flush: torch.
     )
 
 
-def main() -> int:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked, with ``--json`` filled in: the committed file when every shape option has its
+    default (rounds and threads change how they are timed, not which), else its place under .cache/quick/."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the other kernel: a .cpp file or a git revision")
     parser.add_argument("--new", default=str(KERNEL), help="the kernel under test (default: this checkout's)")
@@ -146,8 +153,12 @@ def main() -> int:
         help="buffer read before each cold call; the layers' ring fills it",
     )
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
-    parser.add_argument("--json", type=Path, default=RESULTS / "kernel_ab.json", help="the result file")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--json", type=Path, help="the result file (default: benchmarks/results/kernel_ab.json)"
+    )
+    args = parser.parse_args(argv)
+    full = at_defaults(parser, args, "contexts", "kv_heads", "dtypes", "n_heads", "head_dim", "flush_mib")
+    args.json = args.json or output(RESULTS / "kernel_ab.json", full)
     dtypes = args.dtypes.split(",")
     if bad := [x for x in dtypes if x not in DTYPES]:
         parser.error(f"--dtypes: unknown {bad}, expected some of {sorted(DTYPES)}")
@@ -160,6 +171,13 @@ def main() -> int:
         parser.error(f"--kv-heads: {bad} must divide --n-heads {args.n_heads}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    args.dtypes, args.contexts, args.kv_heads = dtypes, contexts, kv_heads  # the lists from here on
+    return args
+
+
+def main() -> int:
+    args = arguments()
+    dtypes, contexts, kv_heads = args.dtypes, args.contexts, args.kv_heads
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

@@ -5,7 +5,7 @@ A decode step reads every weight once, so what matters is how fast a product str
 cache: each timed call takes the next of enough copies of the weight to fill 256 MB, more than the last-level
 cache. Rows 1, 4 and 8 (a batch of sequences decoded together); float32 and bfloat16; both in alternating
 order, median of ``--repeats`` calls each. Prints a table (GB/s = weight bytes / time) and writes
-benchmarks/results/linear.json.
+benchmarks/results/linear.json (a run with fewer rows or dtypes: the same name under benchmarks/.cache/quick/).
 
     python benchmarks/linear.py
     python benchmarks/linear.py --rows 1 --dtypes fp32 --repeats 30
@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import at_defaults, output
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, out_features, in_features): SmolLM-135M's projections (q and wq+wk+wv of GQA-3 in one pass, the MLP's
@@ -93,20 +96,29 @@ def run(rows_list: list[int], dtypes: list[str], repeats: int) -> list[dict]:
     return out
 
 
-def main() -> int:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with ``--json`` filled in: the committed file for every row count and dtype, else its place
+    under benchmarks/.cache/quick/ (locations.py)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8", help="comma list of input rows")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per round (median kept)")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "linear.json")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="the result file (default: benchmarks/results/linear.json)")
+    args = parser.parse_args(argv)
+    if bad := [d for d in args.dtypes.split(",") if d not in DTYPES]:
+        parser.error(f"--dtypes: unknown {bad}; choose from {', '.join(DTYPES)}")
+    args.json = args.json or output(
+        ROOT / "benchmarks" / "results" / "linear.json", at_defaults(parser, args, "rows", "dtypes")
+    )
+    return args
+
+
+def main() -> int:
+    args = arguments()
     sys.path.insert(0, str(ROOT / "src"))
     from attnlab.atomic import write_atomic
 
-    dtypes = args.dtypes.split(",")
-    if bad := [d for d in dtypes if d not in DTYPES]:
-        parser.error(f"--dtypes: unknown {bad}; choose from {', '.join(DTYPES)}")
-    rows = run([int(r) for r in args.rows.split(",")], dtypes, args.repeats)
+    rows = run([int(r) for r in args.rows.split(",")], args.dtypes.split(","), args.repeats)
     result = {
         "command": "python benchmarks/linear.py " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,

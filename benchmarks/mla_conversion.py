@@ -16,6 +16,10 @@ model (4 layers, d_model 128, 8 heads of 16) on the even plays, so the script ru
 
     python benchmarks/mla_conversion.py --train-tiny /tmp/tiny --kv-heads 4 --steps 700
     python benchmarks/mla_conversion.py --src /tmp/tiny     # writes benchmarks/results/mla_conversion.json
+
+With the default sizes the plays are the whole corpus beside the checkout (../shared/data/shakespeare; without
+it the script stops, exit 2). With other sizes (``--steps``, ``--n-calib``, ``--n-eval``, ``--kv-heads``,
+``--seed``) they are the plays attnlab ships, and the result goes under benchmarks/.cache/quick/ (locations.py).
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ from attnlab.convert.mla_model import choose_stride
 from attnlab.hf import load_llama, save_llama
 from attnlab.model import Transformer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import at_defaults, corpus, output
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "shakespeare"
 
 
 def token_stream(src: Path | None, plays: list[Path]) -> torch.Tensor:
@@ -71,8 +77,8 @@ def loss(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
     return sum(total) / len(total)
 
 
-def train_tiny(dst: Path, kv_heads: int, steps: int, seed: int) -> None:
-    plays = sorted(DATA.glob("*.txt"))[0::2]
+def train_tiny(dst: Path, kv_heads: int, steps: int, seed: int, data: Path) -> None:
+    plays = sorted(data.glob("*.txt"))[0::2]
     stream = token_stream(None, plays)
     cfg = ModelConfig(
         vocab_size=256,
@@ -121,8 +127,8 @@ def mla_row(src, cache, rope_dim, planes, calib, evals, rorope=True, mean_phase=
     }
 
 
-def run(src_dir: Path, n_calib: int, n_eval: int, seed: int) -> dict:
-    plays = sorted(DATA.glob("*.txt"))
+def run(src_dir: Path, n_calib: int, n_eval: int, seed: int, data: Path) -> dict:
+    plays = sorted(data.glob("*.txt"))
     calib_stream, eval_stream = token_stream(src_dir, plays[0::2]), token_stream(src_dir, plays[1::2])
     src = load_llama(src_dir).float()
     attn = src.cfg.attention
@@ -165,7 +171,9 @@ def run(src_dir: Path, n_calib: int, n_eval: int, seed: int) -> dict:
     return result
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with ``--json`` filled in: the committed file when the sizes are the defaults, else its place
+    under benchmarks/.cache/quick/ (locations.py)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, help="a Llama / Mistral / Qwen2 checkpoint directory")
     parser.add_argument("--train-tiny", type=Path, help="train a byte-level model into this directory first")
@@ -174,15 +182,23 @@ def main() -> None:
     parser.add_argument("--n-calib", type=int, default=8, help="calibration batches of 4 x 128 tokens")
     parser.add_argument("--n-eval", type=int, default=16, help="evaluation batches of 4 x 128 tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "mla_conversion.json")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="Default: benchmarks/results/mla_conversion.json.")
+    args = parser.parse_args(argv)
+    if args.src is None and args.train_tiny is None:
+        parser.error("give --src DIR (or --train-tiny DIR)")
+    args.full = at_defaults(parser, args, "kv_heads", "steps", "n_calib", "n_eval", "seed")
+    args.json = args.json or output(ROOT / "benchmarks" / "results" / "mla_conversion.json", args.full)
+    return args
+
+
+def main() -> None:
+    args = arguments()
+    data = corpus(args.full, "mla_conversion.py")
     torch.manual_seed(args.seed)
     if args.train_tiny:
-        train_tiny(args.train_tiny, args.kv_heads, args.steps, args.seed)
+        train_tiny(args.train_tiny, args.kv_heads, args.steps, args.seed, data)
         args.src = args.src or args.train_tiny
-    if args.src is None:
-        parser.error("give --src DIR (or --train-tiny DIR)")
-    result = run(args.src, args.n_calib, args.n_eval, args.seed)
+    result = run(args.src, args.n_calib, args.n_eval, args.seed, data)
     result["machine"] = {"python": platform.python_version(), "torch": torch.__version__}
     result["command"] = " ".join(["python", "benchmarks/mla_conversion.py", *sys.argv[1:]])
     write_atomic(args.json, json.dumps(result, indent=2) + "\n")

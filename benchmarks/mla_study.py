@@ -19,9 +19,15 @@ with G = 4, 2 and 1 KV heads (``2 G head_dim`` values per token and layer):
 Independent conversions run in a pool of single-threaded worker processes; finished jobs are cached in
 benchmarks/.cache/mla_study/, so an interrupted study continues where it stopped.
 
+The full study reads the whole corpus beside the checkout, ``../shared/data/shakespeare`` (42 works, as the GQA
+study's model was trained on), and stops (exit 2) without it. ``--quick`` runs the whole path on the GQA study's
+``--quick`` model (pretrained here if it is not cached) and the 36 plays attnlab ships, so it runs in a plain
+clone; it writes only under benchmarks/.cache/.
+
     python benchmarks/mla_study.py                      # the study (~30 min on 2 cores): JSON, PNG, docs page
     python benchmarks/mla_study.py --src DIR            # another Llama checkpoint with a tokenizer.json
     python benchmarks/mla_study.py --replot             # docs/conversion.md and the PNG from the JSON
+    python benchmarks/mla_study.py --quick              # tiny sizes, minutes; output kept in the cache
 """
 
 from __future__ import annotations
@@ -53,13 +59,13 @@ from attnlab.hf.checkpoint import calibration_batches
 from attnlab.train import UptrainOptions, evaluate, evaluate_checkpoint, uptrain
 from attnlab.train.evaluate import eval_windows
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report and locations.py, beside this script
+from locations import corpus, output
 from mla_study_report import JSON, ROPE_DIMS, plot, section, targets, write_page
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "shakespeare"
 CACHE = ROOT / "benchmarks" / ".cache" / "mla_study"
-GQA_STUDY_MODEL = ROOT / "benchmarks" / ".cache" / "gqa_study" / "full" / "pretrain-mha"
+GQA_STUDY = ROOT / "benchmarks" / ".cache" / "gqa_study"  # its caches: full/ and quick/
 KV_HEADS = (4, 2, 1)
 ALPHAS = (0.02, 0.05)
 
@@ -87,7 +93,8 @@ class Recipe:
     pretrain_steps: int | None = None  # P; None: the source's (its uptrain.json)
 
 
-# --quick: the whole path on tiny sizes in a few minutes, for development (its output stays in the cache).
+# --quick: the whole path on tiny sizes in a few minutes, on the GQA study's --quick model (pretrained for 100
+# steps), for development (its output stays in the cache).
 QUICK = Recipe(
     batch=4, eval_windows=32, select_windows=8, distance_windows=8, decode_batch=4, decode_context=64,
     decode_steps=4, decode_repeats=1, pretrain_steps=100,
@@ -97,30 +104,35 @@ QUICK = Recipe(
 # ----------------------------------------------------------------------------------------------------- setup
 
 
-def source_model(src: Path | None) -> Path:
-    """The GQA study's pretrained MHA model: ``--src``, else its cache; else pretrained by gqa_study.py."""
+def source_model(src: Path | None, quick: bool, data: Path) -> Path:
+    """``--src``, else the GQA study's pretrained MHA model (its ``--quick`` one for ``quick``): from its cache,
+    or pretrained by gqa_study.py on ``data`` (the text of this run, so that the held-out works are the same)."""
     if src is not None:
         return src
-    if not (GQA_STUDY_MODEL / "config.json").is_file():
-        try:
-            import gqa_study
-        except ImportError:
-            raise SystemExit(
-                f"mla_study.py: no pretrained model at {GQA_STUDY_MODEL} and no benchmarks/gqa_study.py to "
-                "make one; pass --src DIR (a Llama checkpoint with its tokenizer.json)"
-            ) from None
-        scale, cache = gqa_study.FULL, gqa_study.CACHE / "full"
-        gqa_study.run_pretrain("pretrain-mha", scale.n_heads, gqa_study.prepare(scale, cache), scale, cache)
-    return GQA_STUDY_MODEL
+    model = GQA_STUDY / ("quick" if quick else "full") / "pretrain-mha"
+    try:
+        import gqa_study
+    except ImportError:
+        if (model / "config.json").is_file():
+            return model
+        raise SystemExit(
+            f"mla_study.py: no pretrained model at {model} and no benchmarks/gqa_study.py to make one; pass "
+            "--src DIR (a Llama checkpoint with its tokenizer.json)"
+        ) from None
+    scale = gqa_study.QUICK if quick else gqa_study.FULL
+    split = gqa_study.open_cache(scale, model.parent, data)  # empties a cache made from other text
+    if not (model / "config.json").is_file():
+        gqa_study.run_pretrain(model.name, scale.n_heads, split, scale, model.parent)
+    return model
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare(src: Path, cache: Path) -> dict:
-    """A private copy of the source, the corpus split of the GQA study (whole works held out) and its
-    calibration lines (256 lines of >= 7 words from the training works)."""
+def prepare(src: Path, cache: Path, data: Path) -> dict:
+    """A private copy of the source, the GQA study's split of the works of ``data`` (whole works held out) and
+    its calibration lines (256 lines of >= 7 words from the training works)."""
     copy = cache / "source"
     if not (copy / "model.safetensors").is_file() or sha256(copy / "model.safetensors") != sha256(
         src / "model.safetensors"
@@ -129,7 +141,7 @@ def prepare(src: Path, cache: Path) -> dict:
         cache.mkdir(parents=True)
         shutil.copytree(src, cache / ".source.tmp")
         (cache / ".source.tmp").rename(copy)
-    train, valid = split_held_out(text_files(DATA), 0.1)
+    train, valid = split_held_out(text_files(data), 0.1)
     for name, files in (("train", train), ("valid", valid)):
         folder = cache / name
         if not folder.is_dir():
@@ -307,26 +319,27 @@ def decode_speed(checkpoints: dict[str, Path], recipe: Recipe) -> dict[str, dict
     }
 
 
-def run(src: Path, recipe: Recipe, cache: Path = CACHE) -> dict:
+def run(src: Path, recipe: Recipe, data: Path, cache: Path = CACHE) -> dict:
     started = time.perf_counter()
     loads = [os.getloadavg()[0]]
-    ctx = prepare(src, cache) | {"cache": str(cache)}
+    ctx = prepare(src, cache, data) | {"cache": str(cache)}
     ctx["pretrain_steps"] = recipe.pretrain_steps or ctx["pretrain_steps"]
     if not ctx["pretrain_steps"]:
         raise SystemExit(f"mla_study.py: {src} has no uptrain.json: its pretraining steps P are unknown")
     source = load_llama(ctx["src"]).float()
     attn = source.cfg.attention
     head_dim = attn.head_dim
+    rope_dims = [r for r in ROPE_DIMS if r <= head_dim]  # all of them but on the --quick model (head_dim 8)
     batches = calibration_batches(ctx["src"], ctx["calib"])
     # The stride does not depend on the latent's size: one choice per rope_dim and criterion for every cache.
     strides = {
         (r, p): choose_stride(source, r, p, calib=batches)
-        for r in ROPE_DIMS
+        for r in rope_dims
         for p in ("norm", "first", "uniform")
     }
     plane_jobs = {}
     for g in KV_HEADS:
-        for r in ROPE_DIMS:
+        for r in rope_dims:
             chosen = {strides[r, "norm"]} | ({1, max_stride(head_dim, r)} if r < head_dim else set())
             for s in sorted(chosen):
                 if 1 <= 2 * g * head_dim - r <= full_rank(attn, r):
@@ -343,7 +356,7 @@ def run(src: Path, recipe: Recipe, cache: Path = CACHE) -> dict:
 
     def rope_choice(g: int) -> int | None:
         """The rope_dim whose RoPE-aware conversion has the lowest loss on training text (None: not all done)."""
-        names = [f"planes-kv{g}-r{r}-s{strides[r, 'norm']}" for r in ROPE_DIMS]
+        names = [f"planes-kv{g}-r{r}-s{strides[r, 'norm']}" for r in rope_dims]
         names = [n for n in names if n in plane_jobs]
         if not all(n in results for n in names):
             return None
@@ -421,7 +434,9 @@ def run(src: Path, recipe: Recipe, cache: Path = CACHE) -> dict:
     }
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the cache and the files filled in: ``--quick`` keeps its JSON, plot and page under
+    benchmarks/.cache/ (locations.py), out of the repository."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--src", type=Path, help="a Llama checkpoint with tokenizer.json (default: the GQA study's)"
@@ -429,22 +444,28 @@ def main() -> None:
     parser.add_argument(
         "--replot", action="store_true", help="only redraw the page and the PNG from the JSON"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, output kept in the cache")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, output kept in benchmarks/.cache")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--doc", type=Path)
     parser.add_argument("--png", type=Path)
-    args = parser.parse_args()
-    cache = CACHE / "quick" if args.quick else CACHE
-    out = cache / "report" if args.quick else None  # --quick never touches the repository's files
-    args.json = args.json or (out / "mla_study.json" if out else JSON)
-    args.doc = args.doc or (out / "conversion.md" if out else ROOT / "docs" / "conversion.md")
-    args.png = args.png or (out / "conversion_mla.png" if out else ROOT / "docs" / "conversion_mla.png")
+    args = parser.parse_args(argv)
+    full = not args.quick
+    args.cache = CACHE / "quick" if args.quick else CACHE
+    args.json = args.json or output(JSON, full)
+    args.doc = args.doc or output(ROOT / "docs" / "conversion.md", full)
+    args.png = args.png or output(ROOT / "docs" / "conversion_mla.png", full)
+    return args
+
+
+def main() -> None:
+    args = arguments()
     if args.replot:
         result = json.loads(args.json.read_text())
     else:
         recipe = dataclasses.replace(QUICK if args.quick else Recipe(), workers=args.workers)
-        result = run(source_model(args.src), recipe, cache)
+        data = corpus(not args.quick, "mla_study.py")
+        result = run(source_model(args.src, args.quick, data), recipe, data, args.cache)
         result["targets"] = targets(result)
         write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     plot(result, args.png)

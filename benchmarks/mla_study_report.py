@@ -213,7 +213,7 @@ def plane_lines(result: dict) -> list[str]:
     ]
     margins = []
     for g in result["kv_heads"]:
-        for r in ROPE_DIMS:
+        for r in sorted({x["rope_dim"] for x in result["strides"]}):  # ROPE_DIMS up to the model's head_dim
             rows = {p: _planes_row(result, g, r, p) for p in ("norm", "first", "uniform")}
             norm, first = rows["norm"], rows["first"]
             if norm is None:

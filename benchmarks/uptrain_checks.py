@@ -1,7 +1,9 @@
 """Measured properties of ``attnlab uptrain`` on this machine: data parallelism follows the one-process loss
 curve, and a run killed with SIGKILL resumes to the same weights bit for bit.
 
-A small random Llama (transformers) with a byte-level BPE tokenizer is uptrained on three Shakespeare plays:
+A small random Llama (transformers) with a byte-level BPE tokenizer is uptrained on three Shakespeare plays (the
+first 40,000 characters of Hamlet, Macbeth and Othello from the corpus attnlab ships, the same bytes as in the
+full corpus):
 
 - one process with batch 4, ``torchrun --nproc-per-node 2`` with batch 2 (DDP), and the same with ``--fsdp``:
   the largest difference of the per-step losses and of the final weights;
@@ -13,6 +15,7 @@ A small random Llama (transformers) with a byte-level BPE tokenizer is uptrained
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -27,10 +30,9 @@ import transformers
 from safetensors.torch import load_file
 
 from attnlab.atomic import write_atomic
-from attnlab.data import train_byte_bpe
+from attnlab.data import shakespeare, train_byte_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "shakespeare"
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEPS = 40
 
@@ -46,7 +48,7 @@ def build(root: Path) -> tuple[Path, Path]:
     corpus = root / "corpus"
     corpus.mkdir()
     for name in ("hamlet", "macbeth", "othello"):
-        (corpus / f"{name}.txt").write_text((DATA / f"{name}.txt").read_text()[:40000])
+        (corpus / f"{name}.txt").write_text((shakespeare() / f"{name}.txt").read_text()[:40000])
     tok = train_byte_bpe([p.read_text() for p in sorted(corpus.glob("*.txt"))], 512)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -75,6 +77,14 @@ def compare(a: Path, b: Path) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=ROOT / "benchmarks" / "results" / "uptrain_checks.json",
+        help="the result file",
+    )
+    args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -121,8 +131,7 @@ def main() -> None:
         }
     result["seconds"] = time.perf_counter() - started
     result["load_average"] = os.getloadavg()[0]
-    out = ROOT / "benchmarks" / "results" / "uptrain_checks.json"
-    write_atomic(out, json.dumps(result, indent=2) + "\n")
+    write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

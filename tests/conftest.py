@@ -1,4 +1,5 @@
-"""Shared test setup: Hugging Face stays offline, and every test starts from a known torch seed.
+"""Shared test setup: Hugging Face stays offline, every test starts from a known torch seed, and the session fails
+if a test read a file beside the checkout (``outside_reads``: the suite must pass in a plain clone).
 
 Seed sweeps: ``ATTNLAB_SEEDS=N`` runs every test N times, with base seeds 0 .. N-1 (the default, 1, is seed 0
 only). The autouse fixture seeds torch with the base seed, and tests that draw from their own generators offset
@@ -12,6 +13,10 @@ import os
 
 import pytest
 import torch
+
+from outside_reads import READS, install
+
+install()
 
 # Nothing may download at test time (transformers is imported only by the tests that compare against it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,3 +57,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not READS:
+        return
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    lines = [f"{path}  (read by {test})" for path, test in READS.items()]
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    if report is None:
+        print("tests read files beside the checkout:", *lines, sep="\n")
+        return
+    report.write_line("")
+    report.write_sep("=", "FAILED: tests read files beside the checkout (a plain clone lacks them)", red=True)
+    for line in lines:
+        report.write_line(line)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from attnlab import AttentionConfig, MLAConfig, ModelConfig
 from attnlab.cli import app
 from attnlab.cost import weight_bytes_read
-from attnlab.data import train_byte_bpe
+from attnlab.data import shakespeare, train_byte_bpe
 from attnlab.generate import filter_logits, generate, sample_next
 from attnlab.hf.causal_lm import load_causal_lm, save_causal_lm
 from attnlab.model import Transformer
@@ -217,11 +217,7 @@ def test_bad_arguments_are_refused_naming_the_field():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A random transformers Llama saved with a byte-level BPE tokenizer trained on a little Shakespeare."""
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1].parent / "shared/data/shakespeare/hamlet.txt").read_text()[
-        :20000
-    ]
+    text = (shakespeare() / "hamlet.txt").read_text()[:20000]
     tok = train_byte_bpe([text], VOCAB + 200)
     path = tmp_path_factory.mktemp("gen") / "ckpt"
     torch.manual_seed(0)

@@ -12,18 +12,27 @@
 - The training order is a pure function of (seed, position): sample number ``p`` is window
   ``permutation(seed, epoch)[p % n]`` with ``epoch = p // n``. Resuming, or changing how a global batch is
   split over ranks, therefore never changes which windows a step sees.
+- The package ships a corpus, 36 of Shakespeare's plays (``shakespeare()``; benchmarks/make_corpus.py says which
+  and how the archive is built), so that tests and quick studies need nothing beside the checkout.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
+import re
+import tarfile
 from collections import OrderedDict
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .atomic import atomic_dir
 
 
 @dataclass(frozen=True)
@@ -234,3 +243,97 @@ def sample_windows(n_windows: int, seed: int, positions: torch.Tensor) -> torch.
         chosen = epochs == epoch
         out[chosen] = _PERMS[key][within[chosen]]
     return out
+
+
+# ------------------------------------------------------------------------------------------ the shipped corpus
+
+_WORK_NAME = re.compile(r"[a-z0-9_]+\.txt")  # a plain file name: nothing an extraction could follow elsewhere
+
+
+def _shipped() -> tuple[bytes, dict[str, str]]:
+    """The packaged archive's bytes and ``{work: SHA-256}`` from the list beside it (``sha256sum``'s format)."""
+    assets = resources.files("attnlab") / "assets"
+    sums = {}
+    for line in (assets / "shakespeare.sha256").read_text().splitlines():
+        digest, name = line.split()
+        if not _WORK_NAME.fullmatch(name):
+            raise ValueError(f"shakespeare.sha256 lists {name!r}, not a plain .txt file name")
+        sums[name] = digest
+    return (assets / "shakespeare.tar.xz").read_bytes(), sums
+
+
+def _holds(folder: Path, sums: dict[str, str]) -> bool:
+    """Whether ``folder`` holds the listed works byte for byte and nothing else."""
+    try:
+        found = {p.name: p for p in folder.iterdir()}
+    except OSError:
+        return False
+    return found.keys() == sums.keys() and all(
+        p.is_file() and not p.is_symlink() and hashlib.sha256(p.read_bytes()).hexdigest() == sums[name]
+        for name, p in found.items()
+    )
+
+
+def _extract(archive: bytes, sums: dict[str, str], into: Path) -> None:
+    """Write the works of ``archive`` into the directory ``into``, each checked against its listed SHA-256. Only
+    regular files named in the list are accepted, and this function writes them (``tarfile`` never extracts), so
+    no member can be a link or a device or land outside ``into``; every listed work must be there."""
+    written = set()
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:xz") as tar:
+        for member in tar:
+            if not member.isreg() or member.name not in sums:
+                raise ValueError(
+                    f"the corpus archive holds {member.name!r}, which is not one of its listed works"
+                )
+            if member.name in written:
+                raise ValueError(f"the corpus archive holds {member.name} twice")
+            data = tar.extractfile(member).read()
+            if hashlib.sha256(data).hexdigest() != sums[member.name]:
+                raise ValueError(f"the corpus archive's {member.name} does not match its SHA-256 in the list")
+            (into / member.name).write_bytes(data)
+            written.add(member.name)
+    if missing := sorted(sums.keys() - written):
+        raise ValueError(f"the corpus archive lacks {', '.join(missing)}")
+
+
+def _cache_home() -> Path:
+    env = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(env) if os.path.isabs(env) else Path.home() / ".cache"  # XDG: a relative path is ignored
+
+
+def shakespeare(dest: str | Path | None = None) -> Path:
+    """The directory of the shipped corpus's ``.txt`` works, extracted from the package on first use.
+
+    ``dest``: where to extract (default ``$XDG_CACHE_HOME/attnlab/corpus/<archive SHA-256 prefix>``, ``~/.cache``
+    without that variable; a new package version with another archive gets its own directory). A directory that
+    holds exactly the shipped works, every file's SHA-256 checked, is used as it is. Anything else there (a damaged
+    or partial copy) is replaced; at a ``dest`` you give, only when it holds nothing but (some of) the works'
+    files, else FileExistsError. The extraction is atomic (``attnlab.atomic.atomic_dir``): a process killed half
+    way leaves no partial directory, and processes extracting at the same time each swap in a complete one.
+    """
+    archive, sums = _shipped()
+    if dest is None:
+        folder = _cache_home() / "attnlab" / "corpus" / hashlib.sha256(archive).hexdigest()[:16]
+    else:
+        folder = Path(dest)
+    if _holds(folder, sums):
+        return folder
+    present = folder.exists() or folder.is_symlink()
+    if present and dest is not None and not _replaceable(folder, sums):
+        raise FileExistsError(
+            f"{folder} exists and holds more than the corpus's files; choose another directory"
+        )
+    try:
+        with atomic_dir(folder, overwrite=present) as tmp:
+            _extract(archive, sums, tmp)
+    except FileExistsError:  # another process put it there since the check above
+        if not _holds(folder, sums):
+            raise
+    return folder
+
+
+def _replaceable(folder: Path, sums: dict[str, str]) -> bool:
+    """A directory (not a link) holding nothing but files named as works: a damaged copy, never a user's data."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    return all(p.name in sums and p.is_file() and not p.is_symlink() for p in folder.iterdir())

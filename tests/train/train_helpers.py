@@ -9,8 +9,9 @@ import transformers
 from typer.testing import CliRunner
 
 from attnlab.cli import app
+from attnlab.data import shakespeare
 
-SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "shakespeare"
+SHAKESPEARE = shakespeare()  # the corpus the package ships
 WORKS = ("hamlet", "macbeth", "othello")
 VOCAB = 320
 

@@ -1,0 +1,50 @@
+"""Where the benchmark scripts read their text and write their results: one rule for all of them.
+
+- **Full runs** (a script's default grid and sizes) are the ones whose results the repository keeps: they write
+  ``benchmarks/results/`` and ``docs/``, and the studies among them read the whole corpus beside the checkout,
+  ``../shared/data/shakespeare`` (42 works: the published numbers were made on them). Without it they stop with
+  one line saying where to put it (exit 2) rather than publish numbers made on other text.
+- **Quick or partial runs** (``--quick``, or fewer shapes, variants, layers, lines ... than the defaults) write the
+  same files at the same relative paths under ``benchmarks/.cache/quick/`` (git-ignored), never over the
+  committed ones, and read the corpus the package ships (``attnlab.data.shakespeare()``: 36 of the plays), so
+  they run in a plain clone. How many times a run repeats a timing, or on how many threads, does not make it
+  partial.
+
+A path given on a script's command line (``--json``, ``--doc``, ``--png``) is used as given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_CORPUS = ROOT.parent / "shared" / "data" / "shakespeare"
+QUICK = ROOT / "benchmarks" / ".cache" / "quick"
+
+
+def output(committed: Path, full: bool) -> Path:
+    """``committed`` (a path inside the checkout) for a full run, else its place under ``QUICK``."""
+    return committed if full else QUICK / committed.relative_to(ROOT)
+
+
+def at_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> bool:
+    """Whether the options ``names`` (their ``dest``) all have their default values: the run is a full one."""
+    return all(getattr(args, name) == parser.get_default(name) for name in names)
+
+
+def corpus(full: bool, script: str) -> Path:
+    """The directory of ``.txt`` works a run reads: the whole corpus for a full run, else the shipped one."""
+    if not full:
+        from attnlab.data import shakespeare
+
+        return shakespeare()
+    if not FULL_CORPUS.is_dir():
+        print(
+            f"{script}: a full run reads the 42 works of {FULL_CORPUS} (its published numbers were made on them); "
+            "put the corpus there, or make a quick or smaller run, which reads the 36 plays attnlab ships",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return FULL_CORPUS
