@@ -36,7 +36,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, corpus, output
+from locations import at_defaults, corpus, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,7 +154,7 @@ def plot(result: dict, path: Path) -> None:
     axes[1].legend()
     fig.suptitle("all-MiniLM-L6-v2 converted to GQA/MQA, no training")
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path, dpi=120, ours=own_path(path))
 
 
 def markdown(result: dict, png: Path, json_path: Path, command: str) -> str:
@@ -298,11 +298,13 @@ def main() -> None:
         kv = [int(g) for g in args.kv_heads.split(",")]
         data = corpus(args.full, "convert_minilm.py")
         result = run(kv, args.methods.split(","), args.n_eval, args.n_calib, args.seed, data)
-        write_atomic(args.json, json.dumps(result, indent=2) + "\n")
+        write_atomic(args.json, json.dumps(result, indent=2) + "\n", ours=own_path(args.json))
     args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(result, args.png)
     command = "python benchmarks/convert_minilm.py" + ("" if args.full else " (non-default options)")
-    write_atomic(args.doc, markdown(result, args.png, args.json, command) + mla_section())
+    write_atomic(
+        args.doc, markdown(result, args.png, args.json, command) + mla_section(), ours=own_path(args.doc)
+    )
     print(f"wrote {args.json}, {args.png}, {args.doc}")
 
 

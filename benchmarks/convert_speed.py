@@ -58,7 +58,7 @@ from attnlab.hf.checkpoint import calibration_batches
 from attnlab.model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, corpus, output
+from locations import at_defaults, corpus, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "2d78f8b"  # main before the one-pass calibration: convert_model reran the model for every layer
@@ -377,8 +377,8 @@ def main() -> None:
     else:
         args.corpus = corpus(args.full, "convert_speed.py")
         result = run(args)
-        write_atomic(args.json, json.dumps(result, indent=2) + "\n")
-    write_atomic(args.doc, markdown(result, args.json))
+        write_atomic(args.json, json.dumps(result, indent=2) + "\n", ours=own_path(args.json))
+    write_atomic(args.doc, markdown(result, args.json), ours=own_path(args.doc))
 
 
 if __name__ == "__main__":

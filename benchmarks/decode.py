@@ -28,7 +28,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import output
+from locations import output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -358,7 +358,7 @@ def write_docs(result: dict, command: str, doc: Path = DOC, png: Path = RESULTS 
     plot(result, png)
     rel = os.path.relpath(RESULTS / "decode.png", DOC.parent)
     page = performance_page(result, plot_path=rel, command=command, notes=notes(result, command))
-    write_atomic(doc, with_generation_section(page))
+    write_atomic(doc, with_generation_section(page), ours=own_path(doc))
 
 
 def with_generation_section(page: str) -> str:
@@ -425,11 +425,11 @@ def main() -> int:
         before = json.dumps(result, indent=1)
         rescore(result["rows"], Hardware(**result["machine"]["hardware"]))  # the current roofline definition
         if json.dumps(result, indent=1) != before:  # saved rows of an older definition: bring them up to date
-            write_atomic(args.json, json.dumps(result, indent=1))
+            write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
     else:
         result = run(args.quick, args.cached_hardware, args.repeats)
         result["command"] = command
-        write_atomic(args.json, json.dumps(result, indent=1))
+        write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
     write_docs(result, command, args.doc, args.png)
     for target in targets(result):
         print(" | ".join(target))

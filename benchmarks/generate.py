@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, output
+from locations import at_defaults, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -301,7 +301,7 @@ def write_section(result: dict, doc: Path = DOC) -> None:
         text = head + block + rest.split(END, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
-    write_atomic(doc, text)
+    write_atomic(doc, text, ours=own_path(doc))
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -348,7 +348,7 @@ def main() -> int:
         long_variants = variants if args.long_variants is None else args.long_variants.split(",")
         result = run(variants, contexts, args.new, args.repeats, long_variants)
         result["command"] = "python benchmarks/generate.py " + " ".join(sys.argv[1:])
-        write_atomic(args.json, json.dumps(result, indent=1))
+        write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
     write_section(result, args.doc)
     for target in targets(result):
         print(" | ".join(target))

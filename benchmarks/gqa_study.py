@@ -53,7 +53,7 @@ from attnlab.train import UptrainOptions, evaluate_checkpoint, learning_rate, up
 from attnlab.train.evaluate import eval_windows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import corpus, output
+from locations import corpus, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache" / "gqa_study"
@@ -164,7 +164,7 @@ def prepare(scale: Scale, cache: Path, data: Path) -> dict:
             {ln.strip() for f in train for ln in f.read_text().splitlines() if len(ln.split()) >= 7}
         )
         random.Random(0).shuffle(lines)
-        write_atomic(calib, "\n".join(lines[:256]) + "\n")
+        write_atomic(calib, "\n".join(lines[:256]) + "\n", ours=own_path(calib))
     inits = {
         g: init_checkpoint(cache / f"init-kv{g}", scale, g, tokenizer) for g in (scale.n_heads, *KV_HEADS)
     }
@@ -484,7 +484,7 @@ def open_cache(scale: Scale, cache: Path, corpus_dir: Path) -> dict:
     if other_model or other_text:
         shutil.rmtree(cache)
         cache.mkdir(parents=True)
-    write_atomic(marker, json.dumps(key(scale, PRETRAIN_FIELDS), indent=2))
+    write_atomic(marker, json.dumps(key(scale, PRETRAIN_FIELDS), indent=2), ours=own_path(marker))
     return prepare(scale, cache, corpus_dir)
 
 
@@ -540,7 +540,11 @@ def run(scale: Scale, cache: Path, quick: bool, corpus_dir: Path, pretrain_only:
                 name = pending.pop(future)
                 results[name] = future.result() | {"key": keys[name.split("-")[0]]}
                 computed.append(name)
-                write_atomic(done_dir / f"{name}.json", json.dumps(results[name], indent=2))
+                write_atomic(
+                    done_dir / f"{name}.json",
+                    json.dumps(results[name], indent=2),
+                    ours=own_path(done_dir / f"{name}.json"),
+                )
                 print(f"[{time.perf_counter() - started:7.0f} s] done {name}", flush=True)
 
     if pretrain_only:
@@ -635,7 +639,7 @@ def main() -> None:
         if result is None:
             return
         result["runs"] = run_history(out, result)
-        write_atomic(out, json.dumps(result, indent=2) + "\n")
+        write_atomic(out, json.dumps(result, indent=2) + "\n", ours=own_path(out))
     docs.mkdir(parents=True, exist_ok=True)
     page = write_report(result, out, docs / "results.md", docs, ROOT)
     print(f"wrote {page}" if args.replot else f"wrote {out}, {page} ({result['seconds'] / 60:.1f} min)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +16,9 @@ from attnlab.atomic import save_figure, write_atomic
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import own_path
 
 MARKERS = {"mean": "o", "first": "s", "random": "^", "fit": "D", "none": "x"}
 
@@ -101,7 +105,9 @@ def plots(s: Study, docs: Path) -> list[Path]:
     axes[-1].legend(fontsize=8)
     fig.suptitle("Uptraining after conversion: validation loss vs alpha (alpha = 0: converted, not trained)")
     fig.tight_layout()
-    paths.append(save_figure(fig, docs / "gqa_study_alpha.png", dpi=110))
+    paths.append(
+        save_figure(fig, docs / "gqa_study_alpha.png", dpi=110, ours=own_path(docs / "gqa_study_alpha.png"))
+    )
 
     fig, ax = plt.subplots(figsize=(6, 4))
     all_heads = [s.n_heads, *heads]
@@ -120,7 +126,11 @@ def plots(s: Study, docs: Path) -> list[Path]:
     ax.legend(fontsize=8)
     ax.set_title("Validation loss vs KV heads")
     fig.tight_layout()
-    paths.append(save_figure(fig, docs / "gqa_study_kv_heads.png", dpi=110))
+    paths.append(
+        save_figure(
+            fig, docs / "gqa_study_kv_heads.png", dpi=110, ours=own_path(docs / "gqa_study_kv_heads.png")
+        )
+    )
 
     fig, ax = plt.subplots(figsize=(6, 4))
     alpha = 0.05
@@ -138,7 +148,9 @@ def plots(s: Study, docs: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.set_title("Quality vs decode speed (the small-scale Figure 3)")
     fig.tight_layout()
-    paths.append(save_figure(fig, docs / "gqa_study_speed.png", dpi=110))
+    paths.append(
+        save_figure(fig, docs / "gqa_study_speed.png", dpi=110, ours=own_path(docs / "gqa_study_speed.png"))
+    )
     return paths
 
 
@@ -420,4 +432,4 @@ def write_report(result: dict, json_path: Path, page: Path, docs: Path, root: Pa
             f"{b['top1_agreement']:.3f} | {a['top1_agreement']:.3f} |"
         )
     lines += ["", f"Raw numbers: `{rel_json}`.", ""]
-    return write_atomic(page, "\n".join(lines))
+    return write_atomic(page, "\n".join(lines), ours=own_path(page))

@@ -36,7 +36,7 @@ from attnlab.atomic import write_atomic
 from attnlab.attention import fused
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, output
+from locations import at_defaults, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "src" / "attnlab" / "attention" / "fused.cpp"
@@ -209,7 +209,7 @@ def main() -> int:
         torch=torch.__version__,
         rows=rows,
     )
-    write_atomic(args.json, json.dumps(result, indent=1))
+    write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
     return 0
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, output
+from locations import at_defaults, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, out_features, in_features): SmolLM-135M's projections (q and wq+wk+wv of GQA-3 in one pass, the MLP's
@@ -127,7 +127,7 @@ def main() -> int:
         "load": [round(x, 2) for x in os.getloadavg()],
         "rows": rows,
     }
-    write_atomic(args.json, json.dumps(result, indent=1))
+    write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
     return 0
 
 

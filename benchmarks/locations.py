@@ -11,6 +11,10 @@
   partial.
 
 A path given on a script's command line (``--json``, ``--doc``, ``--png``) is used as given.
+
+Writing follows attnlab's write rule (``attnlab.atomic``): the results and cache directories of the checkout
+(``OWN``) are attnlab's, so the scripts replace their files there; a path elsewhere (a ``--json`` of yours) is
+replaced only when it holds attnlab's mark (a JSON written by ``write_json``, a plot, a generated page).
 """
 
 from __future__ import annotations
@@ -22,6 +26,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FULL_CORPUS = ROOT.parent / "shared" / "data" / "shakespeare"
 QUICK = ROOT / "benchmarks" / ".cache" / "quick"
+
+
+OWN = (
+    ROOT / "benchmarks" / "results",
+    ROOT / "benchmarks" / ".cache",
+    ROOT / "docs",
+    ROOT / "src" / "attnlab" / "assets",
+)
+
+
+def own_path(path: Path) -> bool:
+    """Whether ``path`` lies in a directory of the checkout whose files the scripts write (``OWN``)."""
+    resolved = Path(path).resolve()
+    return any(resolved.is_relative_to(d) for d in OWN)
 
 
 def output(committed: Path, full: bool) -> Path:

@@ -25,6 +25,9 @@ import sys
 import tarfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import own_path
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "data" / "shakespeare"
 ASSETS = ROOT / "src" / "attnlab" / "assets"
@@ -95,8 +98,8 @@ def main() -> int:
         raise SystemExit(f"make_corpus.py: the archive is {len(data)} bytes, above the package's {LIMIT}")
     from attnlab.atomic import write_atomic
 
-    write_atomic(ARCHIVE, data, sources=[args.source])
-    write_atomic(SUMS, sums(works), sources=[args.source])
+    write_atomic(ARCHIVE, data, sources=[args.source], ours=own_path(ARCHIVE))
+    write_atomic(SUMS, sums(works), sources=[args.source], ours=own_path(SUMS))
     size = sum(map(len, works.values()))
     print(f"wrote {ARCHIVE.relative_to(ROOT)}: {len(works)} works, {size} bytes of text, {len(data)} packed")
     return 0

@@ -50,7 +50,7 @@ from attnlab.hf import load_llama, save_llama
 from attnlab.model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, corpus, output
+from locations import at_defaults, corpus, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +201,7 @@ def main() -> None:
     result = run(args.src, args.n_calib, args.n_eval, args.seed, data)
     result["machine"] = {"python": platform.python_version(), "torch": torch.__version__}
     result["command"] = " ".join(["python", "benchmarks/mla_conversion.py", *sys.argv[1:]])
-    write_atomic(args.json, json.dumps(result, indent=2) + "\n")
+    write_atomic(args.json, json.dumps(result, indent=2) + "\n", ours=own_path(args.json))
     print(json.dumps(result["source"]), json.dumps(result["full_rank"], indent=2), sep="\n")
     print(f"wrote {args.json}")
 

@@ -60,7 +60,7 @@ from attnlab.train import UptrainOptions, evaluate, evaluate_checkpoint, uptrain
 from attnlab.train.evaluate import eval_windows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report and locations.py, beside this script
-from locations import corpus, output
+from locations import corpus, output, own_path
 from mla_study_report import JSON, ROPE_DIMS, plot, section, targets, write_page
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def prepare(src: Path, cache: Path, data: Path) -> dict:
     lines = sorted({ln.strip() for f in train for ln in f.read_text().splitlines() if len(ln.split()) >= 7})
     random.Random(0).shuffle(lines)
     calib = cache / "calib.txt"
-    write_atomic(calib, "\n".join(lines[:256]) + "\n")
+    write_atomic(calib, "\n".join(lines[:256]) + "\n", ours=own_path(calib))
     pretrained = json.loads((copy / "uptrain.json").read_text()) if (copy / "uptrain.json").is_file() else {}
     return {
         "src": copy,
@@ -388,7 +388,11 @@ def run(src: Path, recipe: Recipe, data: Path, cache: Path = CACHE) -> dict:
             for future in finished:
                 name = pending.pop(future)
                 results[name] = future.result()
-                write_atomic(done_dir / f"{name}.json", json.dumps(results[name] | {"key": key}, indent=2))
+                write_atomic(
+                    done_dir / f"{name}.json",
+                    json.dumps(results[name] | {"key": key}, indent=2),
+                    ours=own_path(done_dir / f"{name}.json"),
+                )
                 print(f"[{time.perf_counter() - started:7.0f} s] done {name}", flush=True)
 
     stream = _held_out(ctx, recipe)
@@ -467,7 +471,7 @@ def main() -> None:
         data = corpus(not args.quick, "mla_study.py")
         result = run(source_model(args.src, args.quick, data), recipe, data, args.cache)
         result["targets"] = targets(result)
-        write_atomic(args.json, json.dumps(result, indent=2) + "\n")
+        write_atomic(args.json, json.dumps(result, indent=2) + "\n", ours=own_path(args.json))
     plot(result, args.png)
     write_page(result, args.doc, args.png)
     print(section(result, args.png.name))

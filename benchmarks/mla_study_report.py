@@ -18,6 +18,9 @@ from attnlab.atomic import save_figure, write_atomic
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import own_path
+
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "benchmarks" / "results" / "mla_study.json"
 MINILM_JSON = ROOT / "benchmarks" / "results" / "convert_minilm.json"
@@ -72,7 +75,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set_ylabel("held-out perplexity")
     axes[-1].legend()
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path, dpi=120, ours=own_path(path))
 
 
 def section(result: dict, png: str = "conversion_mla.png") -> str:
@@ -293,4 +296,4 @@ def write_page(result: dict, doc: Path, png: Path) -> None:
         json.loads(MINILM_JSON.read_text()), ROOT / "docs" / "conversion_minilm.png", MINILM_JSON,
         "python benchmarks/convert_minilm.py",
     )  # fmt: skip
-    write_atomic(doc, minilm + section(result, png.name))
+    write_atomic(doc, minilm + section(result, png.name), ours=own_path(doc))

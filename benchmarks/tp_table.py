@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from attnlab.atomic import write_atomic
@@ -25,6 +26,9 @@ from attnlab.cost.parallel import (
     rank_config,
     tp_comm,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -205,8 +209,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     data = rows()
-    write_atomic(args.json, json.dumps({"setting": SETTING, "rows": data}, indent=1) + "\n")
-    write_atomic(args.doc, fill(args.template.read_text(), generated(data)))
+    write_atomic(
+        args.json, json.dumps({"setting": SETTING, "rows": data}, indent=1) + "\n", ours=own_path(args.json)
+    )
+    write_atomic(args.doc, fill(args.template.read_text(), generated(data)), ours=own_path(args.doc))
     print(f"wrote {args.json} and {args.doc}")
 
 

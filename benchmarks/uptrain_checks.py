@@ -32,6 +32,9 @@ from safetensors.torch import load_file
 from attnlab.atomic import write_atomic
 from attnlab.data import shakespeare, train_byte_bpe
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from locations import own_path
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEPS = 40
@@ -131,7 +134,7 @@ def main() -> None:
         }
     result["seconds"] = time.perf_counter() - started
     result["load_average"] = os.getloadavg()[0]
-    write_atomic(args.json, json.dumps(result, indent=2) + "\n")
+    write_atomic(args.json, json.dumps(result, indent=2) + "\n", ours=own_path(args.json))
     print(json.dumps(result, indent=2))
 
 

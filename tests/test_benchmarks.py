@@ -116,3 +116,20 @@ def test_a_full_run_without_the_full_corpus_says_where_it_goes(scripts, monkeypa
     assert (
         locations.corpus(False, "gqa_study.py") == shakespeare()
     )  # quick and partial runs: the shipped plays
+
+
+def test_scripts_replace_files_in_their_own_directories_only(scripts, tmp_path):
+    # attnlab's write rule for the scripts: the checkout's results, docs and cache directories are theirs; a file of
+    # the user's elsewhere (a --json path) is replaced only when it carries attnlab's mark.
+    from attnlab.atomic import write_atomic, write_json
+
+    locations = scripts("locations")
+    assert locations.own_path(ROOT / "benchmarks" / "results" / "decode.json")
+    assert locations.own_path(ROOT / "benchmarks" / ".cache" / "quick" / "docs" / "performance.md")
+    assert not locations.own_path(tmp_path / "decode.json") and not locations.own_path(ROOT / "README.md")
+    theirs = tmp_path / "decode.json"
+    theirs.write_text('{"mine": true}')
+    with pytest.raises(FileExistsError, match="without attnlab's mark"):
+        write_atomic(theirs, "{}", ours=locations.own_path(theirs))
+    write_json(tmp_path / "marked.json", {"rows": []}, by="benchmarks/decode.py")
+    write_atomic(tmp_path / "marked.json", "{}", ours=locations.own_path(tmp_path / "marked.json"))

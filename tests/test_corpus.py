@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attnlab import data
+from attnlab.atomic import MARKER, marker_kind
 from attnlab.data import shakespeare, text_files
 
 ASSETS = resources.files("attnlab") / "assets"
@@ -23,7 +24,9 @@ def sums() -> dict[str, str]:
 
 
 def digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    """The works' digests; the folder must also carry attnlab's marker (an attnlab cache directory)."""
+    assert marker_kind(folder) == "cache"
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.name != MARKER}
 
 
 def test_the_package_ships_36_plays_in_at_most_1_5_mb():
@@ -78,18 +81,22 @@ def test_a_damaged_or_partial_copy_in_the_cache_is_replaced(tmp_path, monkeypatc
 
 
 def test_a_damaged_copy_at_a_given_place_is_replaced_but_other_files_are_never_touched(tmp_path):
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    (partial / "hamlet.txt").write_text("To be")  # an interrupted copy of the works: replaced
-    assert digests(shakespeare(partial)) == sums()
+    extracted = shakespeare(tmp_path / "extracted")
+    (extracted / "hamlet.txt").write_text(
+        "To be"
+    )  # a damaged copy attnlab extracted there (its marker): replaced
+    assert digests(shakespeare(extracted)) == sums()
 
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "hamlet.txt").write_text("To be")
-    (mine / "thesis.tex").write_text("my own work")
-    with pytest.raises(FileExistsError, match="choose another directory"):
-        shakespeare(mine)
-    assert (mine / "thesis.tex").read_text() == "my own work"
+    for files in ({"hamlet.txt": "To be"}, {"hamlet.txt": "To be", "thesis.tex": "my own work"}):
+        mine = (
+            tmp_path / f"mine{len(files)}"
+        )  # the user's directories (no marker): never replaced, whatever they hold
+        mine.mkdir()
+        for name, text in files.items():
+            (mine / name).write_text(text)
+        with pytest.raises(FileExistsError, match="attnlab replaces or deletes only what it wrote"):
+            shakespeare(mine)
+        assert {p.name: p.read_text() for p in mine.iterdir()} == files
     (tmp_path / "file").write_text("a file")
     with pytest.raises(FileExistsError):
         shakespeare(tmp_path / "file")
@@ -118,15 +125,21 @@ def test_concurrent_first_calls_each_return_the_complete_corpus(tmp_path):
 
 
 def test_a_corpus_another_process_put_in_place_meanwhile_is_used(tmp_path, monkeypatch):
-    # The race the threads above may or may not hit: the directory appears between the check and the write.
-    real = data.atomic_dir
+    # Another process extracts between this one's first look and its lock: this one then uses that copy.
+    real_holds, real_extract, others = data._holds, data._extract, []
 
-    def other_process_first(dst, overwrite=False, **kwargs):
-        with real(dst) as tmp:
-            data._extract(*data._shipped(), tmp)
-        return real(dst, overwrite, **kwargs)  # raises FileExistsError: dst now exists
+    def holds(folder, listed):
+        if (
+            not others
+        ):  # the look before the lock; meanwhile another attnlab process extracts the corpus there
+            others.append(folder)
+            with data.atomic_dir(folder, kind="cache") as tmp:
+                real_extract(*data._shipped(), tmp)
+            return False
+        return real_holds(folder, listed)
 
-    monkeypatch.setattr(data, "atomic_dir", other_process_first)
+    monkeypatch.setattr(data, "_holds", holds)
+    monkeypatch.setattr(data, "_extract", lambda *args: pytest.fail("extracted a second time"))
     assert digests(shakespeare(tmp_path / "corpus")) == sums()
 
 

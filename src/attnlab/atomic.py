@@ -41,6 +41,7 @@ import re
 import secrets
 import shutil
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -172,11 +173,13 @@ def check_destination(
     overwrite: bool = False,
     kind: str = "checkpoint",
     what: str = "destination",
+    ours: bool = False,
 ) -> Path:
     """The absolute destination directory, after checking the rules of the module docstring.
 
     ``what``: how messages name it (e.g. "DST", "--run-dir"). Raises ValueError (an input, the working
     directory) or FileExistsError (exists without ``overwrite``, or is not an attnlab output of ``kind``).
+    ``ours``: the path is one attnlab names itself (in its cache), replaced with ``overwrite`` whatever it holds.
     """
     shown = str(dst)
     dst = _absolute(dst)
@@ -188,7 +191,7 @@ def check_destination(
             )
         _check_replaceable(dst, shown, what)
         found = marker_kind(dst)
-        if found != kind:
+        if found != kind and not ours:
             raise FileExistsError(_not_ours(shown, what, kind, found, dst))
     return dst
 
@@ -215,7 +218,9 @@ class Busy(FileExistsError):
     """Another process is writing the same destination."""
 
 
-_held: dict[Path, int] = {}  # destinations this process holds the lock of, with the nesting depth
+_held: dict[
+    tuple[int, Path], int
+] = {}  # (thread, destination) -> nesting depth of the locks this process holds
 
 
 def _lock_path(dst: Path) -> Path:
@@ -223,20 +228,22 @@ def _lock_path(dst: Path) -> Path:
 
 
 @contextlib.contextmanager
-def lock(dst: PathLike, what: str = "destination") -> Iterator[None]:
-    """Hold the one-writer lock of ``dst`` (re-entrant within a process); ``Busy`` names the holder if taken.
+def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Iterator[None]:
+    """Hold the one-writer lock of ``dst`` (re-entrant within a thread); ``Busy`` names the holder if it is taken,
+    or with ``wait`` the call waits for it.
 
     The lock file ``.{name}.lock`` beside ``dst`` is removed when released; missing parent directories are created
     for it and removed again if the block fails and they are still empty.
     """
     shown = str(dst)
     dst = _absolute(dst)
-    if dst in _held:
-        _held[dst] += 1
+    key = (threading.get_ident(), dst)
+    if key in _held:
+        _held[key] += 1
         try:
             yield
         finally:
-            _held[dst] -= 1
+            _held[key] -= 1
         return
     made = _make_parents(dst.parent)
     path = _lock_path(dst)
@@ -245,7 +252,7 @@ def lock(dst: PathLike, what: str = "destination") -> Iterator[None]:
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "unknown"
                 os.close(fd)
@@ -264,7 +271,7 @@ def lock(dst: PathLike, what: str = "destination") -> Iterator[None]:
             fd = -1
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()}: {' '.join(['attnlab', *sys.argv[1:]])[:300]}".encode())
-        _held[dst] = 1
+        _held[key] = 1
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -275,7 +282,7 @@ def lock(dst: PathLike, what: str = "destination") -> Iterator[None]:
         yield
         ok = True
     finally:
-        del _held[dst]
+        del _held[key]
         with contextlib.suppress(OSError):
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 os.unlink(
@@ -473,18 +480,21 @@ def atomic_dir(
     sources: Iterable[PathLike | None] = (),
     kind: str = "checkpoint",
     what: str = "destination",
+    ours: bool = False,
 ) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dst`` when the block succeeds (removed if it fails).
 
-    ``overwrite`` replaces an existing ``dst`` that is an attnlab output of ``kind``; ``sources``: the paths the
-    result is made from, which ``dst`` may not be, contain or lie inside (see the module docstring). The result
-    carries the marker of ``kind``. Holds the destination's lock while writing.
+    ``overwrite`` replaces an existing ``dst`` that is an attnlab output of ``kind`` (any directory, with ``ours``:
+    a path attnlab names itself); ``sources``: the paths the result is made from, which ``dst`` may not be,
+    contain or lie inside (see the module docstring). The result carries the marker of ``kind``. Holds the
+    destination's lock while writing.
     """
     shown = dst
     sources = list(sources)
-    dst = check_destination(dst, sources, overwrite=overwrite, kind=kind, what=what)
+    rules = dict(overwrite=overwrite, kind=kind, what=what, ours=ours)
+    dst = check_destination(dst, sources, **rules)
     with lock(dst, what):
-        dst = check_destination(dst, sources, overwrite=overwrite, kind=kind, what=what)  # under the lock
+        dst = check_destination(dst, sources, **rules)  # under the lock
         existed = dst.exists() or dst.is_symlink()
         try:
             remove_stale(dst)
@@ -497,7 +507,7 @@ def atomic_dir(
             mark(tmp, kind)
             _finish_tree(tmp)
             if existed:
-                if marker_kind(dst) != kind:  # replaced by something else while we wrote
+                if marker_kind(dst) != kind and not ours:  # replaced by something else while we wrote
                     raise FileExistsError(errno.EEXIST, "it changed while this was being written", str(dst))
                 _replace(tmp, dst)
             else:
@@ -651,9 +661,9 @@ def write_json(
     return write_atomic(path, json_text(marked, indent=indent), ours=ours, what=what)
 
 
-def check_figure_path(path: PathLike) -> Path:
+def check_figure_path(path: PathLike, *, ours: bool = False) -> Path:
     """The rule for every ``--plot``: a PNG file name (``.png``); missing directories are created on write; an
-    existing file is replaced only if attnlab made it."""
+    existing file is replaced only if attnlab made it (or ``ours``: a path attnlab names itself)."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"--plot writes a PNG image: give a file name ending in .png, got {str(path)!r}")
@@ -662,7 +672,7 @@ def check_figure_path(path: PathLike) -> Path:
     parent = next((p for p in path.parents if p.exists()), None)  # the closest existing ancestor
     if parent is not None and not parent.is_dir():
         raise ValueError(f"--plot {str(path)!r}: {str(parent)!r} is a file, not a directory")
-    if (path.exists() or path.is_symlink()) and not is_own_file(path):
+    if (path.exists() or path.is_symlink()) and not ours and not is_own_file(path):
         raise FileExistsError(
             f"--plot {path} exists and is not a plot attnlab made: it is not replaced; move it away yourself or "
             "choose another file name"
@@ -670,7 +680,9 @@ def check_figure_path(path: PathLike) -> Path:
     return path
 
 
-def save_figure(fig: Any, path: PathLike, *, sources: Iterable[PathLike | None] = (), **savefig: Any) -> Path:
+def save_figure(
+    fig: Any, path: PathLike, *, sources: Iterable[PathLike | None] = (), ours: bool = False, **savefig: Any
+) -> Path:
     """Save a matplotlib figure as PNG at ``path`` (see ``check_figure_path``) atomically and close it; the PNG's
     ``Software`` chunk carries attnlab's mark, so a later run may replace it."""
     import matplotlib
@@ -678,8 +690,8 @@ def save_figure(fig: Any, path: PathLike, *, sources: Iterable[PathLike | None] 
 
     try:
         shown = path
-        check_figure_path(path)
-        path = _prepare_file(path, sources, False, "--plot")
+        check_figure_path(path, ours=ours)
+        path = _prepare_file(path, sources, ours, "--plot")
         metadata = {"Software": f"{SIGNATURE} (matplotlib {matplotlib.__version__})"}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

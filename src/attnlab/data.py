@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .atomic import atomic_dir
+from .atomic import MARKER, atomic_dir, lock
 
 
 @dataclass(frozen=True)
@@ -263,9 +263,9 @@ def _shipped() -> tuple[bytes, dict[str, str]]:
 
 
 def _holds(folder: Path, sums: dict[str, str]) -> bool:
-    """Whether ``folder`` holds the listed works byte for byte and nothing else."""
+    """Whether ``folder`` holds the listed works byte for byte and nothing else (but attnlab's marker)."""
     try:
-        found = {p.name: p for p in folder.iterdir()}
+        found = {p.name: p for p in folder.iterdir() if p.name != MARKER}
     except OSError:
         return False
     return found.keys() == sums.keys() and all(
@@ -307,9 +307,10 @@ def shakespeare(dest: str | Path | None = None) -> Path:
     ``dest``: where to extract (default ``$XDG_CACHE_HOME/attnlab/corpus/<archive SHA-256 prefix>``, ``~/.cache``
     without that variable; a new package version with another archive gets its own directory). A directory that
     holds exactly the shipped works, every file's SHA-256 checked, is used as it is. Anything else there (a damaged
-    or partial copy) is replaced; at a ``dest`` you give, only when it holds nothing but (some of) the works'
-    files, else FileExistsError. The extraction is atomic (``attnlab.atomic.atomic_dir``): a process killed half
-    way leaves no partial directory, and processes extracting at the same time each swap in a complete one.
+    copy) is replaced under attnlab's write rule (``attnlab.atomic``): in the default place, which is attnlab's own;
+    at a ``dest`` you give, only when attnlab extracted it there before (its ``.attnlab`` marker), else
+    FileExistsError. The extraction is atomic (``attnlab.atomic.atomic_dir``): a process killed half way leaves no
+    partial directory, and processes extracting at the same time take turns (the second finds the first one's copy).
     """
     archive, sums = _shipped()
     if dest is None:
@@ -318,22 +319,11 @@ def shakespeare(dest: str | Path | None = None) -> Path:
         folder = Path(dest)
     if _holds(folder, sums):
         return folder
-    present = folder.exists() or folder.is_symlink()
-    if present and dest is not None and not _replaceable(folder, sums):
-        raise FileExistsError(
-            f"{folder} exists and holds more than the corpus's files; choose another directory"
-        )
-    try:
-        with atomic_dir(folder, overwrite=present) as tmp:
-            _extract(archive, sums, tmp)
-    except FileExistsError:  # another process put it there since the check above
+    with lock(
+        folder, "corpus directory", wait=True
+    ):  # a second caller waits for the first, then finds its copy
         if not _holds(folder, sums):
-            raise
+            present = folder.exists() or folder.is_symlink()
+            with atomic_dir(folder, present, kind="cache", what="corpus directory", ours=dest is None) as tmp:
+                _extract(archive, sums, tmp)
     return folder
-
-
-def _replaceable(folder: Path, sums: dict[str, str]) -> bool:
-    """A directory (not a link) holding nothing but files named as works: a damaged copy, never a user's data."""
-    if folder.is_symlink() or not folder.is_dir():
-        return False
-    return all(p.name in sums and p.is_file() and not p.is_symlink() for p in folder.iterdir())
