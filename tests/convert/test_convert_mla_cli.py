@@ -96,7 +96,10 @@ def test_progress_reports_every_stage_layer_by_layer(tmp_path, source):
         (["--kv-lora-rank", 16, "--rope-dim", 5], "--rope-dim must be even"),
         (["--kv-lora-rank", 16, "--rope-dim", 10], "--rope-dim must be an int in [2, 8]"),  # head_dim 8
         (["--kv-lora-rank", 16, "--rope-dim", 0], "--rope-dim must be an int in [2, 8]"),
-        (["--kv-lora-rank", 16, "--rope-dim", 4, "--planes", 9], "stride) must be in [1, 3]"),
+        (
+            ["--kv-lora-rank", 16, "--rope-dim", 4, "--planes", 9],
+            "--planes 9: a stride must be in [1, 3] for --rope-dim 4",
+        ),
         (["--kv-lora-rank", 16, "--planes", "lowest"], "--planes must be one of"),
         (["--kv-lora-rank", 16, "--kv-heads", 2], "--kv-heads belongs to --to gqa"),
         (["--kv-lora-rank", 16, "--method", "fit"], "--method belongs to --to gqa"),

@@ -107,7 +107,7 @@ def test_compare_measure_small_model(tmp_path):
         (["--model", "nowhere/config.json"], "no config.json at"),
         (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
         (["--batch", "-3"], "--batch must be >= 1, got -3"),
-        (["--hardware", "tpu"], "unknown hardware 'tpu'"),
+        (["--hardware", "tpu"], "--hardware 'tpu' is not known"),
         (["--dtype", "fp5"], "dtype 'fp5' is not known"),
         (["--seq-len", str(2**41)], "--seq-len must be <= 2**40"),
         (["--plot", "plot.jpg"], "give a file name ending in .png"),

@@ -17,7 +17,8 @@ from ..config import ModelConfig, check_int
 from ..console import Grid, print_grid
 from ..cost import Comparison, compare, compute_peak, dtype_name, kv_cache_bytes, load_model, variants
 from ..cost.hardware import HARDWARE_NAMES, get_hardware
-from ..cost.parallel import rank_config
+from ..cost.memory import DTYPE_BITS
+from ..cost.parallel import check_tp, rank_config
 from .layer import LayerTiming, check_fits, measure_variants
 from .machine import measure_local
 
@@ -132,7 +133,11 @@ def run_compare(
         if value > MAX_SIZE:
             raise ValueError(f"{name} must be <= 2**40 = {MAX_SIZE:,}, got {value}")
     if hardware not in HARDWARE_NAMES:
-        raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE_NAMES)}")
+        raise ValueError(f"--hardware {hardware!r} is not known; known: {', '.join(HARDWARE_NAMES)}")
+    try:
+        dtype_name(dtype)
+    except (ValueError, TypeError):
+        raise ValueError(f"--dtype {dtype!r} is not known; use one of {', '.join(DTYPE_BITS)}") from None
     if tp > 1 and (hardware == "local" or measure):
         raise ValueError(
             "--tp models GPUs and their interconnect; --hardware local and --measure are one process on this machine"
@@ -140,6 +145,9 @@ def run_compare(
     if plot is not None:
         check_figure_path(plot)
     model_cfg = load_model(model)
+    check_tp(
+        model_cfg, tp, flag="--tp"
+    )  # the native variant must split (compare checks it too, without flags)
     out = Console()
     err = Console(stderr=True)
     local = None  # this machine, measured once per run: the compare table and the timings share it

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import check_destination
-from ..convert.mla import check_target, rope_planes
+from ..convert.mla import check_target, max_stride, rope_planes
 from ..convert.mla_model import (
     choose_stride,
     convert_model_to_mla,
@@ -90,6 +90,15 @@ def convert_checkpoint_to_mla(
     attn_cfg = cfg.attention
     flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
     rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
+    if (
+        isinstance(planes, int)
+        and attn_cfg.rope
+        and not 1 <= planes <= max_stride(attn_cfg.head_dim, rope_dim)
+    ):
+        raise ValueError(
+            f"--planes {planes}: a stride must be in [1, {max_stride(attn_cfg.head_dim, rope_dim)}] for --rope-dim "
+            f"{rope_dim} of the source's head_dim {attn_cfg.head_dim}"
+        )
     model = llama.load_llama(src)
     io.check_finite(model, src)
     dtype = model.tok_embeddings.weight.dtype
