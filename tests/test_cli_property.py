@@ -268,29 +268,36 @@ def snapshot(paths: list[Path | None]) -> dict[str, str]:
     return out
 
 
+def run_in(work: Path, args: list[str]):
+    """``attnlab ARGS`` run in ``work``: it exits 0 or 2, never with a traceback, and with one line when it fails.
+    Returns the result and the invocation as shown in a failure."""
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        os.chdir(cwd)
+    shown = f"attnlab {' '.join(args)}\n{result.output}"
+    event(f"exit {result.exit_code}")
+    assert result.exit_code in (0, 2), shown
+    assert result.exception is None or isinstance(result.exception, SystemExit), shown
+    assert "Traceback" not in result.output, shown
+    if result.exit_code == 2:
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), shown
+    return result, shown
+
+
 @pytest.mark.parametrize("command", list(COMMANDS))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_every_command_exits_0_or_2_and_never_changes_its_inputs(command, data, checkpoints):
-    runner = CliRunner()
-    cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         args, inputs = COMMANDS[command](data.draw, work, checkpoints)
         args = [str(a) for a in args]
         before = snapshot(inputs)
-        os.chdir(work)
-        try:
-            result = runner.invoke(app, args)
-        finally:
-            os.chdir(cwd)
-        shown = f"attnlab {' '.join(args)}\n{result.output}"
-        assert result.exit_code in (0, 2), shown
-        assert result.exception is None or isinstance(result.exception, SystemExit), shown
-        assert "Traceback" not in result.output, shown
-        if result.exit_code == 2:
-            lines = result.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), shown
+        _, shown = run_in(work, args)
         assert snapshot(inputs) == before, shown
         leftovers = [p for p in work.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
         assert not leftovers, (shown, leftovers)
@@ -420,26 +427,12 @@ def owned(work: Path, args: list[str]) -> list[str]:
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_writing_commands_change_nothing_but_what_they_own(command, data, checkpoints):
-    runner = CliRunner()
-    cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         args = [str(a) for a in WRITERS[command](data.draw, work, checkpoints)]
         before = every_file(work)
         mine = owned(work, args)
-        os.chdir(work)
-        try:
-            result = runner.invoke(app, args)
-        finally:
-            os.chdir(cwd)
-        shown = f"attnlab {' '.join(args)}\n{result.output}"
-        event(f"exit {result.exit_code}")
-        assert result.exit_code in (0, 2), shown
-        assert result.exception is None or isinstance(result.exception, SystemExit), shown
-        assert "Traceback" not in result.output, shown
-        if result.exit_code == 2:
-            lines = result.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), shown
+        result, shown = run_in(work, args)
         after = every_file(work)
 
         def outside(name: str) -> bool:

@@ -169,5 +169,7 @@ def test_impossible_tensor_parallel_sizes_are_one_line_from_rank_0_and_exit_2_ev
     codes = re.findall(r"exitcode\s+:\s+(-?\d+)", done.stderr)
     assert done.returncode != 0 and len(codes) == nproc and set(codes) <= {"2", "-15"}, done.stderr
     assert re.search(r"exitcode\s+:\s+2 ", done.stderr.split("Root Cause")[1]), done.stderr
-    assert not re.search(r'File "[^"]*(src|site-packages)/attnlab/', done.stderr), done.stderr  # no frame of ours
+    assert not re.search(r'File "[^"]*(src|site-packages)/attnlab/', done.stderr), (
+        done.stderr
+    )  # no frame of ours
     assert not (tmp_path / "d").exists() and not (tmp_path / "d.run").exists()
