@@ -147,9 +147,15 @@ def _check_sizes(owner: str, **sizes: int) -> None:
 class KVCache(_Cache):
     """Keys and values for MHA/GQA/MQA.
 
-    Layout: ``k`` and ``v`` are (batch_size, n_kv_heads, max_seq_len, head_dim); token ``t`` of sequence ``b``
-    for KV head ``h`` lives at ``k[b, h, t]``. Keys are stored after RoPE. Every update passes all
+    Layout: ``k`` and ``v`` are (batch_size, n_kv_heads, capacity, head_dim); token ``t`` of sequence ``b`` for KV
+    head ``h`` lives at ``k[b, h, t]``, or with a ``window`` (a sliding-window layer, whose queries never see more
+    than the last ``window`` tokens) at ``k[b, h, t % capacity]``: a ring of ``capacity = min(window, max_seq_len)``
+    slots, so the layer's cache holds at most the window. Keys are stored after RoPE. Every update passes all
     ``batch_size`` rows.
+
+    What ``update`` returns is what attention reads: the live slots in token order, or, once the ring has wrapped,
+    for one new token the whole ring (exactly the window, in ring order, which a single query does not mind) and for
+    several the kept tokens then the new ones in order (a copy), which the attention masks with its band.
     """
 
     def __init__(
@@ -161,6 +167,7 @@ class KVCache(_Cache):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        window: int | None = None,
     ) -> None:
         _check_sizes(
             "KVCache",
@@ -169,21 +176,37 @@ class KVCache(_Cache):
             max_seq_len=max_seq_len,
             head_dim=head_dim,
         )
+        if window is not None:
+            _check_sizes("KVCache", window=window)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.dtype = dtype
-        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.dtype, self.window = dtype, window
+        self.capacity = max_seq_len if window is None else min(window, max_seq_len)
+        shape = (batch_size, n_kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pos = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated: 2 * B * n_kv_heads * max_seq_len * head_dim * element_size."""
+        """Bytes allocated: 2 * B * n_kv_heads * capacity * head_dim * element_size."""
         return self.k.nbytes + self.v.nbytes
 
+    @property
+    def wrapped(self) -> bool:
+        """Whether tokens were dropped from the ring (the slots no longer hold tokens 0, 1, ... in order)."""
+        return self.pos > self.capacity
+
+    def crop(self, length: int) -> None:
+        if self.wrapped and length < self.pos:
+            raise ValueError(
+                f"KVCache.crop: the ring of a window of {self.window} no longer holds token {length}"
+            )
+        super().crop(length)
+
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``k``, ``v`` (B, n_kv_heads, T, head_dim); return the live (B, n_kv_heads, len, head_dim)."""
+        """Append ``k``, ``v`` (B, n_kv_heads, T, head_dim); return the keys and values attention reads (see the
+        class docstring): the live (B, n_kv_heads, len, head_dim) until a window's ring wraps."""
         b, h, t, d = k.shape
         if v is None or (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(
@@ -192,10 +215,25 @@ class KVCache(_Cache):
             )
         if v.dtype != k.dtype:  # the write below would cast v silently
             raise TypeError(f"KVCache: k has dtype {k.dtype} but v has {v.dtype}")
+        held = min(self.pos, self.capacity)  # before this update
         start, end = self._reserve(b, t, k.dtype, "k")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        if end <= self.capacity:  # no token dropped yet: slot = position
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
+            return self.k[:, :, :end], self.v[:, :, :end]
+        if t == 1:  # a decode step over a full ring: the newest token takes the oldest one's slot
+            self.k[:, :, start % self.capacity] = k[:, :, 0]
+            self.v[:, :, start % self.capacity] = v[:, :, 0]
+            return self.k, self.v
+        order = (
+            torch.arange(start - held, start, device=self.k.device) % self.capacity
+        )  # kept tokens, in order
+        keys, values = torch.cat((self.k[:, :, order], k), 2), torch.cat((self.v[:, :, order], v), 2)
+        keep = min(self.capacity, keys.shape[2])
+        slots = torch.arange(end - keep, end, device=self.k.device) % self.capacity
+        self.k[:, :, slots] = keys[:, :, -keep:]
+        self.v[:, :, slots] = values[:, :, -keep:]
+        return keys, values
 
     append = update  # the ``Cache`` protocol: the live keys and values are what attention reads
 
@@ -288,6 +326,11 @@ class PagedKVCache:
 
     With ``values_in_keys=True`` (MLA's absorbed form: the value of a token is the first ``value_dim`` entries of
     its cached row) only ``k`` is stored and ``v`` is a view of it.
+
+    With a ``window`` (a sliding-window layer, whose queries see at most the last ``window`` tokens) blocks that fall
+    out of every future query's window go back to the pool: before an update, each row gives up its blocks whose
+    tokens all lie before the window of the first new token. A row then holds about ``window / block_size`` blocks
+    whatever its length; its views cover its kept tokens, and attention masks those out of each query's window.
     """
 
     paged = True
@@ -305,7 +348,11 @@ class PagedKVCache:
         values_in_keys: bool = False,
         value_dim: int | None = None,
         placement: str = "contiguous",
+        window: int | None = None,
     ) -> None:
+        if window is not None:
+            _check_sizes("PagedKVCache", window=window)
+        self.window = window
         _check_sizes(
             "PagedKVCache",
             n_blocks=n_blocks,
@@ -333,7 +380,8 @@ class PagedKVCache:
             self.v = self.k[..., :value_dim]  # a view: the values are part of the cached rows
         else:
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = [0] * batch_size
+        self.lengths = [0] * batch_size  # tokens each row has seen
+        self.dropped = [0] * batch_size  # blocks each row gave up (a window's): its table starts after them
         self.block_tables: list[list[int]] = [[] for _ in range(batch_size)]
         self._free = set(range(n_blocks))
         self.active = list(range(batch_size))
@@ -381,6 +429,7 @@ class PagedKVCache:
         self._free.update(self.block_tables[row])
         self.block_tables[row] = []
         self.lengths[row] = 0
+        self.dropped[row] = 0
 
     def reset(self) -> None:
         for row in range(self.batch_size):
@@ -409,7 +458,15 @@ class PagedKVCache:
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"PagedKVCache: k, v dtypes {k.dtype}, {v.dtype}; the cache holds {self.dtype}")
         bs = self.block_size
-        need = [-(-(self.lengths[r] + t) // bs) - len(self.block_tables[r]) for r in self.active]
+        if self.window is not None:  # blocks before the first new token's window will never be read again
+            for r in self.active:
+                oldest = self.lengths[r] - self.window + 1
+                while self.block_tables[r] and (self.dropped[r] + 1) * bs <= oldest:
+                    self._free.add(self.block_tables[r].pop(0))
+                    self.dropped[r] += 1
+        need = [
+            -(-(self.lengths[r] + t) // bs) - self.dropped[r] - len(self.block_tables[r]) for r in self.active
+        ]
         if sum(need) > len(self._free):
             raise OutOfBlocksError(
                 f"PagedKVCache out of blocks: {t} new tokens for rows {self.active} need {sum(need)} blocks, "
@@ -420,10 +477,10 @@ class PagedKVCache:
             for j in range(n_new):
                 self.block_tables[row].append(self._take(self.block_tables[row], n_new - j))
         for i, row in enumerate(self.active):
-            table, pos = self.block_tables[row], self.lengths[row]
+            table, pos, first = self.block_tables[row], self.lengths[row], self.dropped[row]
             done = 0
             while done < t:  # one slice per block touched: a decode step writes one token in one block
-                block, offset = table[(pos + done) // bs], (pos + done) % bs
+                block, offset = table[(pos + done) // bs - first], (pos + done) % bs
                 n = min(bs - offset, t - done)
                 self.k[:, block, offset : offset + n] = k[i, :, done : done + n]
                 if not self.values_in_keys:
@@ -440,13 +497,14 @@ class PagedKVCache:
         """The active rows' keys and values as attention reads them: pools and runs of consecutive blocks."""
         bs = self.block_size
         runs = tuple(tuple((block * bs, n) for block, n in self.runs(r)) for r in self.active)
-        lengths = tuple(self.lengths[r] for r in self.active)
+        lengths = tuple(self.lengths[r] - self.dropped[r] * bs for r in self.active)  # the tokens kept
         # (n_kv, n_blocks * block_size, D) views: a run of consecutive blocks is a slice of them
         return PagedView(self.k.flatten(1, 2), runs, lengths), PagedView(self.v.flatten(1, 2), runs, lengths)
 
     def runs(self, row: int) -> list[tuple[int, int]]:
-        """Row ``row``'s live tokens as (first block, n_tokens) runs of physically consecutive blocks."""
-        table, length, bs = self.block_tables[row], self.lengths[row], self.block_size
+        """Row ``row``'s kept tokens as (first block, n_tokens) runs of physically consecutive blocks."""
+        bs = self.block_size
+        table, length = self.block_tables[row], self.lengths[row] - self.dropped[row] * bs
         out: list[tuple[int, int]] = []
         for i, block in enumerate(table):
             n = min(bs, length - i * bs)

@@ -10,13 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 BACKENDS = ("auto", "reference", "sdpa", "grouped", "fused")
 MLA_MODES = ("auto", "naive", "absorbed")
-MLP_KINDS = ("swiglu", "gelu")
-NORM_KINDS = ("rmsnorm", "layernorm")
+# MLPs: gated ``w2(act(w1 x) * w3 x)`` with SiLU (SwiGLU, Llama) or tanh-GELU (GeGLU, Gemma); plain ``w2(act(w1 x))``
+# with exact GELU (GPT-NeoX, BERT) or tanh-GELU (GPT-2).
+MLP_KINDS = ("swiglu", "geglu", "gelu", "gelu_tanh")
+GATED_MLPS = ("swiglu", "geglu")
+NORM_KINDS = ("rmsnorm", "layernorm")  # LayerNorm has a bias as well as a gain
+# Where a block's norms sit: before each sublayer (Llama), after it on its output before the residual sum (OLMo 2),
+# or both (Gemma 2/3, GLM-4).
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+QK_NORMS = (
+    "none",
+    "head",
+    "full",
+)  # RMSNorm of each head's q and k (Qwen3, Gemma 3) or of all heads at once (OLMo 2)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 
 
 def check_int(name: str, value: Any, *, minimum: int = 1) -> int:
@@ -70,6 +83,22 @@ class AttentionConfig:
     dropout: float = 0.0
     backend: str = "auto"
     out_bias: bool | None = None  # bias on wo; None: same as ``bias`` (Qwen2: bias=True, out_bias=False)
+    # RoPE on the first ``rope_dim`` dims of each head (None: all of them; Phi-4-mini, GPT-NeoX, GLM rotate part),
+    # as pairs (i, i + rope_dim/2) or, ``rope_interleaved``, as pairs (2i, 2i + 1) (GLM, ChatGLM).
+    rope_dim: int | None = None
+    rope_interleaved: bool = False
+    # Scaled RoPE: transformers' ``rope_parameters`` of a type other than "default" as sorted (key, value) pairs
+    # (lists as tuples), e.g. (("factor", 8.0), ("rope_type", "llama3"), ...); the angles come from transformers'
+    # own ROPE_INIT_FUNCTIONS (``attnlab.attention.rope``). Empty: plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    qk_norm: str = "none"  # RMSNorm of q and k before RoPE: per head ("head") or over all heads ("full")
+    norm_eps: float = 1e-6  # of the q/k norms
+    norm_offset: float = 0.0  # the q/k norms' gain is offset + weight (Gemma 3: 1)
+    scale: float | None = (
+        None  # softmax scale; None: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
+    )
+    softcap: float | None = None  # attention logits become softcap * tanh(logits / softcap) (Gemma 2)
+    window: int | None = None  # sliding window: a query sees the last ``window`` positions, its own included
 
     def __post_init__(self) -> None:
         owner = "AttentionConfig"
@@ -99,9 +128,50 @@ class AttentionConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AttentionConfig.dropout must be in [0, 1), got {self.dropout}")
         _check_choice(owner, "backend", self.backend, BACKENDS)
-        _check_bool(owner, ("bias", self.bias), ("rope", self.rope))
+        _check_bool(
+            owner, ("bias", self.bias), ("rope", self.rope), ("rope_interleaved", self.rope_interleaved)
+        )
         if self.out_bias is not None:
             _check_bool(owner, ("out_bias", self.out_bias))
+        if self.rope_dim is not None:
+            _check_int(owner, "rope_dim", self.rope_dim, minimum=2)
+            if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+                raise ValueError(
+                    f"AttentionConfig.rope_dim={self.rope_dim} must be even and at most head_dim={self.head_dim}"
+                )
+        if not isinstance(self.rope_scaling, tuple) or not all(
+            isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in self.rope_scaling
+        ):
+            raise TypeError(
+                f"AttentionConfig.rope_scaling must be a tuple of (name, value) pairs, got {self.rope_scaling!r}"
+            )
+        _check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS)
+        _check_float(owner, "norm_eps", self.norm_eps)
+        _check_float(owner, "norm_offset", self.norm_offset)
+        for name in ("scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_float(owner, name, value)
+                if not 0 < value < math.inf:
+                    raise ValueError(
+                        f"AttentionConfig.{name} must be a finite number > 0 or None, got {value}"
+                    )
+        if self.window is not None:
+            _check_int(owner, "window", self.window)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE turns (``rope_dim``, or all of them)."""
+        return self.head_dim if self.rope_dim is None else self.rope_dim
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """``rope_scaling`` as the dict transformers reads (empty for plain RoPE)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.rope_scaling}
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim**-0.5
 
     @property
     def has_out_bias(self) -> bool:
@@ -233,6 +303,16 @@ class ModelConfig:
     n_token_types: int = 0
     pooler: bool = False
     name: str = ""
+    # The decoder's options (defaults: Llama). See ``attnlab.model`` for how each is computed.
+    norm_offset: float = 0.0  # a norm's gain is offset + weight (Gemma: RMSNorm with 1 + w)
+    norm_placement: str = "pre"  # NORM_PLACEMENTS
+    parallel_residual: bool = False  # x + attention(norm1 x) + mlp(norm2 x) (GPT-NeoX)
+    embed_scale: float = 1.0  # token embeddings times this, in their dtype (Gemma: sqrt(d_model))
+    final_softcap: float | None = None  # logits become cap * tanh(logits / cap) (Gemma 2)
+    # Layers of two kinds (``LAYER_TYPES``): "sliding_attention" layers use ``sliding`` (its ``window`` set), the
+    # others ``attention``. Empty: every layer is ``sliding``'s when it is given (Mistral), else ``attention``'s.
+    layer_types: tuple[str, ...] = ()
+    sliding: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -256,6 +336,40 @@ class ModelConfig:
         for name in ("n_positions", "n_token_types"):
             _check_int(owner, name, getattr(self, name), minimum=0)
         _check_float(owner, "norm_eps", self.norm_eps)
+        _check_float(owner, "norm_offset", self.norm_offset)
+        _check_choice(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _check_bool(owner, ("parallel_residual", self.parallel_residual))
+        _check_float(owner, "embed_scale", self.embed_scale)
+        if self.final_softcap is not None:
+            _check_float(owner, "final_softcap", self.final_softcap)
+            if not 0 < self.final_softcap < math.inf:
+                raise ValueError(
+                    f"ModelConfig.final_softcap must be a finite number > 0, got {self.final_softcap}"
+                )
+        if not isinstance(self.layer_types, tuple):
+            raise TypeError(f"ModelConfig.layer_types must be a tuple, got {type(self.layer_types).__name__}")
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"ModelConfig.layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}"
+                )
+            for kind in self.layer_types:
+                _check_choice(owner, "layer_types", kind, LAYER_TYPES)
+        if self.sliding is not None:
+            if not isinstance(self.sliding, AttentionConfig) or not isinstance(
+                self.attention, AttentionConfig
+            ):
+                raise TypeError(
+                    "ModelConfig.sliding must be an AttentionConfig, beside an AttentionConfig attention"
+                )
+            if self.sliding.window is None:
+                raise ValueError("ModelConfig.sliding needs its window (AttentionConfig.window)")
+            if self.sliding.d_model != self.d_model:
+                raise ValueError(
+                    f"ModelConfig.sliding.d_model={self.sliding.d_model} is not d_model={self.d_model}"
+                )
+        elif "sliding_attention" in self.layer_types:
+            raise ValueError("ModelConfig.layer_types names sliding_attention layers but sliding is None")
         for name in ("n_experts", "n_shared_experts", "n_active_experts", "moe_ffn_dim", "n_dense_layers"):
             _check_int(owner, name, getattr(self, name), minimum=0)
         if self.n_experts:
@@ -287,8 +401,34 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def with_attention(self, attention: AttentionConfig | MLAConfig) -> ModelConfig:
+        """Every layer's attention made ``attention`` (sliding layers keep their window when it is a GQA config)."""
         if attention.d_model != self.d_model:
             raise ValueError(
                 f"attention.d_model={attention.d_model} does not match the model's d_model={self.d_model}"
             )
-        return dataclasses.replace(self, attention=attention)
+        sliding = self.sliding
+        if sliding is not None:
+            sliding = (
+                attention.replace(window=sliding.window) if isinstance(attention, AttentionConfig) else None
+            )
+        return dataclasses.replace(self, attention=attention, sliding=sliding)
+
+    def map_attention(
+        self, change: Callable[[AttentionConfig | MLAConfig], AttentionConfig | MLAConfig]
+    ) -> ModelConfig:
+        """``change`` applied to the attention of both kinds of layers (e.g. fewer KV heads everywhere)."""
+        sliding = None if self.sliding is None else change(self.sliding)
+        return dataclasses.replace(self, attention=change(self.attention), sliding=sliding)
+
+    def attention_of(self, layer: int) -> AttentionConfig | MLAConfig:
+        """The attention config of layer ``layer``."""
+        if self.sliding is not None and (
+            not self.layer_types or self.layer_types[layer] == "sliding_attention"
+        ):
+            return self.sliding
+        return self.attention
+
+    @property
+    def layer_attentions(self) -> tuple[AttentionConfig | MLAConfig, ...]:
+        """Every layer's attention config, in order."""
+        return tuple(self.attention_of(i) for i in range(self.n_layers))

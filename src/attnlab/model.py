@@ -1,9 +1,21 @@
-"""A small Llama-style decoder whose attention is any variant (generation: ``attnlab.generate``).
+"""A decoder whose attention is any variant and whose block is configured by the model family
+(``ModelConfig``; generation: ``attnlab.generate``).
 
-Pre-norm blocks: ``h = x + attention(attention_norm(x))``, ``out = h + feed_forward(ffn_norm(h))``, RMSNorm,
-SwiGLU MLP (``w2(silu(w1 x) * w3 x)``), RoPE inside the attention. Module names follow Meta's llama3
-``model.py`` (tok_embeddings, layers.N.attention.wq, feed_forward.w1/w2/w3, norm, output) so that
-checkpoint key maps stay short. Shapes: tokens (B, T) int64 -> logits (B, T, vocab_size) float32.
+Blocks (``norm_placement``), with ``n1 = attention_norm``, ``n2 = ffn_norm``, ``p1 = post_attention_norm``,
+``p2 = post_ffn_norm``:
+
+    pre (Llama)            h = x + attn(n1 x);        out = h + mlp(n2 h)
+    sandwich (Gemma 2/3)   h = x + p1(attn(n1 x));    out = h + p2(mlp(n2 h))
+    post (OLMo 2)          h = x + p1(attn(x));       out = h + p2(mlp(h))
+    parallel (GPT-NeoX)    out = x + attn(n1 x) + mlp(n2 x)
+
+Norms are RMSNorm (gain ``norm_offset + w``: Gemma's ``1 + w``) or LayerNorm with a bias; the MLP is SwiGLU
+(``w2(silu(w1 x) * w3 x)``), GeGLU (tanh GELU in place of SiLU) or plain GELU (``w2(gelu(w1 x))``); RoPE, q/k norms,
+the softmax scale, logit soft-capping and sliding windows live in the attention (``AttentionConfig``; a layer's own
+is ``cfg.attention_of(i)``). Token embeddings may be scaled (``embed_scale``: Gemma's sqrt(d_model), in the
+activations' dtype) and the logits soft-capped (``final_softcap``). Module names follow Meta's llama3 ``model.py``
+(tok_embeddings, layers.N.attention.wq, feed_forward.w1/w2/w3, norm, output) so that checkpoint key maps stay short.
+Shapes: tokens (B, T) int64 -> logits (B, T, vocab_size) float32.
 
 Positions: ``position_ids`` (T,) or (B, T) if given (a left-padded batch: ``attention_mask.cumsum(-1) - 1``; packed
 sequences: restarting at 0 per document, with a block-diagonal ``attn_mask``), else following the caches, else
@@ -11,8 +23,10 @@ sequences: restarting at 0 per document, with a block-diagonal ``attn_mask``), e
 
 Decode steps: a GQA/MHA/MQA block given one new token per row and a contiguous ``KVCache`` runs as one call of
 the fused C++ block kernel (``fused.BlockStep``: norms, projections, RoPE, cache write, attention, MLP) instead of
-~25 PyTorch ops, when nothing is hooked on its modules and no gradient is recorded (``_FusedPlan``); the result
-equals the module-by-module forward up to the order of float32 sums (tests/test_block_step.py).
+~25 PyTorch ops, when its configuration is one the kernel computes exactly (``fused_block_config``: Llama's
+block, any RoPE frequencies, full rotary, no q/k norm, soft-capping or window ring), nothing is hooked on its
+modules and no gradient is recorded (``_FusedPlan``); the result equals the module-by-module forward up to the
+order of float32 sums (tests/test_block_step.py).
 """
 
 from __future__ import annotations
@@ -28,10 +42,10 @@ from .attention import fused
 from .attention.gqa import GroupedQueryAttention
 from .attention.linear import Linear, project
 from .attention.mla import MultiHeadLatentAttention
-from .attention.norm import RMSNorm
+from .attention.norm import RMSNorm, make_norm
 from .attention.rope import RopeAngles, token_positions
 from .cache import Cache, KVCache, LatentCache
-from .config import AttentionConfig, ModelConfig
+from .config import GATED_MLPS, AttentionConfig, MLAConfig, ModelConfig
 
 _LINEARS = (Linear, nn.Linear)
 
@@ -42,18 +56,54 @@ def _global_hooks() -> bool:
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
+_ACTIVATIONS = {
+    "swiglu": F.silu,
+    "geglu": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int, ffn_dim: int, bias: bool = False) -> None:
+    """The MLP: gated (``kind`` "swiglu", "geglu": ``w2(act(w1 x) * w3 x)``) or plain ("gelu", "gelu_tanh":
+    ``w2(act(w1 x))``, no ``w3``)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, bias: bool = False, kind: str = "swiglu") -> None:
         super().__init__()
-        self.w1 = Linear(d_model, ffn_dim, bias=bias)  # gate
+        if kind not in _ACTIVATIONS:
+            raise ValueError(f"FeedForward kind must be one of {', '.join(_ACTIVATIONS)}; got {kind!r}")
+        self.kind = kind
+        self.w1 = Linear(d_model, ffn_dim, bias=bias)  # gate (gated) or up (plain)
         self.w2 = Linear(ffn_dim, d_model, bias=bias)  # down
-        self.w3 = Linear(d_model, ffn_dim, bias=bias)  # up
+        if kind in GATED_MLPS:
+            self.w3 = Linear(d_model, ffn_dim, bias=bias)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = _ACTIVATIONS[self.kind]
+        if self.kind not in GATED_MLPS:
+            return self.w2(act(self.w1(x)))
         gate, up = project(x, self.w1, self.w3)
-        if torch.is_grad_enabled():
-            return self.w2(F.silu(gate) * up)
+        if torch.is_grad_enabled() or self.kind != "swiglu":
+            return self.w2(act(gate) * up)
         return self.w2(F.silu(gate, inplace=True).mul_(up))  # same values, two fewer (T, hidden) buffers
+
+
+def fused_block_config(cfg: ModelConfig, attn: AttentionConfig | MLAConfig) -> bool:
+    """Whether the fused C++ block step computes a block of this configuration exactly: Llama's block (pre RMSNorms
+    with gain w, sequential residuals, SwiGLU) around GQA/MHA/MQA without RoPE, or with RoPE on every head dim in
+    half-split pairs (any frequencies: the angles are computed in Python); no q/k norm and no logit soft-capping. A sliding window is
+    fine while the layer's cache holds every token (``_FusedPlan.of`` checks that per step)."""
+    return (
+        cfg.norm == "rmsnorm"
+        and cfg.norm_offset == 0
+        and cfg.norm_placement == "pre"
+        and not cfg.parallel_residual
+        and cfg.mlp == "swiglu"
+        and isinstance(attn, AttentionConfig)
+        and (not attn.rope or (attn.rotary_dim == attn.head_dim and not attn.rope_interleaved))
+        and attn.qk_norm == "none"
+        and attn.softcap is None
+    )
 
 
 class _FusedPlan:
@@ -76,9 +126,12 @@ class _FusedPlan:
             (block._modules, n, m) for n, m in block.named_children()
         ]
         self.params: tuple[torch.Tensor, ...] = ()
+        self.addresses: tuple[int, ...] = ()
         self.step: fused.BlockStep | None = None
         self.rope_spec = None
-        if type(attn) is not GroupedQueryAttention or type(ffn) is not FeedForward:
+        if not fused_block_config(block.cfg, attn.cfg):  # the configuration decides, not the modules' types
+            return
+        if type(attn) is not GroupedQueryAttention or type(ffn) is not FeedForward:  # replaced by a user
             return
         linears = (attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w3, ffn.w2)
         self.modules += linears
@@ -108,7 +161,7 @@ class _FusedPlan:
             (*(m.weight for m in linears[4:]), *(m.bias for m in linears[4:])),
             head_dim=attn.head_dim,
             eps=block.attention_norm.eps,
-            scale=1.0 / math.sqrt(attn.head_dim),
+            scale=attn.cfg.softmax_scale,
         )
 
     def current(self) -> bool:
@@ -131,6 +184,7 @@ class _FusedPlan:
             cache.dtype != x.dtype
             or not cache.k.is_cpu
             or (cache.n_kv_heads, cache.head_dim) != (step.n_kv, step.head_dim)
+            or cache.pos + 1 > cache.capacity  # a window's ring is full: the kernel attends to slots 0 .. pos
         ):
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in plan.modules) or _global_hooks():
@@ -165,18 +219,34 @@ class _FusedPlan:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _FusedPlan] = weakref.WeakKeyDictionary()
 
 
+def _unit_gain(norm: nn.Module) -> None:
+    """A norm's initial weights: a gain of 1 (weight 1 - offset for Gemma's ``1 + w``), a zero bias."""
+    nn.init.constant_(norm.weight, 1.0 - getattr(norm, "offset", 0.0))
+    if getattr(norm, "bias", None) is not None:
+        nn.init.zeros_(norm.bias)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One decoder layer (the module docstring's table): its attention is ``cfg.attention_of(layer)``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        attn = cfg.attention
+        self.cfg = cfg
+        attn = cfg.attention_of(layer)
         self.attention = (
             GroupedQueryAttention(attn)
             if isinstance(attn, AttentionConfig)
             else MultiHeadLatentAttention(attn)
         )
-        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        d, eps = cfg.d_model, cfg.norm_eps
+        if cfg.norm_placement != "post":
+            self.attention_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
+        self.feed_forward = FeedForward(d, cfg.ffn_dim, bias=cfg.mlp_bias, kind=cfg.mlp)
+        if cfg.norm_placement != "post":
+            self.ffn_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
+        if cfg.norm_placement != "pre":
+            self.post_attention_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
+            self.post_ffn_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
 
     def forward(
         self,
@@ -191,14 +261,21 @@ class Block(nn.Module):
             step = _FusedPlan.of(self, x, cache)
             if step is not None:
                 return step.run(self, x, cache, position_ids, rope)
-        a = self.attention(
-            self.attention_norm(x), attn_mask=attn_mask, cache=cache, position_ids=position_ids, rope=rope
-        )
+        placement = self.cfg.norm_placement
+        context = dict(attn_mask=attn_mask, cache=cache, position_ids=position_ids, rope=rope)
+        a = self.attention(x if placement == "post" else self.attention_norm(x), **context)
+        if placement != "pre":
+            a = self.post_attention_norm(a)
+        if self.cfg.parallel_residual:  # x + attention(n1 x) + mlp(n2 x)
+            return x + a + self.feed_forward(self.ffn_norm(x))
         if torch.is_grad_enabled():
             h = x + a
-            return h + self.feed_forward(self.ffn_norm(h))
-        h = a.add_(x)  # inference: the sums in place (a + x is x + a to the bit)
-        return self.feed_forward(self.ffn_norm(h)).add_(h)
+        else:
+            h = a.add_(x)  # inference: the sums in place (a + x is x + a to the bit)
+        m = self.feed_forward(h if placement == "post" else self.ffn_norm(h))
+        if placement != "pre":
+            m = self.post_ffn_norm(m)
+        return h + m if torch.is_grad_enabled() else m.add_(h)
 
 
 class Transformer(nn.Module):
@@ -208,12 +285,14 @@ class Transformer(nn.Module):
             raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if cfg.is_moe:
             raise ValueError(f"attnlab.model builds dense models only; ModelConfig.n_experts={cfg.n_experts}")
-        if cfg.mlp != "swiglu":
-            raise ValueError(f"attnlab.model builds SwiGLU MLPs only; ModelConfig.mlp={cfg.mlp!r}")
+        if cfg.n_positions or cfg.n_token_types or cfg.pooler:
+            raise ValueError(
+                "attnlab.model builds rotary decoders; learned positions and poolers are the cost model's"
+            )
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.output = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -227,15 +306,16 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers:
             layer.attention.init_weights(std, out_std)
-            nn.init.normal_(layer.feed_forward.w1.weight, std=std)
-            nn.init.normal_(layer.feed_forward.w3.weight, std=std)
-            nn.init.normal_(layer.feed_forward.w2.weight, std=out_std)
-            for lin in (layer.feed_forward.w1, layer.feed_forward.w2, layer.feed_forward.w3):
+            ffn = layer.feed_forward
+            linears = [ffn.w1, ffn.w2, *([ffn.w3] if hasattr(ffn, "w3") else [])]
+            for lin in linears:
+                nn.init.normal_(lin.weight, std=out_std if lin is ffn.w2 else std)
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
-            nn.init.ones_(layer.attention_norm.weight)
-            nn.init.ones_(layer.ffn_norm.weight)
-        nn.init.ones_(self.norm.weight)
+            for module in layer.children():
+                if isinstance(module, (RMSNorm, nn.LayerNorm)):
+                    _unit_gain(module)
+        _unit_gain(self.norm)
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
 
@@ -276,8 +356,12 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         rope = RopeAngles(token_positions(position_ids, caches[0] if caches else None, b, t, tokens.device))
         x = self.tok_embeddings(tokens)
+        if self.cfg.embed_scale != 1.0:  # in the activations' dtype, as Gemma multiplies
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, attn_mask=attn_mask, cache=None if caches is None else caches[i], rope=rope)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x)).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -163,9 +163,9 @@ def test_attend_asks_the_table_once_per_call_and_an_explicit_backend_wins(monkey
         asked.append((device_type, dtype, phase))
         return real_choose("cuda", dtype, phase)  # answer as on a GPU: every phase goes to SDPA
 
-    def spy_dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p):
+    def spy_dispatch(q, k, v, attn_mask, is_causal, scale, backend, *rest):
         ran.append(backend)
-        return real_dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+        return real_dispatch(q, k, v, attn_mask, is_causal, scale, backend, *rest)
 
     monkeypatch.setattr(kernels, "choose_backend", spy_choose)
     monkeypatch.setattr(kernels, "_dispatch", spy_dispatch)

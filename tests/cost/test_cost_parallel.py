@@ -157,7 +157,7 @@ def test_compare_cli_tp_json_has_the_per_rank_fields_and_devices_is_its_other_na
     assert compare_json("--model", "llama-2-70b", "--devices", "16") == (0, doc)
     for args, message in (
         (("--devices", "8", "--tp", "4"), "--devices 8 and --tp 4 disagree"),
-        (("--tp", "3"), "tp=3 must divide n_heads=32"),
+        (("--tp", "3"), "--tp 3 must divide the model's 32 query heads"),
         (("--tp", "2", "--hardware", "local"), "--hardware local and --measure are one process"),
         (("--tp", "0"), "--tp must be >= 1"),
     ):

@@ -55,6 +55,7 @@ def grouped_decode(
     n_split: int | None = None,
     out: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for (B, n_heads, T_q, D) queries over an unrepeated cache; see the module docstring.
 
@@ -74,12 +75,13 @@ def grouped_decode(
         n_split = default_split(s)
     bounds = chunk_bounds(s, n_split)
     if m3 is None and len(bounds) == 1:
-        result = whole_attention(q_t, k3, v3, scale, dropout_p).to(q.dtype).view(b, n_heads, t_q, v.shape[-1])
+        result = whole_attention(q_t, k3, v3, scale, dropout_p, softcap)
+        result = result.to(q.dtype).view(b, n_heads, t_q, v.shape[-1])
     else:
         state = None
         for lo, hi in bounds:
             mc = None if m3 is None else m3[..., lo:hi]
-            part = partial_attention(q_t, k3[:, lo:hi], v3[:, lo:hi], scale, mc, dropout_p)
+            part = partial_attention(q_t, k3[:, lo:hi], v3[:, lo:hi], scale, mc, dropout_p, softcap)
             state = part if state is None else merge(state, part)
         if state is None:  # no keys at all: every row attends to nothing
             result = q.new_zeros(b, n_heads, t_q, v.shape[-1])
@@ -98,8 +100,14 @@ def chunk_bounds(s: int, n_split: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, s)) for lo in range(0, s, step)]
 
 
-def _scores(q_t: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scaled scores (N, R, S_c) float32 of q_t (N, D, R) against k (N, S_c, D), K read once."""
+def _scores(q_t: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Scaled scores (N, R, S_c) float32 of q_t (N, D, R) against k (N, S_c, D), K read once; soft-capped to
+    ``softcap * tanh(scores / softcap)`` when ``softcap`` is given (Gemma 2)."""
+    scores = _scaled_scores(q_t, k, scale)
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _scaled_scores(q_t: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     if k.dtype == torch.float32:
         # (N, S_c, R) with the cache as the left operand, scaled inside the matmul; viewed as (N, R, S_c).
         return torch.baddbmm(k.new_empty(()), k, q_t, beta=0.0, alpha=scale).transpose(1, 2)
@@ -131,14 +139,19 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 
 def whole_attention(
-    q_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
+    q_t: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Unmasked attention in one chunk, q_t (N, D, R) -> (N, R, D_v) float32: three ops for float32.
 
     The common decode case; with a single chunk there is nothing to merge, so the fused softmax replaces the
     (o, m, l) bookkeeping (on a CPU each extra op is a parallel region of its own).
     """
-    probs = torch.softmax(_scores(q_t, k, scale), dim=-1)
+    probs = torch.softmax(_scores(q_t, k, scale, softcap), dim=-1)
     return _weighted_values(F.dropout(probs, p=dropout_p) if dropout_p > 0.0 else probs, v)
 
 
@@ -149,6 +162,7 @@ def partial_attention(
     scale: float,
     mask: torch.Tensor | None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: q_t (N, D, R), k (N, S_c, D), v (N, S_c, D_v), mask (N or 1, R, S_c) -> (o, m, l).
 
@@ -156,7 +170,7 @@ def partial_attention(
     (-inf for a row that attends to nothing here), ``l`` (N, R, 1) the sum of ``exp(score - m)``; dropout, if
     any, applies to the weights of ``o`` only (see the module docstring).
     """
-    scores = _scores(q_t, k, scale)
+    scores = _scores(q_t, k, scale, softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     # (N, R, 1); a stabiliser only: o / l does not depend on it, so no gradient flows through it
@@ -205,12 +219,14 @@ def paged_decode(
     is_causal: bool = True,
     n_split: int | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of (B, n_heads, T_q, D) queries over paged keys and values ``k``, ``v`` (``PagedView``s; or ``k``
     a ``PagedKVCache`` and ``v`` None: its active rows).
 
     The new tokens are the last ``T_q`` of each row (already written); with ``is_causal`` query ``i`` of a row
-    of length ``L`` sees keys ``0 .. L - T_q + i``. Each run of consecutive blocks is one view of the pool,
+    of length ``L`` sees keys ``0 .. L - T_q + i``, and with a ``window`` none more than ``window - 1`` before it. Each run of consecutive blocks is one view of the pool,
     attended as a chunk and merged by log-sum-exp; rows of different lengths never see each other's padding.
     """
     if not isinstance(k, PagedView):
@@ -226,23 +242,40 @@ def paged_decode(
             q_t = q[i, :, q_lo:q_hi].reshape(n_kv, group * n_q, d).transpose(1, 2)  # (n_kv, D, group * n_q)
             # The newest key each stacked query row may see (rows are head-major: query index = row % n_q).
             last_pos = (length - t_q + q_lo + torch.arange(group * n_q, device=q.device) % n_q)[:, None]
-            if t_q == 1 and len(runs) == 1 and (n_split or 1) == 1 and runs[0][1] <= CHUNK_TOKENS:
+            oldest = (
+                0 if window is None else length - t_q + q_lo - window + 1
+            )  # the block's first query's oldest key
+            if (
+                t_q == 1
+                and len(runs) == 1
+                and (n_split or 1) == 1
+                and runs[0][1] <= CHUNK_TOKENS
+                and oldest <= 0
+            ):
                 span = slice(runs[0][0], runs[0][0] + runs[0][1])
-                y = whole_attention(q_t, k.pool[:, span], v.pool[:, span], scale, dropout_p)
+                y = whole_attention(q_t, k.pool[:, span], v.pool[:, span], scale, dropout_p, softcap)
                 out[i] = y.to(q.dtype).view(n_heads, 1, -1)
                 continue
             state, seen = None, 0
             for start, n_tokens in runs:
                 if is_causal and seen > length - t_q + q_hi - 1:
                     break  # every later key is in the future of every query of this block
+                if seen + n_tokens <= oldest:  # every key of the run is out of every query's window
+                    seen += n_tokens
+                    continue
                 split = default_split(n_tokens) if n_split is None else n_split
                 for lo, hi in chunk_bounds(n_tokens, split):
                     mask = None
+                    keys = torch.arange(seen + lo, seen + hi, device=q.device)
                     if is_causal and t_q > 1:
-                        keys = torch.arange(seen + lo, seen + hi, device=q.device)
                         mask = (keys[None, :] <= last_pos)[None]  # (1, group * n_q, S_c)
+                    if window is not None:
+                        seen_by = (keys[None, :] > last_pos - window)[None]  # within each query's window
+                        mask = seen_by if mask is None else mask & seen_by
                     span = slice(start + lo, start + hi)
-                    part = partial_attention(q_t, k.pool[:, span], v.pool[:, span], scale, mask, dropout_p)
+                    part = partial_attention(
+                        q_t, k.pool[:, span], v.pool[:, span], scale, mask, dropout_p, softcap
+                    )
                     state = part if state is None else merge(state, part)
                 seen += n_tokens
             if state is None:  # an empty row attends to nothing

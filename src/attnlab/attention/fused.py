@@ -344,9 +344,12 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -
     return _call(q, k, ks, v, vs, None, 0, 1, _int64s([0] * b), _int64s([s] * b), scale)
 
 
-def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, runs, lengths, *, scale: float):
+def paged_decode(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, runs, lengths, *, scale: float, window=None
+):
     """q (B, H, 1, Dk) over paged rows: pools (n_kv, slots, D); batch row ``i`` holds ``lengths[i]`` tokens, the
-    slots ``[start, start + n)`` of its ``runs[i]`` in order (a ``PagedView``'s fields). Every row in one call.
+    slots ``[start, start + n)`` of its ``runs[i]`` in order (a ``PagedView``'s fields). Every row in one call;
+    with a ``window``, each row attends only to its last ``window`` tokens (the kernel starts the row there).
 
     The runs become a table of equal blocks: every run but a row's last starts and ends on a multiple of the
     cache's block size, so the greatest common divisor of those starts and lengths is a block size too.
@@ -365,9 +368,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ru
     n_kv = k_pool.shape[0]
     ks = (0, k_pool.stride(0), k_pool.stride(1), n_kv)
     vs = (0, v_pool.stride(0), v_pool.stride(1), n_kv)
-    return _call(
-        q, k_pool, ks, v_pool, vs, table, width, block, _int64s([0] * len(runs)), _int64s(lengths), scale
-    )
+    first = [0] * len(runs) if window is None else [max(0, n - window) for n in lengths]
+    return _call(q, k_pool, ks, v_pool, vs, table, width, block, _int64s(first), _int64s(lengths), scale)
 
 
 # Rows of input up to which ``linear`` is used: it beats the BLAS product by 1.4-2.5x (float32) at 8 rows on the

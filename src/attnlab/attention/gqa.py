@@ -1,15 +1,14 @@
 """Grouped-query attention: one module for MHA (n_kv_heads == n_heads), GQA and MQA (n_kv_heads == 1).
 
 Shapes: x (B, T, d_model); q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim).
-The module does the projections, RoPE and the cache; ``attend`` does the math, over whatever the cache hands it
-(one forward path for every cache). Head counts are read from the projections' widths, never from the config:
+The module does the projections, the q/k norms (``cfg.qk_norm``: per head, as Qwen3 and Gemma 3, or over all
+heads, as OLMo 2; before RoPE), RoPE and the cache; ``attend`` does the math, with the config's softmax scale,
+logit soft-capping and sliding window, over whatever the cache hands it (one forward path for every cache). Head counts are read from the projections' widths, never from the config:
 a module whose ``wq``/``wk``/``wv`` rows and ``wo`` columns were cut to a subset of the heads (tensor parallelism)
 runs unchanged and computes those heads' share of the output.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -18,7 +17,8 @@ from ..cache import Cache, KVCache, PagedKVCache
 from ..config import AttentionConfig
 from .kernels import attend, check_mask
 from .linear import Linear, project
-from .rope import RopeAngles, apply_rope, token_positions
+from .norm import RMSNorm
+from .rope import RopeAngles, RopeSpec, apply_rope, token_positions
 
 
 def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor) -> None:
@@ -71,6 +71,12 @@ class GroupedQueryAttention(nn.Module):
         self.wk = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.has_out_bias)
+        if cfg.qk_norm != "none":  # "head": one gain per head dim, shared by the heads; "full": one per value
+            per_head = cfg.qk_norm == "head"
+            q_dim = cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim
+            k_dim = cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim
+            self.q_norm = RMSNorm(q_dim, eps=cfg.norm_eps, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(k_dim, eps=cfg.norm_eps, offset=cfg.norm_offset)
 
     @property
     def n_heads(self) -> int:
@@ -88,6 +94,9 @@ class GroupedQueryAttention(nn.Module):
             nn.init.normal_(lin.weight, mean=0.0, std=out_std if (lin is self.wo and out_std) else std)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
+        if self.cfg.qk_norm != "none":  # a gain of 1 whatever the offset
+            for norm in (self.q_norm, self.k_norm):
+                nn.init.constant_(norm.weight, 1.0 - norm.offset)
 
     def new_cache(
         self,
@@ -96,7 +105,8 @@ class GroupedQueryAttention(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """A cache for this module's KV heads; dtype and device default to the weights'."""
+        """A cache for this module's KV heads (a ring of the window's size for a sliding-window layer); dtype and
+        device default to the weights'."""
         return KVCache(
             batch_size,
             self.n_kv_heads,
@@ -104,12 +114,14 @@ class GroupedQueryAttention(nn.Module):
             self.head_dim,
             dtype=dtype or self.wq.weight.dtype,
             device=device if device is not None else self.wq.weight.device,
+            window=self.cfg.window,
         )
 
     def new_paged_cache(
         self, n_blocks: int, block_size: int, batch_size: int, dtype: torch.dtype | None = None
     ) -> PagedKVCache:
-        """A block-table cache for ragged batches (``PagedKVCache``); dtype and device default to the weights'."""
+        """A block-table cache for ragged batches (``PagedKVCache``; a sliding-window layer's gives blocks back once
+        they fall out of the window); dtype and device default to the weights'."""
         weight = self.wq.weight
         return PagedKVCache(
             n_blocks,
@@ -119,12 +131,15 @@ class GroupedQueryAttention(nn.Module):
             batch_size=batch_size,
             dtype=dtype or weight.dtype,
             device=weight.device,
+            window=self.cfg.window,
         )
 
     @property
-    def rope_spec(self) -> tuple[int, float] | None:
-        """(rotary dim, theta) of this module's RoPE, None without: layers with equal specs share their angles."""
-        return (self.head_dim, self.cfg.rope_theta) if self.cfg.rope else None
+    def rope_spec(self) -> RopeSpec | None:
+        """(rotary dim, theta, scaling, interleaved) of this module's RoPE, None without: layers with equal specs
+        share their angles."""
+        cfg = self.cfg
+        return (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved) if cfg.rope else None
 
     def forward(
         self,
@@ -146,15 +161,20 @@ class GroupedQueryAttention(nn.Module):
         check_input("GroupedQueryAttention", x, self.cfg.d_model, self.wq.weight)
         b, t, _ = x.shape
         q, k, v = project(x, self.wq, self.wk, self.wv)
+        if self.cfg.qk_norm == "full":  # over all heads' values at once, before they are split (OLMo 2)
+            q, k = self.q_norm(q), self.k_norm(k)
         q = split_heads(q, self.head_dim)  # (B, n_heads, T, head_dim)
         k = split_heads(k, self.head_dim)  # (B, n_kv_heads, T, head_dim)
         v = split_heads(v, self.head_dim)
         check_step("GroupedQueryAttention", attn_mask, q, cache)
+        if self.cfg.qk_norm == "head":  # each head on its own (Qwen3, Gemma 3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope:
             if rope is None:
                 rope = RopeAngles(token_positions(position_ids, cache, b, t, x.device))
             cos, sin = rope.get(*self.rope_spec)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            interleaved = self.cfg.rope_interleaved
+            q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         if cache is not None:
             k, v = cache.append(k, v)  # everything held: live views, or paged views
         y = attend(
@@ -163,8 +183,10 @@ class GroupedQueryAttention(nn.Module):
             v,
             attn_mask=attn_mask,
             is_causal=is_causal,
-            scale=1.0 / math.sqrt(self.head_dim),  # per head, not per model width
+            scale=self.cfg.softmax_scale,  # per head (head_dim ** -0.5), not per model width, unless set
             backend=self.cfg.backend,
             dropout_p=self.cfg.dropout if self.training else 0.0,
+            window=self.cfg.window,
+            softcap=self.cfg.softcap,
         )
         return self.wo(merge_heads(y))

@@ -7,7 +7,11 @@ Query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``. ``k`` an
 ``PagedView``s a ``PagedKVCache`` returns (each batch row with its own length, in blocks).
 
 ``attn_mask`` is boolean, True = attend (the rule of ``F.scaled_dot_product_attention``), broadcastable to
-(B, n_heads, T_q, T_k). ``is_causal`` aligns the causal mask to the bottom right: query ``i`` sits at position
+(B, n_heads, T_q, T_k). ``window`` (sliding-window attention: Mistral, Gemma 2/3, Phi-3) lets query ``i`` see only
+the ``window`` positions ending at its own, ``T_k - T_q + i - window < j``: a decode step reads just the last
+``window`` keys (a view, or for paged rows a start offset), a prefill adds the band to the mask. ``softcap`` (Gemma
+2) turns each scaled score ``s`` into ``softcap * tanh(s / softcap)`` before the softmax; SDPA and the fused
+kernel have no such step, so "auto" then runs "grouped". ``is_causal`` aligns the causal mask to the bottom right: query ``i`` sits at position
 ``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs (for paged K/V:
 per row, with that row's length). (SDPA's own ``is_causal`` aligns to the top left, so it is only used when
 ``T_q == T_k``.) When both are given, a key is attended only if both allow it. A query row with no key to attend
@@ -57,6 +61,8 @@ def attend(
     scale: float | None = None,
     backend: str = "auto",
     dropout_p: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention for MHA/GQA/MQA shapes; see the module docstring."""
     paged = isinstance(k, PagedView)
@@ -66,34 +72,57 @@ def attend(
         _check_inputs(q, k, v, attn_mask, is_causal)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    t_q = q.shape[2]
+    if window is not None and not paged and k.shape[2] > window:
+        if t_q == 1:  # a decode step: the window is the newest keys
+            k, v = k[:, :, -window:], v[:, :, -window:]
+            attn_mask = None if attn_mask is None else attn_mask[..., -window:]
+        else:
+            band = sliding_band(t_q, k.shape[2], window, q.device)
+            attn_mask = band if attn_mask is None else attn_mask & band
     if backend == "auto":
-        backend = choose_backend(q.device.type, q.dtype, phase(q.shape[2], paged))
+        backend = choose_backend(q.device.type, q.dtype, phase(t_q, paged))
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
+    if softcap is not None and backend in ("sdpa", "fused"):
+        backend = "grouped"  # neither has a soft-capping step
     if backend == "fused":
         if attn_mask is None and fused.supports(q, k.pool if paged else k, v.pool if paged else v, dropout_p):
             if paged:
-                return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale)
-            return fused.decode(q, k, v, scale=scale)
+                if t_q == 1:
+                    return fused.paged_decode(
+                        q, k.pool, v.pool, k.runs, k.lengths, scale=scale, window=window
+                    )
+            else:
+                return fused.decode(q, k, v, scale=scale)
         # A paged prefill (several queries per row): SDPA's flash kernel over the gathered rows beats the grouped
         # kernel's blocks of queries, by far in bfloat16. Anything else the fused kernel cannot take: grouped.
-        backend = "sdpa" if paged and q.shape[2] > 1 else "grouped"
+        backend = "sdpa" if paged and t_q > 1 else "grouped"
     if paged:
         if backend == "grouped":
-            return paged_decode(q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
-        k, v, attn_mask = _gathered(q, k, v, is_causal)
+            return paged_decode(
+                q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p, window=window, softcap=softcap
+            )
+        k, v, attn_mask = _gathered(q, k, v, is_causal, window)
         is_causal = is_causal and attn_mask is None
     if attn_mask is not None and not _may_sync(q):
         # Masked-out slots may hold anything (padding, an unused cache slot: inf, NaN), but 0 * inf is NaN in any
         # matmul: without a host sync to test the output, zero the keys and values no query attends, up front.
         k, v = _zero_unattended(k, v, attn_mask)
-    out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+    out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p, softcap)
     if attn_mask is not None and _may_sync(q) and not bool(torch.isfinite(out).all()):
         # The same, only when needed: it costs nothing when the output is finite, which is always the case when
         # the attended values are.
         k, v = _zero_unattended(k, v, attn_mask)
-        out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p)
+        out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p, softcap)
     return out
+
+
+def sliding_band(t_q: int, t_k: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T_q, T_k) bool: query ``i`` (at key position ``T_k - T_q + i``) may see key ``j`` no more than ``window - 1``
+    positions before it (the causal rule, for keys after it, is ``is_causal``'s)."""
+    newest = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    return torch.arange(t_k, device=device)[None, :] > newest - window
 
 
 def phase(t_q: int, paged: bool = False) -> str:
@@ -128,32 +157,36 @@ def _may_sync(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p):
+def _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p, softcap=None):
     if backend == "sdpa":
         return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
     mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
     if backend == "reference":
-        return _reference(q, k, v, mask, scale, dropout_p)
+        return _reference(q, k, v, mask, scale, dropout_p, softcap)
     if q.shape[2] == 1:  # decode: the cache-as-left-operand split-K kernel
-        return grouped_decode(q, k, v, scale=scale, mask=mask, dropout_p=dropout_p)
-    return _grouped(q, k, v, mask, scale, dropout_p)
+        return grouped_decode(q, k, v, scale=scale, mask=mask, dropout_p=dropout_p, softcap=softcap)
+    return _grouped(q, k, v, mask, scale, dropout_p, softcap)
 
 
 def _gathered(
-    q: torch.Tensor, k: PagedView, v: PagedView, is_causal: bool
+    q: torch.Tensor, k: PagedView, v: PagedView, is_causal: bool, window: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Paged K/V as contiguous (B, n_kv_heads, longest row, D) copies, and the mask (B, 1, T_q, longest row) of
-    the keys each query may see: those of its row, and with ``is_causal`` none after its own position. The mask
-    is None when every row holds the longest row's tokens and needs no more than the plain causal rule (every
-    row a fresh prompt of one length): flash kernels skip the blocks above the diagonal only without a mask."""
+    the keys each query may see: those of its row, with ``is_causal`` none after its own position, with a
+    ``window`` none ``window`` or more before it. The mask is None when every row holds the longest row's tokens and
+    needs no more than the plain causal rule (every row a fresh prompt of one length, shorter than the window):
+    flash kernels skip the blocks above the diagonal only without a mask."""
     kc, vc = k.gather(), v.gather()
     t_q, s = q.shape[2], kc.shape[2]
-    if all(n == s for n in k.lengths) and (not is_causal or t_q == s):
+    if all(n == s for n in k.lengths) and (not is_causal or t_q == s) and (window is None or s <= window):
         return kc, vc, None
     lengths = torch.tensor(k.lengths, device=q.device)  # a host-to-device copy, not a sync
-    # (B, T_q): the newest key each query may see; the new tokens are the last T_q of their row.
-    newest = lengths[:, None] - (t_q - torch.arange(t_q, device=q.device) if is_causal else 1)
-    mask = torch.arange(s, device=q.device) <= newest[..., None]  # (B, T_q, S)
+    # (B, T_q): the position of each query; the new tokens are the last T_q of their row.
+    at = lengths[:, None] - t_q + torch.arange(t_q, device=q.device)
+    keys = torch.arange(s, device=q.device)
+    mask = keys <= (at if is_causal else lengths[:, None] - 1)[..., None]  # (B, T_q, S)
+    if window is not None:
+        mask &= keys > (at - window)[..., None]
     return kc, vc, mask[:, None]
 
 
@@ -256,11 +289,13 @@ def _zero_dead_rows(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return out.masked_fill(~alive, 0.0)
 
 
-def _reference(q, k, v, mask, scale, dropout_p):
+def _reference(q, k, v, mask, scale, dropout_p, softcap=None):
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)  # head h reads KV head h // n_rep
     v = v.repeat_interleave(n_rep, dim=1)
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_heads, T_q, T_k)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -271,19 +306,21 @@ def _reference(q, k, v, mask, scale, dropout_p):
     return _zero_dead_rows((probs @ v.float()).to(q.dtype), mask)  # 0 * inf in a masked slot is NaN
 
 
-def _grouped(q, k, v, mask, scale, dropout_p):
+def _grouped(q, k, v, mask, scale, dropout_p, softcap=None):
     b, n_heads, t_q, d = q.shape
     n_kv_heads, t_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv_heads
     qg = q.reshape(b, n_kv_heads, group * t_q, d)  # a view when q is contiguous (always true for T_q == 1)
-    scores = torch.matmul(qg, k.transpose(-2, -1))  # (B, n_kv_heads, group * T_q, T_k)
+    scores = torch.matmul(qg, k.transpose(-2, -1)).float() * scale  # (B, n_kv_heads, group * T_q, T_k)
+    if softcap is not None:  # before the mask: tanh would turn a masked -inf into -softcap
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         # Split the mask's head axis (1 or n_heads) the way the queries were split.
         m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
         m = m.unsqueeze(1) if m.shape[1] == 1 else m.unflatten(1, (n_kv_heads, group))
         scores = scores.view(b, n_kv_heads, group, t_q, t_k).masked_fill(~m, float("-inf"))
         scores = scores.view(b, n_kv_heads, group * t_q, t_k)
-    probs = torch.softmax(scores.float() * scale, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
     if mask is not None and not (_may_sync(probs) and bool(mask.any(dim=-1).all())):
         # Rows that attend to nothing are NaN after the softmax: as zeros they give zero outputs, and no NaN
         # reaches v's gradient (which masking the output afterwards would not prevent).

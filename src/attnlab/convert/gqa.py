@@ -276,9 +276,20 @@ def mha_to_gqa(
     weight = attn.wq.weight
     new = GroupedQueryAttention(attn.cfg.replace(n_kv_heads=n_kv_heads)).to(weight.device, weight.dtype)
     new.load_state_dict(
-        {k: v for k, v in attn.state_dict().items() if k.startswith(("wq.", "wo."))}, strict=False
+        {k: v for k, v in attn.state_dict().items() if k.startswith(("wq.", "wo.", "q_norm."))}, strict=False
     )
     n_src, hd = attn.n_kv_heads, attn.head_dim
+    if attn.cfg.qk_norm == "head":  # one gain per head dim, shared by every KV head: kept
+        new.k_norm.load_state_dict(attn.k_norm.state_dict())
+    elif attn.cfg.qk_norm == "full":  # one gain per value of each KV head: pooled like the keys
+        gains = attn.k_norm.weight.detach().view(n_src, hd)
+        pooled = (
+            gains.view(n_kv_heads, r, hd)[:, 0]
+            if method == "first"
+            else gains.view(n_kv_heads, r, hd).mean(1)
+        )
+        with torch.no_grad():
+            new.k_norm.weight.copy_(pooled.reshape(-1))
     wk, wv = _augmented(attn.wk, n_src, hd), _augmented(attn.wv, n_src, hd)
     if method == "mean":
         _store(new.wk, wk.view(n_kv_heads, r, hd, -1).mean(1))

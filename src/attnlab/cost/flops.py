@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import AttentionConfig, MLAConfig, ModelConfig, check_int
+from ..config import GATED_MLPS, AttentionConfig, MLAConfig, ModelConfig, check_int
 
 SOFTMAX_FLOPS = 5
 
@@ -89,8 +89,16 @@ def _check_sizes(batch: int, q_len: int, kv_len: int, causal: bool) -> None:
         raise ValueError(f"causal attention needs q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
 
 
-def attended_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    """(query, key) pairs that get a score: all of them, or those under the bottom-right causal mask."""
+def attended_pairs(q_len: int, kv_len: int, causal: bool, window: int | None = None) -> int:
+    """(query, key) pairs that get a score: all of them, or those under the bottom-right causal mask.
+
+    A sliding ``window``: a decode step scores only the last ``window`` keys (attnlab reads just those); with
+    ``causal`` only the pairs inside each query's window count, a kernel's work when it skips masked blocks;
+    without, a prefill computes the whole masked matrix."""
+    if window is not None and (q_len == 1 or causal):
+        # query i sits at key position kv_len - q_len + i and sees min(window, that + 1) keys (or all, unmasked)
+        first = kv_len - q_len + 1  # keys the first query sees without the window
+        return sum(min(window, first + i) for i in range(q_len))
     if not causal:
         return q_len * kv_len
     return q_len * kv_len - q_len * (q_len - 1) // 2
@@ -108,7 +116,8 @@ def attention_flops(
     """FLOPs of one attention layer; see the module docstring for the conventions."""
     _check_sizes(batch, q_len, kv_len, causal)
     b, t, h = batch, q_len, cfg.n_heads
-    pairs = b * h * attended_pairs(q_len, kv_len, causal)  # score elements over the batch and heads
+    window = getattr(cfg, "window", None)
+    pairs = b * h * attended_pairs(q_len, kv_len, causal, window)  # score elements over the batch and heads
     d = cfg.d_model
     if isinstance(cfg, AttentionConfig):
         hd, kvh = cfg.head_dim, cfg.n_kv_heads
@@ -160,7 +169,7 @@ def mlp_flops_per_token(model_cfg: ModelConfig) -> tuple[int, int]:
     SwiGLU runs three d_model x ffn_dim products, GELU two. An MoE token runs its ``n_active_experts`` routed
     experts and every shared expert, each an MLP of width ``moe_ffn_dim``.
     """
-    n_mats = 3 if model_cfg.mlp == "swiglu" else 2
+    n_mats = 3 if model_cfg.mlp in GATED_MLPS else 2
     d = model_cfg.d_model
     dense = 2 * n_mats * d * model_cfg.ffn_dim
     moe = 2 * n_mats * d * model_cfg.moe_ffn_dim * (model_cfg.n_active_experts + model_cfg.n_shared_experts)
@@ -181,12 +190,14 @@ def model_flops(
     if not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
     kv_len = q_len if kv_len is None else kv_len
-    one = attention_flops(model_cfg.attention, batch, q_len, kv_len, causal=causal)
+    attention = [
+        attention_flops(attn, batch, q_len, kv_len, causal=causal) for attn in model_cfg.layer_attentions
+    ]
     tokens = batch * q_len
     n_moe = model_cfg.n_layers - model_cfg.n_dense_layers if model_cfg.is_moe else 0
     dense, moe = mlp_flops_per_token(model_cfg)
     flops = ModelFlops(
-        attention=one.scaled(model_cfg.n_layers),
+        attention=sum(attention[1:], attention[0]),
         mlp=tokens * ((model_cfg.n_layers - n_moe) * dense + n_moe * moe),
         router=tokens * n_moe * 2 * model_cfg.d_model * model_cfg.n_experts,
         lm_head=2 * tokens * model_cfg.d_model * model_cfg.vocab_size,

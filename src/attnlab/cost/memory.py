@@ -83,14 +83,21 @@ def _bits_to_bytes(bits: int) -> int:
 
 
 def kv_elements_per_token(cfg: AttentionConfig | MLAConfig | ModelConfig) -> int:
-    """Values cached per token: one layer for an attention config, all layers for a ModelConfig."""
+    """Values cached per token: one layer for an attention config, all layers for a ModelConfig (a sliding-window
+    layer caches a token only while it is within its window: ``kv_cache_bytes`` counts that)."""
     if isinstance(cfg, ModelConfig):
-        return cfg.n_layers * kv_elements_per_token(cfg.attention)
+        return sum(kv_elements_per_token(attn) for attn in cfg.layer_attentions)
     if isinstance(cfg, AttentionConfig):
         return 2 * cfg.n_kv_heads * cfg.head_dim
     if isinstance(cfg, MLAConfig):
         return cfg.cache_dim
     raise TypeError(f"cfg must be a ModelConfig, AttentionConfig or MLAConfig, got {type(cfg).__name__}")
+
+
+def cached_tokens(cfg: AttentionConfig | MLAConfig, seq_len: int) -> int:
+    """Tokens a layer's cache holds for ``seq_len`` tokens: all of them, or at most its sliding window."""
+    window = getattr(cfg, "window", None)
+    return seq_len if window is None else min(window, seq_len)
 
 
 def kv_cache_bytes(
@@ -99,13 +106,16 @@ def kv_cache_bytes(
     seq_len: int,
     dtype: str | torch.dtype = "bf16",
 ) -> int:
-    """Bytes of the KV cache for ``batch`` sequences of ``seq_len`` tokens (all layers of a ModelConfig).
+    """Bytes of the KV cache for ``batch`` sequences of ``seq_len`` tokens (all layers of a ModelConfig; a
+    sliding-window layer holds ``min(window, seq_len)`` tokens).
 
     Equals ``cache.nbytes`` of the caches attnlab builds (``KVCache``, ``LatentCache``) with that ``max_seq_len``.
     """
     check_int("batch", batch)
     check_int("seq_len", seq_len)
-    return _bits_to_bytes(kv_elements_per_token(cfg) * batch * seq_len * dtype_bits(dtype))
+    layers = cfg.layer_attentions if isinstance(cfg, ModelConfig) else (cfg,)
+    elements = sum(kv_elements_per_token(attn) * cached_tokens(attn, seq_len) for attn in layers)
+    return _bits_to_bytes(elements * batch * dtype_bits(dtype))
 
 
 def expected_experts_touched(model_cfg: ModelConfig, batch: int) -> float:

@@ -9,7 +9,7 @@ DeepSeek-V2/V3, GPT-2 and BERT.
 
 from __future__ import annotations
 
-from ..config import AttentionConfig, MLAConfig, ModelConfig
+from ..config import GATED_MLPS, AttentionConfig, MLAConfig, ModelConfig
 
 
 def _check_attention(cfg: object) -> None:
@@ -29,6 +29,10 @@ def param_count(cfg: AttentionConfig | MLAConfig) -> int:
             n += h * hd + 2 * kvh * hd
         if cfg.has_out_bias:
             n += d
+        if cfg.qk_norm == "head":  # one gain per head dim for q and one for k, shared by the heads
+            n += 2 * hd
+        elif cfg.qk_norm == "full":  # one gain per value of all heads
+            n += (h + kvh) * hd
         return n
     n = 0
     if cfg.q_lora_rank:
@@ -51,10 +55,15 @@ def norm_param_count(model_cfg: ModelConfig) -> int:
 
 
 def mlp_param_count(d_model: int, ffn_dim: int, kind: str, bias: bool) -> int:
-    """SwiGLU: gate and up (d -> f), down (f -> d). GELU: up and down."""
-    if kind == "swiglu":
+    """Gated (SwiGLU, GeGLU): gate and up (d -> f), down (f -> d). Plain (GELU): up and down."""
+    if kind in GATED_MLPS:
         return 3 * d_model * ffn_dim + ((2 * ffn_dim + d_model) if bias else 0)
     return 2 * d_model * ffn_dim + ((ffn_dim + d_model) if bias else 0)
+
+
+def norms_per_layer(model_cfg: ModelConfig) -> int:
+    """Norms in one decoder layer: one per sublayer (before it, or after it), two with sandwich norms."""
+    return 4 if model_cfg.norm_placement == "sandwich" else 2
 
 
 def moe_layer_param_count(model_cfg: ModelConfig, *, active: bool = False) -> int:
@@ -94,7 +103,8 @@ def model_param_count(model_cfg: ModelConfig, *, active: bool = False) -> int:
     n = 0 if active else embedding_param_count(model_cfg)
     if active and model_cfg.tie_embeddings:
         n += model_cfg.vocab_size * d
-    n += model_cfg.n_layers * (param_count(model_cfg.attention) + 2 * norm_param_count(model_cfg))
+    n += sum(param_count(attn) for attn in model_cfg.layer_attentions)
+    n += model_cfg.n_layers * norms_per_layer(model_cfg) * norm_param_count(model_cfg)
     n += n_dense * dense_mlp
     if n_moe:
         n += n_moe * moe_layer_param_count(model_cfg, active=active)

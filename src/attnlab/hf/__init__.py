@@ -1,17 +1,15 @@
-"""Hugging Face checkpoints: Llama / Mistral / Qwen2 <-> ``attnlab.model``, dense DeepSeek-V3 (MLA) <->
-``attnlab.model``, BERT <-> ``BertEncoder``, causal-LM checkpoints of any family (``load_causal_lm`` /
-``save_causal_lm``), and on-disk conversion to fewer KV heads or to a native DeepSeek-V3 MLA checkpoint
-(safetensors only, written atomically, source untouched)."""
+"""Hugging Face checkpoints of every registered family (``attnlab.families``): causal LMs <-> ``attnlab.model``
+(``load_causal_lm`` / ``save_causal_lm`` / ``save_model``), BERT <-> ``BertEncoder``, and on-disk conversion to fewer
+KV heads or to a native DeepSeek-V3 MLA checkpoint (safetensors only, written atomically, source untouched)."""
 
 from .bert import BertEncoder, EncoderConfig, export_bert_mha, load_bert, sentence_embeddings
-from .causal_lm import FAMILIES, load_causal_lm, save_causal_lm
+from .causal_lm import load_causal_lm, save_causal_lm, save_model
 from .checkpoint import convert_checkpoint
 from .deepseek import load_deepseek, save_deepseek
 from .llama import load_llama, model_config_from_hf, save_llama
 from .mla_checkpoint import convert_checkpoint_to_mla
 
 __all__ = [
-    "FAMILIES",
     "BertEncoder",
     "EncoderConfig",
     "convert_checkpoint",
@@ -25,5 +23,6 @@ __all__ = [
     "save_causal_lm",
     "save_deepseek",
     "save_llama",
+    "save_model",
     "sentence_embeddings",
 ]

@@ -1,22 +1,19 @@
-"""Causal-LM checkpoints of every supported family behind two functions, dispatched on config.json's
-``model_type``: ``load_causal_lm(src)`` gives an attnlab model, ``save_causal_lm(state, cfg, dst, like=src)``
-writes new weights as a checkpoint of the same kind as ``src``.
+"""Causal-LM checkpoints of every registered family behind one load and one save (``attnlab.families``).
 
-A family is a loader plus the map from attnlab state-dict names to the checkpoint's tensor names: Llama,
-Mistral and Qwen2 (``attnlab.hf.llama``, GQA/MHA) and dense DeepSeek-V3 (``attnlab.hf.deepseek``, MLA: what
-``attnlab convert --to mla`` writes). Another family is one more entry in ``FAMILIES``; training, evaluation and
-the CLI pick it up without change.
+``load_causal_lm(src)`` reads config.json, asks the registry for the family of its ``model_type``, reads the
+``ModelConfig`` (the family's refusals for loading included), maps the tensors to attnlab's names with the family's
+``TensorMap`` (named transforms split fused tensors) and builds ``attnlab.model.Transformer``.
 
-``save_causal_lm`` writes a checkpoint *like* a source: the same config.json, tensor names, dtypes and shard
-files, every other file (tokenizer, generation config) copied, only the weight values new. That is what
-training needs: the architecture is the source's and only the values moved. Tensors of the source that no
-attnlab parameter maps to (buffers such as ``rotary_emb.inv_freq``, which the loaders skip) are copied unchanged.
+``save_causal_lm(state, cfg, dst, like=src)`` writes new weights as a checkpoint of the same kind as ``src``: the
+same config.json, tensor names, dtypes and shard files, every other file (tokenizer, generation config) copied, only
+the weight values new. That is what training needs: the architecture is the source's and only the values moved.
+Tensors of the source that no attnlab parameter maps to (buffers such as ``rotary_emb.inv_freq``, which the
+loaders skip) are copied unchanged. ``save_model`` writes a new checkpoint of a family from a model alone (config
+by the family's writer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from . import deepseek, io, llama
+from ..config import ModelConfig
+from ..families import FAMILIES, Family, causal_lm_types, family
+from ..families.base import Fields
+from ..model import Transformer
+from . import io
 
 _DTYPES = {
     "F64": torch.float64,
@@ -34,47 +35,72 @@ _DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class Family:
-    load: Callable[[Path], nn.Module]  # checkpoint directory -> attnlab model (eval mode)
-    # (state dict, model cfg, the checkpoint's config.json) -> the checkpoint's tensors
-    to_hf: Callable[[dict[str, torch.Tensor], Any, dict], dict[str, torch.Tensor]]
-
-
-def _llama_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf: dict) -> dict[str, torch.Tensor]:
-    return llama.state_dict_to_hf(state, cfg)  # Hugging Face's Llama layout is always half-split
-
-
-def _deepseek_to_hf(state: dict[str, torch.Tensor], cfg: Any, hf: dict) -> dict[str, torch.Tensor]:
-    return deepseek.state_dict_to_hf(state, cfg, rope_interleave=hf.get("rope_interleave", True))
-
-
-FAMILIES: dict[str, Family] = {
-    model_type: Family(load=llama.load_llama, to_hf=_llama_to_hf) for model_type in llama.ARCHITECTURES
-} | {"deepseek_v3": Family(load=deepseek.load_deepseek, to_hf=_deepseek_to_hf)}
-
-
 def family_of(src: str | Path) -> str:
-    """The ``model_type`` of a checkpoint directory, checked to be a causal-LM family attnlab handles."""
-    return _family(io.read_config(src), src)
+    """The ``model_type`` of a checkpoint directory, checked to be a causal-LM family attnlab loads."""
+    return _family(io.read_config(src), src)[0]
 
 
-def _family(hf: dict, src: str | Path) -> str:
+def _family(hf: dict, src: str | Path) -> tuple[str, Family]:
     model_type = hf["model_type"]
-    if model_type not in FAMILIES:
+    found = FAMILIES.get(model_type)
+    if found is None or not found.causal_lm or found.tensors is None:
         raise ValueError(
             f"unsupported model_type {model_type!r} in {Path(src) / 'config.json'}; causal-LM families: "
-            f"{', '.join(FAMILIES)}"
+            f"{', '.join(causal_lm_types())}"
         )
-    return model_type
+    return model_type, found
+
+
+def model_config(src: str | Path, hf: dict | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of a causal-LM checkpoint, after the family's checks for loading."""
+    hf = io.read_config(src) if hf is None else hf
+    model_type, fam = _family(hf, src)
+    fields = Fields(hf, model_type)
+    if fam.check_load is not None:
+        fam.check_load(fields)
+    return fam.read(fields)
 
 
 def load_causal_lm(src: str | Path) -> nn.Module:
     """The attnlab model of a causal-LM checkpoint (weights keep the checkpoint's dtype), checked to hold only
     finite weights."""
-    model = FAMILIES[family_of(src)].load(Path(src))
+    hf = io.read_config(src)
+    cfg = model_config(src, hf)
+    tensors, _ = io.read_tensors(src)
+    state = family(hf["model_type"]).tensor_map(hf).to_attnlab(tensors, cfg)
+    model = model_from_state(src, cfg, state)
     io.check_finite(model, src)
     return model
+
+
+def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    """A ``Transformer`` holding ``state`` (read from ``src``), whose key set must be exactly the model's."""
+    head, table = state.get("output.weight"), state.get("tok_embeddings.weight")
+    if cfg.tie_embeddings and head is not None and head is not table and not torch.equal(head, table):
+        # transformers' rule: tie_word_embeddings with a separate LM head that differs from the embeddings keeps the
+        # head (it does not tie them), so the checkpoint computes what transformers computes with it
+        cfg = cfg.replace(tie_embeddings=False)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(
+            f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
+        )
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape contradicts config.json
+        detail = " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def checkpoint_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, hf: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of an attnlab state dict, in the layout of the family of config.json ``hf``."""
+    return family(hf["model_type"]).tensor_map(hf).to_checkpoint(state, cfg)
 
 
 def _tensor_meta(src: Path, files: dict[str, str]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -108,7 +134,8 @@ def save_causal_lm(
     """
     like, dst = Path(like), Path(dst)
     hf = io.read_config(like)
-    new = FAMILIES[_family(hf, like)].to_hf(state, cfg, hf)
+    _family(hf, like)
+    new = checkpoint_tensors(state, cfg, hf)
     files = io.shard_map(like)
     meta = _tensor_meta(like, files)
     unknown = sorted(set(new) - set(files))
@@ -136,3 +163,24 @@ def save_causal_lm(
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return dst
+
+
+def save_model(
+    model: Transformer,
+    dst: str | Path,
+    model_type: str,
+    *,
+    base_config: dict | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` as a new checkpoint of ``model_type`` (config.json by the family's writer from
+    ``base_config``, e.g. the source's; one model.safetensors), atomically; returns ``dst``."""
+    fam = family(model_type)
+    if fam.write is None or fam.tensors is None:
+        raise ValueError(f"attnlab does not write {model_type} checkpoints")
+    hf = fam.write(model.cfg, dict(base_config or {}) | {"model_type": model_type})
+    tensors = checkpoint_tensors(model.state_dict(), model.cfg, hf)
+    with io.atomic_dir(dst, overwrite) as tmp:
+        io.write_tensors(tmp, tensors)
+        io.write_config(tmp, hf)
+    return Path(dst)

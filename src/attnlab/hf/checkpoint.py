@@ -1,9 +1,12 @@
 """On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert --to gqa`` (the default).
 
-Llama / Mistral / Qwen2: the result is the same architecture with ``num_key_value_heads`` lowered. The converted
-``k_proj``/``v_proj`` weights (and biases) are written; every other tensor and file is copied bit for bit, except
-that the data-aware "fit" method also rewrites ``q_proj`` and ``o_proj`` (it folds its per-head maps into them).
-BERT: converted in attnlab, written in the MHA layout with repeated K/V heads (see ``attnlab.hf.bert``).
+A causal LM of any registered family (``attnlab.families``) is loaded, converted in attnlab, and written back through
+its family: its config.json by the family's writer (the KV-head field lowered, nothing else changed), and the
+checkpoint tensors made from attnlab tensors the conversion changed (``k_proj``/``v_proj``, or a fused QKV tensor at
+the new width; the data-aware "fit" methods also change the queries and the output projection) rewritten; every
+other tensor and file is copied bit for bit. A family whose class has no KV-head field (``Family.gqa ==
+"repeated"``) is written in the MHA layout with each KV head repeated for its group, which computes the GQA model
+exactly. BERT: converted in attnlab, written in that MHA layout (see ``attnlab.hf.bert``).
 
 Calibration (``calib``, for "fit" and "grouped-fit"): a UTF-8 text file; each non-empty line (up to 256) is
 tokenised with the source's ``tokenizer.json``; lines are run in right-padded batches and padded positions are
@@ -19,9 +22,12 @@ import torch
 
 from .. import data
 from ..atomic import check_destination
+from ..config import ModelConfig
 from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE, Progress, convert_model
-from . import bert, io, llama
+from ..families import FAMILIES, family
+from . import bert, io
+from .causal_lm import load_causal_lm
 
 
 def calibration_batches(
@@ -56,6 +62,28 @@ def calibration_batches(
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
         batches.append((ids, mask))
     return batches
+
+
+def _gqa_types() -> str:
+    return ", ".join(
+        t for t, f in FAMILIES.items() if f.gqa is not None and (f.tensors is not None or not f.causal_lm)
+    )
+
+
+def repeated_kv(
+    state: dict[str, torch.Tensor], cfg: ModelConfig
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """A GQA state dict in the MHA layout: each KV head's key and value rows repeated for the query heads of its group
+    (the GQA model exactly, for a class with no KV-head field); the config with ``n_kv_heads = n_heads``."""
+    attn = cfg.attention
+    rep, hd = attn.n_rep, attn.head_dim
+    out = dict(state)
+    for name, value in state.items():
+        if re.search(r"attention\.w[kv]\.(weight|bias)$", name):
+            out[name] = (
+                value.reshape(attn.n_kv_heads, hd, *value.shape[1:]).repeat_interleave(rep, 0).flatten(0, 1)
+            )
+    return out, cfg.map_attention(lambda a: a.replace(n_kv_heads=a.n_heads))
 
 
 def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
@@ -100,41 +128,52 @@ def convert_checkpoint(
     check_destination(dst, (src,), overwrite=overwrite)
     hf = io.read_config(src)
     model_type = hf["model_type"]
-    if model_type == "bert":
+    fam = family(model_type, f"{src / 'config.json'}")
+    if not fam.causal_lm:  # BERT's encoder: its own module, written in the MHA layout
         model, _ = bert.load_bert(src)
-    elif model_type in llama.ARCHITECTURES:
-        model = llama.load_llama(src)
-    else:
+    elif fam.gqa is None or fam.tensors is None:
         raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join([*llama.ARCHITECTURES, 'bert'])}"
+            f"unsupported model_type {model_type!r}: its KV heads cannot be converted (supported: {_gqa_types()})"
         )
+    else:
+        model = load_causal_lm(src)
     attn = model.cfg.attention
     _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
     io.check_finite(model, src)
     batches = calibration_batches(src, calib, vocab_size=model.cfg.vocab_size) if calib is not None else None
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
     converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
 
     tensors, files = io.read_tensors(src)
-    touched = ("k_proj", "v_proj", "key", "value") + (
-        ("q_proj", "o_proj", "query", "output.dense") if method in DATA_AWARE else ()
-    )
-    pattern = re.compile(
-        r"\.(?:self_attn|attention\.self|attention)\.("
-        + "|".join(map(re.escape, touched))
-        + r")\.(weight|bias)$"
-    )
-    if model_type == "bert":
-        new = bert.mha_tensors(converted)
-        new_hf = hf
+    if not fam.causal_lm:  # BERT: the attention tensors the method changes, in the MHA layout
+        mha, new_hf = bert.mha_tensors(converted), hf
+        touched = ("key", "value") + (("query", "output.dense") if method in DATA_AWARE else ())
+        pattern = re.compile(
+            r"\.attention\.(?:self\.)?(" + "|".join(map(re.escape, touched)) + r")\.(weight|bias)$"
+        )
+        new = {key: mha[key.removeprefix("bert.")] for key in tensors if pattern.search(key)}
+        changed = set(new)
     else:
-        new = llama.state_to_hf(converted)
-        new_hf = dict(hf, num_key_value_heads=n_kv_heads)
+        state = converted.state_dict()
+        if (
+            fam.gqa == "repeated"
+        ):  # the family's class has no KV-head field: each KV head repeated for its group
+            state, cfg_out = repeated_kv(state, converted.cfg)
+            new_hf = hf
+        else:
+            cfg_out = converted.cfg
+            new_hf = fam.write(cfg_out, hf)
+        tensor_map = fam.tensor_map(hf)
+        new = tensor_map.to_checkpoint(state, cfg_out)
+        moved = {
+            k for k, v in state.items() if k not in before or not torch.equal(before[k].float(), v.float())
+        }
+        changed = {key for key in new if set(tensor_map.sources(key)) & moved}
     rewritten = []
     for key, value in tensors.items():
-        if pattern.search(key):
-            name = key.removeprefix("bert.")
-            tensors[key] = new[name].to(value.dtype).contiguous()
+        if key in changed:
+            tensors[key] = new[key].to(value.dtype).contiguous()
             rewritten.append(key)
     weight_names = set(files.values()) | {io.INDEX, "config.json"}
     with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
@@ -153,7 +192,7 @@ def convert_checkpoint(
         "n_kv_heads_after": n_kv_heads,
         "kv_values_per_token_before": 2 * model.cfg.n_layers * attn.n_kv_heads * head_dim,
         "kv_values_per_token_after": 2 * model.cfg.n_layers * n_kv_heads * head_dim,
-        "layout": "mha (repeated K/V heads)" if model_type == "bert" else "gqa",
+        "layout": "gqa" if fam.causal_lm and fam.gqa == "native" else "mha (repeated K/V heads)",
         "tensors_rewritten": len(rewritten),
         "tensors_copied": len(tensors) - len(rewritten),
         "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches else 0,

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import check_destination
+from ..config import AttentionConfig
 from ..convert.mla import check_target, max_stride, rope_planes
 from ..convert.mla_model import (
     choose_stride,
@@ -32,7 +33,9 @@ from ..convert.mla_model import (
     layer_errors,
     logit_distance,
 )
-from . import deepseek, io, llama
+from ..families import family
+from . import deepseek, io
+from .causal_lm import load_causal_lm, model_config
 from .checkpoint import calibration_batches
 
 # (stage, layers done, layers in all): called after each layer of each pass over the model
@@ -81,12 +84,10 @@ def convert_checkpoint_to_mla(
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src,), overwrite=overwrite)
     hf = io.read_config(src)
-    if hf["model_type"] not in llama.ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type {hf['model_type']!r} for MLA conversion; supported: "
-            f"{', '.join(llama.ARCHITECTURES)}"
-        )
-    cfg = llama.model_config_from_hf(hf)
+    cfg = model_config(src, hf)  # a causal-LM family attnlab loads, with its checks
+    support = family(hf["model_type"]).mla(cfg)
+    if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
+        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
     attn_cfg = cfg.attention
     flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
     rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
@@ -99,8 +100,7 @@ def convert_checkpoint_to_mla(
             f"--planes {planes}: a stride must be in [1, {max_stride(attn_cfg.head_dim, rope_dim)}] for --rope-dim "
             f"{rope_dim} of the source's head_dim {attn_cfg.head_dim}"
         )
-    model = llama.load_llama(src)
-    io.check_finite(model, src)
+    model = load_causal_lm(src)
     dtype = model.tok_embeddings.weight.dtype
     model = model.float()
     if calib is not None:
@@ -130,6 +130,8 @@ def convert_checkpoint_to_mla(
         "src": str(src),
         "dst": str(dst),
         "model_type": hf["model_type"],
+        "mla_conversion": support.verdict,  # exact or approximate, for this family (attnlab.families)
+        "mla_conversion_note": support.note,
         "n_layers": cfg.n_layers,
         "n_heads": attn_cfg.n_heads,
         "n_kv_heads_before": attn_cfg.n_kv_heads,

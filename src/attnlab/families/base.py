@@ -1,0 +1,406 @@
+"""What a model family is: a config reader and writer, a tensor map with named transforms, and what conversions need.
+
+A family module (``llama.py``, ``gemma.py``, ...) defines one or more ``Family`` objects; ``families/__init__.py``
+collects them into the registry ``FAMILIES`` (model_type -> Family). Everything else asks the registry:
+
+- ``read(fields)``: config.json (through ``Fields``, typed access whose errors name the field) -> ``ModelConfig``.
+  A field attnlab does not model (an unknown ``rope_type``, a LayerNorm ChatGLM, ...) is a ValueError naming it:
+  never a silently different model.
+- ``write(cfg, base)``: ``ModelConfig`` -> the config.json of a checkpoint like ``base`` (the source's), with the
+  fields that changed (KV heads, ...) and nothing stale. None: the family is read, never written.
+- ``tensors``: a ``TensorMap`` between the checkpoint's tensor names and attnlab's state-dict names. A rule renames
+  one tensor, or splits one into several (and merges them back) with a named ``Transform`` (fused QKV of each
+  layout, fused gate/up, RoPE pair permutations), each exact both ways and tested as a round trip.
+- ``gqa``: how a checkpoint with fewer KV heads is written: "native" (the family's own ``num_key_value_heads``
+  field or its like), "repeated" (its class has no such field: the MHA layout with each KV head repeated for its
+  group, which computes the GQA model exactly), or None (refused).
+- ``mla``: ``MLASupport``: whether ``convert --to mla`` takes the family and why (exact, approximate, refused).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import AttentionConfig, ModelConfig
+
+_MISSING = object()
+# No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is a
+# typo, and products of such values would overflow the floats of the roofline.
+MAX_FIELD = 2**31
+
+
+class Fields:
+    """Typed access to a config.json dict; every error names the field."""
+
+    def __init__(self, raw: dict[str, Any], model_type: str) -> None:
+        self.raw, self.model_type = raw, model_type
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key, default)
+        if value is _MISSING:
+            raise ValueError(f"{self.model_type} config.json: missing field {key!r}")
+        return value
+
+    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{self.model_type} config.json: field {key!r} must be an int, got {value!r}")
+        if not minimum <= value <= MAX_FIELD:
+            raise ValueError(
+                f"{self.model_type} config.json: field {key!r} must be in [{minimum}, {MAX_FIELD}], got {value}"
+            )
+        return value
+
+    def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
+        return None if self.raw.get(key) is None else self.int(key, minimum=minimum)
+
+    def float(self, key: str, default: Any = _MISSING) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{self.model_type} config.json: field {key!r} must be a number, got {value!r}")
+        try:
+            number = float(value)
+        except OverflowError:  # an int past the float range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"{self.model_type} config.json: field {key!r} must be finite, got {value!r}")
+        return number
+
+    def opt_float(self, key: str) -> float | None:
+        return None if self.raw.get(key) is None else self.float(key)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{self.model_type} config.json: field {key!r} must be true or false, got {value!r}"
+            )
+        return value
+
+    def str(self, key: str, default: Any = _MISSING, choices: tuple[str, ...] | None = None) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str) or (choices is not None and value not in choices):
+            allowed = f"one of {', '.join(map(repr, choices))}" if choices else "a string"
+            raise ValueError(f"{self.model_type} config.json: field {key!r} must be {allowed}, got {value!r}")
+        return value
+
+    def fail(self, message: str) -> None:
+        raise ValueError(f"{self.model_type} config.json: {message}")
+
+    def unsupported(self, key: str, why: str) -> None:
+        """A field attnlab does not model: refused, naming it, rather than read as a different model."""
+        raise ValueError(
+            f"{self.model_type} config.json: {key}={self.raw.get(key)!r} is not supported ({why})"
+        )
+
+    def rope(self, default_theta: float = 10000.0) -> tuple[float, tuple[tuple[str, Any], ...]]:
+        """(rope_theta, rope_scaling) for ``AttentionConfig``, read with transformers' precedence
+        (``rope_parameters``): plain RoPE has no scaling; any other type keeps its parameters (and the model's
+        ``max_position_embeddings``, which yarn and longrope read) for transformers' ROPE_INIT_FUNCTIONS."""
+        params = rope_parameters(self.raw, self.model_type, default_theta)
+        theta = Fields(params, self.model_type).float("rope_theta")
+        kind = params.get("rope_type", "default")
+        if kind == "default":
+            return theta, ()
+        known = ("linear", "dynamic", "yarn", "longrope", "llama3")
+        if kind not in known:
+            self.fail(
+                f"rope_type={kind!r} is not supported (attnlab computes {', '.join(('default', *known))})"
+            )
+        # partial_rotary_factor is the attention config's rope_dim; the scaling is computed over the rotary dims
+        scaling = {
+            k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")
+        }
+        scaling["max_position_embeddings"] = self.raw.get("max_position_embeddings")
+        return theta, freeze(scaling)
+
+
+def freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A parameters dict as sorted (key, value) pairs with lists as tuples: hashable, for ``AttentionConfig``."""
+    return tuple(
+        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items() if v is not None)
+    )
+
+
+def rope_parameters(
+    raw: dict[str, Any], model_type: str = "", default_theta: float = 10000.0
+) -> dict[str, Any]:
+    """The RoPE parameters of a config.json, with transformers' precedence (``convert_rope_params_to_dict``,
+    transformers 5): the older ``rope_scaling`` when it is set, else ``rope_parameters``; ``rope_theta`` from
+    inside them, else from the top level, else the default; ``rope_type`` (or the older ``type``), else "default".
+    A config that writes both fields differently is therefore read as transformers reads it, not by field order."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+        raise ValueError(
+            f"{model_type or 'the'} config.json: field {name!r} must be an object, got {params!r}"
+        )
+    params = dict(params)
+    params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def check_heads(f: Fields, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int | None, kv_key: str,
+                head_dim_key: str = "head_dim") -> None:  # fmt: skip
+    """The head counts of a config.json agree with each other (errors name the fields)."""
+    if n_heads % n_kv_heads:
+        f.fail(f"{kv_key}={n_kv_heads} does not divide num_attention_heads={n_heads}")
+    if head_dim is None and d_model % n_heads:
+        f.fail(
+            f"hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and {head_dim_key} is not given"
+        )
+
+
+# ---- tensors -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A named, exact split of one checkpoint tensor into attnlab tensors, and the merge back. Both take the
+    model's config (head counts and sizes)."""
+
+    name: str
+    split: Callable[[torch.Tensor, ModelConfig], list[torch.Tensor]]
+    merge: Callable[[list[torch.Tensor], ModelConfig], torch.Tensor]
+
+
+def _qkv_sizes(cfg: ModelConfig) -> list[int]:
+    attn = cfg.attention
+    return [attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim]
+
+
+# Q, K and V stacked along the output rows: [q; k; v] (Phi-3 qkv_proj, ChatGLM query_key_value). Weights and biases.
+QKV_CONCAT = Transform(
+    "qkv_concat",
+    split=lambda t, cfg: list(torch.split(t, _qkv_sizes(cfg), dim=0)),
+    merge=lambda parts, cfg: torch.cat(parts, dim=0),
+)
+
+
+def _per_head_split(t: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    attn = cfg.attention
+    if attn.n_kv_heads != attn.n_heads:
+        raise ValueError("the per-head QKV layout has as many KV heads as query heads")
+    heads = t.reshape(attn.n_heads, 3, attn.head_dim, *t.shape[1:])
+    return [heads[:, i].reshape(attn.n_heads * attn.head_dim, *t.shape[1:]) for i in range(3)]
+
+
+def _per_head_merge(parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    attn = cfg.attention
+    heads = [p.reshape(attn.n_heads, 1, attn.head_dim, *p.shape[1:]) for p in parts]
+    return torch.cat(heads, dim=1).reshape(3 * attn.n_heads * attn.head_dim, *parts[0].shape[1:])
+
+
+# Q, K and V interleaved head by head: [q_0; k_0; v_0; q_1; ...] (GPT-NeoX query_key_value). MHA only.
+QKV_PER_HEAD = Transform("qkv_per_head", split=_per_head_split, merge=_per_head_merge)
+
+# Gate and up projections stacked along the output rows: [gate; up] (Phi-3 and GLM gate_up_proj, ChatGLM
+# dense_h_to_4h; the first half goes through the activation).
+GATE_UP_CONCAT = Transform(
+    "gate_up_concat",
+    split=lambda t, cfg: list(torch.chunk(t, 2, dim=0)),
+    merge=lambda parts, cfg: torch.cat(parts, dim=0),
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Checkpoint tensor ``theirs`` <-> attnlab tensors ``ours``. Templates: ``{i}`` a layer index, ``{p}`` the
+    parameter ("weight" or "bias"). One name: a rename, or with a ``transform`` a permutation (of RoPE rows);
+    several: ``transform`` splits and merges."""
+
+    theirs: str
+    ours: tuple[str, ...]
+    transform: Transform | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.ours) > 1 and self.transform is None:
+            raise ValueError(
+                f"rule {self.theirs}: several attnlab tensors need a transform to split and merge"
+            )
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    parts = re.split(r"(\{i\}|\{p\})", template)
+    regex = "".join(
+        {"{i}": r"(?P<i>\d+)", "{p}": r"(?P<p>weight|bias)"}.get(part, re.escape(part)) for part in parts
+    )
+    return re.compile(regex)
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """The checkpoint's tensors <-> attnlab's state dict, by ``rules``. ``ignored``: regexes of checkpoint tensors
+    that are not weights (buffers such as ``rotary_emb.inv_freq``, recomputed; copied as they are on export).
+    ``family``: how errors name the checkpoint."""
+
+    rules: tuple[Rule, ...]
+    family: str
+    ignored: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)
+    _compiled: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def _rules(self) -> list[tuple[Rule, re.Pattern[str], re.Pattern[str]]]:
+        if not self._compiled:
+            self._compiled.extend((r, _pattern(r.theirs), _pattern(r.ours[0])) for r in self.rules)
+        return self._compiled
+
+    def is_ignored(self, key: str) -> bool:
+        return any(re.search(p, key) for p in self.ignored)
+
+    def to_attnlab(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """attnlab state dict of checkpoint ``tensors`` (the loaders check its key set against the model); a tied
+        LM head is filled in from the token embeddings."""
+        state: dict[str, torch.Tensor] = {}
+        for key, value in tensors.items():
+            if self.is_ignored(key):
+                continue
+            for rule, theirs, _ in self._rules():
+                m = theirs.fullmatch(key)
+                if m is None:
+                    continue
+                names = [name.format(**m.groupdict()) for name in rule.ours]
+                parts = [value] if rule.transform is None else rule.transform.split(value, cfg)
+                state.update(zip(names, parts, strict=True))
+                break
+            else:
+                raise ValueError(f"unexpected tensor {key!r} in a {self.family} checkpoint")
+        if cfg.tie_embeddings and "tok_embeddings.weight" in state:
+            state.setdefault("output.weight", state["tok_embeddings.weight"])
+        return state
+
+    def to_checkpoint(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors of an attnlab state dict of config ``cfg`` (``lm_head`` left out when tied)."""
+        out: dict[str, torch.Tensor] = {}
+        used: set[str] = set()
+        for rule, _, ours in self._rules():
+            for name in state:
+                m = ours.fullmatch(name)
+                if m is None:
+                    continue
+                groups = m.groupdict()
+                names = [template.format(**groups) for template in rule.ours]
+                missing = [n for n in names if n not in state]
+                if missing:
+                    raise ValueError(f"{rule.theirs}: the state dict lacks {missing}")
+                parts = [state[n].detach() for n in names]
+                merged = parts[0] if rule.transform is None else rule.transform.merge(parts, cfg)
+                out[rule.theirs.format(**groups)] = merged.clone()
+                used.update(names)
+        if cfg.tie_embeddings:
+            used.add("output.weight")
+            out = {k: v for k, v in out.items() if not _is_head(self, k)}
+        unmapped = sorted(set(state) - used)
+        if unmapped:
+            raise ValueError(f"no {self.family} checkpoint name for {unmapped[:4]}")
+        return out
+
+    def sources(self, key: str) -> tuple[str, ...]:
+        """The attnlab tensors that checkpoint tensor ``key`` is made from (none for an ignored buffer)."""
+        for rule, theirs, _ in self._rules():
+            m = theirs.fullmatch(key)
+            if m is not None:
+                return tuple(name.format(**m.groupdict()) for name in rule.ours)
+        return ()
+
+
+def _is_head(tensor_map: TensorMap, key: str) -> bool:
+    return tensor_map.sources(key) == ("output.weight",)
+
+
+# ---- families ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLASupport:
+    """How ``attnlab convert --to mla`` treats a family: "exact"/"approximate" (the summary and docs say which, and
+    ``note`` why), or "refused" (exit 2 with ``note``: what makes it impossible)."""
+
+    verdict: str
+    note: str
+
+    def __post_init__(self) -> None:
+        if self.verdict not in ("exact", "approximate", "refused"):
+            raise ValueError(
+                f"MLASupport.verdict must be exact, approximate or refused; got {self.verdict!r}"
+            )
+
+
+NO_MLA = MLASupport("refused", "no MLA conversion is defined for this family")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of checkpoint (see the module docstring). ``architectures``: model_type -> transformers class."""
+
+    name: str
+    model_types: tuple[str, ...]
+    read: Callable[[Fields], ModelConfig]
+    write: Callable[[ModelConfig, dict], dict] | None = None
+    # The tensor map, or a function of the checkpoint's config.json giving it (a layout flag in the config).
+    tensors: TensorMap | Callable[[dict], TensorMap] | None = None
+    architectures: dict[str, str] = field(default_factory=dict)
+    gqa: str | None = "native"
+    mla: Callable[[ModelConfig], MLASupport] = lambda cfg: NO_MLA
+    causal_lm: bool = True  # loads as attnlab.model.Transformer (False: BERT's encoder)
+    # Refusals that matter only when weights are loaded (what the cost model can read but attnlab.model cannot run
+    # exactly), as ValueErrors naming the field.
+    check_load: Callable[[Fields], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.gqa not in ("native", "repeated", None):
+            raise ValueError(f"Family.gqa must be native, repeated or None; got {self.gqa!r}")
+
+    def tensor_map(self, hf: dict) -> TensorMap:
+        """The tensor map of a checkpoint whose config.json is ``hf``."""
+        if self.tensors is None:
+            raise ValueError(
+                f"{self.name} checkpoints are read for the cost model only; their weights are not loaded"
+            )
+        return self.tensors(hf) if callable(self.tensors) else self.tensors
+
+
+def attention_fields(attn: AttentionConfig) -> dict[str, Any]:
+    """The config.json fields most families share for an attention config (Llama's names)."""
+    return dict(
+        hidden_size=attn.d_model,
+        num_attention_heads=attn.n_heads,
+        num_key_value_heads=attn.n_kv_heads,
+        head_dim=attn.head_dim,
+    )
+
+
+def put(hf: dict[str, Any], key: str, value: Any, default: Any = None) -> None:
+    """Set ``hf[key] = value`` unless the config already says that (``default``: what a missing key means), so a
+    written config.json differs from its source in the fields that changed and no others."""
+    if hf.get(key, default) != value:
+        hf[key] = value
+
+
+def rope_fields(
+    hf: dict[str, Any], attn: AttentionConfig, model_type: str, default_theta: float = 10000.0
+) -> None:
+    """Write ``attn``'s RoPE into config.json ``hf`` as ``rope_parameters`` (and drop the older ``rope_scaling`` and
+    top-level ``rope_theta``), unless ``hf`` already reads as that RoPE."""
+    f = Fields(hf, model_type)
+    if f.rope(default_theta) == (attn.rope_theta, attn.rope_scaling):
+        return
+    params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in attn.rope_scaling}
+    params.pop("max_position_embeddings", None)
+    hf.pop("rope_scaling", None)
+    hf.pop("rope_theta", None)
+    hf["rope_parameters"] = {"rope_type": "default"} | params | {"rope_theta": attn.rope_theta}
+
+
+def sliding_layer_types(cfg: ModelConfig) -> list[str]:
+    """Every layer's type, as transformers' ``layer_types`` lists them."""
+    return [
+        "sliding_attention" if getattr(attn, "window", None) is not None else "full_attention"
+        for attn in cfg.layer_attentions
+    ]

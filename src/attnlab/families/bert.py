@@ -1,0 +1,36 @@
+"""BERT encoders: read for the cost model; loaded into ``attnlab.hf.bert.BertEncoder`` (post-norm LayerNorm blocks,
+learned positions: not the decoder of ``attnlab.model``) and converted to fewer KV heads, written in the MHA layout
+with each KV head repeated for its group (``BertModel`` has no GQA; that checkpoint computes the GQA model exactly).
+"""
+
+from __future__ import annotations
+
+from ..config import AttentionConfig, ModelConfig
+from .base import Family, Fields, check_heads
+
+
+def read(f: Fields) -> ModelConfig:
+    """BERT encoder (BertModel with its pooler; no MLM head, hence ``tie_embeddings``)."""
+    d, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
+    check_heads(f, d, n_heads, n_heads, None, "num_attention_heads")
+    if f.raw.get("position_embedding_type", "absolute") != "absolute":
+        f.unsupported("position_embedding_type", "only 'absolute'")
+    n_positions = f.int("max_position_embeddings")
+    return ModelConfig(
+        vocab_size=f.int("vocab_size"),
+        n_layers=f.int("num_hidden_layers"),
+        attention=AttentionConfig(d_model=d, n_heads=n_heads, bias=True, rope=False),
+        ffn_dim=f.int("intermediate_size"),
+        max_seq_len=n_positions,
+        norm_eps=f.float("layer_norm_eps", 1e-12),
+        mlp="gelu",
+        mlp_bias=True,
+        tie_embeddings=True,
+        norm="layernorm",
+        n_positions=n_positions,
+        n_token_types=f.int("type_vocab_size", 2),
+        pooler=True,
+    )
+
+
+BERT = Family("bert", ("bert",), read, architectures={"bert": "BertModel"}, gqa="repeated", causal_lm=False)

@@ -1,0 +1,198 @@
+"""Llama, Mistral and Qwen2 (Llama 1/2/3.x, Mistral, Qwen2/2.5; DeepSeek-67B is a Llama): transformers'
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``.
+
+The decoder is attnlab's default one (pre RMSNorm, SwiGLU, RoPE in half-split pairs on every head dim). What differs:
+
+- RoPE frequencies: any ``rope_parameters`` type transformers computes (Llama 3.x "llama3", Qwen2.5's "yarn",
+  "linear", "dynamic", "longrope"); see ``attnlab.attention.rope``.
+- Biases: Llama's ``attention_bias`` is on q, k, v and o, ``mlp_bias`` on the MLP; Qwen2 has q/k/v biases and
+  none on o; Mistral none.
+- Sliding windows: Mistral's ``sliding_window`` applies to every layer (transformers' default 4096 when the field
+  is absent); Qwen2's only with ``use_sliding_window``, to the layers its ``layer_types`` name (by default those from
+  ``max_window_layers`` on), as transformers' ``Qwen2Config`` decides.
+
+Tensor names (N = layer index):
+
+    model.embed_tokens.weight                  tok_embeddings.weight
+    model.layers.N.self_attn.{q,k,v,o}_proj    layers.N.attention.{wq,wk,wv,wo}      (.weight, .bias)
+    model.layers.N.input_layernorm             layers.N.attention_norm
+    model.layers.N.mlp.{gate,down,up}_proj     layers.N.feed_forward.{w1,w2,w3}
+    model.layers.N.post_attention_layernorm    layers.N.ffn_norm
+    model.norm / lm_head                       norm / output   (lm_head absent when embeddings are tied)
+
+Meta's original checkpoints pair RoPE dims (2i, 2i + 1): ``attnlab.hf.llama`` permutes their rows on import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import AttentionConfig, ModelConfig
+from .base import (
+    Family,
+    Fields,
+    MLASupport,
+    Rule,
+    TensorMap,
+    check_heads,
+    put,
+    rope_fields,
+    sliding_layer_types,
+)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+LAYER_RULES = (
+    ("self_attn.q_proj", "attention.wq"),
+    ("self_attn.k_proj", "attention.wk"),
+    ("self_attn.v_proj", "attention.wv"),
+    ("self_attn.o_proj", "attention.wo"),
+    ("input_layernorm", "attention_norm"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("mlp.gate_proj", "feed_forward.w1"),
+    ("mlp.down_proj", "feed_forward.w2"),
+    ("mlp.up_proj", "feed_forward.w3"),
+)
+TOP_RULES = (("model.embed_tokens", "tok_embeddings"), ("model.norm", "norm"), ("lm_head", "output"))
+
+
+def decoder_rules(
+    layer: tuple[tuple[str, str], ...], top: tuple[tuple[str, str], ...] = TOP_RULES
+) -> tuple[Rule, ...]:
+    """Renames of a decoder's tensors: ``model.layers.{i}.<theirs>.{p}`` <-> ``layers.{i}.<ours>.{p}``, and the
+    top-level ``<theirs>.{p}`` <-> ``<ours>.{p}``."""
+    rules = [
+        Rule(f"model.layers.{{i}}.{theirs}.{{p}}", (f"layers.{{i}}.{ours}.{{p}}",)) for theirs, ours in layer
+    ]
+    rules += [Rule(f"{theirs}.{{p}}", (f"{ours}.{{p}}",)) for theirs, ours in top]
+    return tuple(rules)
+
+
+TENSORS = TensorMap(decoder_rules(LAYER_RULES), "Llama-family")
+
+
+def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, layer types) as transformers' Mistral and Qwen2 configs decide them."""
+    if f.model_type == "mistral":
+        window = f.opt_int("sliding_window") if "sliding_window" in f.raw else 4096  # MistralConfig's default
+        return window, ()
+    if f.model_type == "qwen2" and f.bool("use_sliding_window", False):
+        window = f.opt_int("sliding_window") if "sliding_window" in f.raw else 4096
+        if window is None:
+            return None, ()
+        types = f.raw.get("layer_types")
+        if types is None:
+            first = f.int("max_window_layers", 28, minimum=0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        if not isinstance(types, list) or len(types) != n_layers:
+            f.fail(f"layer_types must list num_hidden_layers={n_layers} layer types, got {types!r}")
+        return window, tuple(types)
+    return None, ()
+
+
+def read(f: Fields) -> ModelConfig:
+    """A Llama, Mistral or Qwen2 config.json."""
+    d, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
+    n_kv = f.int("num_key_value_heads", n_heads)
+    head_dim = f.opt_int("head_dim")
+    check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
+    if f.raw.get("hidden_act", "silu") != "silu":
+        f.unsupported("hidden_act", "the MLP is SwiGLU: only 'silu'")
+    if f.raw.get("pretraining_tp", 1) not in (1, None):
+        f.unsupported("pretraining_tp", "slices of the projections computed apart: only 1")
+    if f.model_type == "qwen2":
+        bias, out_bias = True, False  # Qwen2 puts biases on q/k/v only (modeling_qwen2.py)
+    else:
+        bias, out_bias = f.bool("attention_bias", False), None
+    theta, scaling = f.rope()
+    attention = AttentionConfig(
+        d_model=d,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        bias=bias,
+        out_bias=out_bias,
+        rope_theta=theta,
+        rope_scaling=scaling,
+    )
+    n_layers = f.int("num_hidden_layers")
+    window, layer_types = _windows(f, n_layers)
+    return ModelConfig(
+        vocab_size=f.int("vocab_size"),
+        n_layers=n_layers,
+        attention=attention,
+        ffn_dim=f.int("intermediate_size"),
+        max_seq_len=f.int("max_position_embeddings", 4096),
+        norm_eps=f.float("rms_norm_eps", 1e-6),
+        mlp_bias=f.bool("mlp_bias", False),
+        tie_embeddings=f.bool("tie_word_embeddings", False),
+        sliding=None if window is None else attention.replace(window=window),
+        layer_types=layer_types if window is not None else (),
+    )
+
+
+def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of ``cfg`` as a checkpoint of ``base``'s model_type (default llama), changed from ``base``
+    only where ``cfg`` differs from it."""
+    model_type = base.get("model_type", "llama")
+    attn = cfg.attention
+    if not isinstance(attn, AttentionConfig):
+        raise ValueError("only GQA/MHA/MQA attention can be written as a Llama-family checkpoint")
+    if model_type == "qwen2" and not (attn.bias and not attn.has_out_bias):
+        raise ValueError("qwen2 needs AttentionConfig(bias=True, out_bias=False)")
+    if model_type == "mistral" and (attn.bias or attn.has_out_bias or cfg.mlp_bias):
+        raise ValueError("mistral has no biases; AttentionConfig.bias and ModelConfig.mlp_bias must be False")
+    if model_type == "llama" and attn.has_out_bias != attn.bias:
+        raise ValueError("llama puts attention_bias on q, k, v and o alike; out_bias must equal bias")
+    hf = dict(base)
+    hf.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]])
+    put(hf, "hidden_size", attn.d_model)
+    put(hf, "num_attention_heads", attn.n_heads)
+    put(hf, "num_key_value_heads", attn.n_kv_heads, hf.get("num_attention_heads"))
+    put(hf, "head_dim", attn.head_dim, attn.d_model // attn.n_heads)
+    put(hf, "num_hidden_layers", cfg.n_layers)
+    put(hf, "intermediate_size", cfg.ffn_dim)
+    put(hf, "vocab_size", cfg.vocab_size)
+    put(hf, "max_position_embeddings", cfg.max_seq_len, 4096)
+    put(hf, "rms_norm_eps", cfg.norm_eps, 1e-6)
+    put(hf, "hidden_act", "silu", "silu")
+    put(hf, "tie_word_embeddings", cfg.tie_embeddings, False)
+    if model_type == "llama":
+        put(hf, "attention_bias", attn.bias, False)
+        put(hf, "mlp_bias", cfg.mlp_bias, False)
+    rope_fields(hf, attn, model_type)
+    window = None if cfg.sliding is None else cfg.sliding.window
+    if model_type == "mistral":
+        put(hf, "sliding_window", window, 4096)
+    elif model_type == "qwen2" and (window is not None or hf.get("use_sliding_window")):
+        hf.update(use_sliding_window=window is not None, sliding_window=window)
+        hf["layer_types"] = sliding_layer_types(cfg)
+    elif window is not None:
+        raise ValueError("llama has no sliding window; write the model as mistral or qwen2")
+    return hf
+
+
+def mla(cfg: ModelConfig) -> MLASupport:
+    """What ``convert --to mla`` makes of a Llama-family model: DeepSeek-V3 has plain RoPE (kept planes at a new
+    theta) and no sliding window."""
+    attn = cfg.attention
+    if attn.rope_scaling:
+        kind = dict(attn.rope_scaling).get("rope_type")
+        return MLASupport("refused", f"rope_type {kind!r}: the MLA export keeps plain RoPE planes only")
+    if cfg.sliding is not None and cfg.sliding.window < cfg.max_seq_len:
+        return MLASupport(
+            "refused",
+            f"a sliding window of {cfg.sliding.window} tokens: DeepSeek-V3 attends to the whole context",
+        )
+    return MLASupport(
+        "approximate",
+        "RoPE-aware: exact without RoPE, or with one KV head keeping every rotary plane, at full rank; otherwise the "
+        "rotary planes kept and the latent rank bound the error (docs/mla_conversion.md)",
+    )
+
+
+LLAMA = Family("llama", ("llama",), read, write, TENSORS, {"llama": ARCHITECTURES["llama"]}, mla=mla)
+MISTRAL = Family(
+    "mistral", ("mistral",), read, write, TENSORS, {"mistral": ARCHITECTURES["mistral"]}, mla=mla
+)
+QWEN2 = Family("qwen2", ("qwen2",), read, write, TENSORS, {"qwen2": ARCHITECTURES["qwen2"]}, mla=mla)
