@@ -253,3 +253,39 @@ def test_a_model_that_ran_fused_steps_still_pickles_and_copies(monkeypatch):
     for again in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
         torch.testing.assert_close(_one_step(again, tokens), first, rtol=0, atol=0)
     assert spy.calls == 6
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"norm_offset": 1.0},  # Gemma's (1 + w) RMSNorm
+        {"norm_placement": "sandwich"},
+        {"norm_placement": "post"},
+        {"parallel_residual": True},
+        {"mlp": "geglu"},
+        {"norm": "layernorm"},
+        {"attention": {"qk_norm": "head"}},
+        {"attention": {"softcap": 30.0}},
+        {"attention": {"rope_dim": 4}},  # of head_dim 8
+        {"attention": {"rope_interleaved": True}},
+    ],
+    ids=lambda c: next(iter(c.values())) if "attention" not in c else next(iter(c["attention"])),
+)
+def test_a_block_the_kernel_does_not_compute_never_takes_the_fused_step(monkeypatch, change):
+    # Issue 30: the fast path was chosen by module types, so a Gemma-like block (RMSNorm with a 1 + w option) would
+    # have run the Llama kernel. It is chosen from the configuration now.
+    attn = AttentionConfig(d_model=48, n_heads=6, n_kv_heads=2, **change.get("attention", {}))
+    fields = {k: v for k, v in change.items() if k != "attention"}
+    cfg = ModelConfig(vocab_size=101, n_layers=2, attention=attn, ffn_dim=64, max_seq_len=64, **fields)
+    model = Transformer(cfg).eval()
+    model.init_weights(std=0.2, seed=0)
+    assert not model_module.fused_block_config(cfg, attn)
+    spy = Spy(monkeypatch)
+    tokens = torch.randint(0, 101, (2, 9))
+    got, _ = _decode(model, tokens, 5)
+    assert spy.calls == 0
+    want, _ = _module_by_module(monkeypatch, lambda: _decode(model, tokens, 5))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    llama = AttentionConfig(d_model=48, n_heads=6, n_kv_heads=2)
+    assert model_module.fused_block_config(cfg.replace(**{k: ModelConfig.__dataclass_fields__[k].default
+                                                          for k in fields}, attention=llama), llama)  # fmt: skip

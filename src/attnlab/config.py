@@ -401,17 +401,18 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def with_attention(self, attention: AttentionConfig | MLAConfig) -> ModelConfig:
-        """Every layer's attention made ``attention`` (sliding layers keep their window when it is a GQA config)."""
+        """Every layer's attention made ``attention`` (sliding layers keep their window when it is a GQA config; an MLA
+        config, which has none, replaces them too)."""
         if attention.d_model != self.d_model:
             raise ValueError(
                 f"attention.d_model={attention.d_model} does not match the model's d_model={self.d_model}"
             )
-        sliding = self.sliding
-        if sliding is not None:
-            sliding = (
-                attention.replace(window=sliding.window) if isinstance(attention, AttentionConfig) else None
-            )
-        return dataclasses.replace(self, attention=attention, sliding=sliding)
+        sliding, layer_types = self.sliding, self.layer_types
+        if sliding is not None and isinstance(attention, AttentionConfig):
+            sliding = attention.replace(window=sliding.window)
+        elif sliding is not None:  # MLA has no window: every layer becomes this attention
+            sliding, layer_types = None, ()
+        return dataclasses.replace(self, attention=attention, sliding=sliding, layer_types=layer_types)
 
     def map_attention(
         self, change: Callable[[AttentionConfig | MLAConfig], AttentionConfig | MLAConfig]

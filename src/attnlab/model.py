@@ -120,8 +120,7 @@ class _FusedPlan:
 
     def __init__(self, block: Block) -> None:
         attn, ffn = block.attention, block.feed_forward
-        norms = (block.attention_norm, block.ffn_norm)
-        self.modules: tuple[nn.Module, ...] = (attn, ffn, *norms)
+        self.modules: tuple[nn.Module, ...] = tuple(block.children())
         self.guards: list[tuple[dict, str, object]] = [
             (block._modules, n, m) for n, m in block.named_children()
         ]
@@ -131,6 +130,7 @@ class _FusedPlan:
         self.rope_spec = None
         if not fused_block_config(block.cfg, attn.cfg):  # the configuration decides, not the modules' types
             return
+        norms = (block.attention_norm, block.ffn_norm)
         if type(attn) is not GroupedQueryAttention or type(ffn) is not FeedForward:  # replaced by a user
             return
         linears = (attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w3, ffn.w2)

@@ -210,6 +210,8 @@ def convert_model(
         layer.attention = mha_to_gqa(layer.attention, n_kv_heads, method, calib=x, seed=seed + i)
         if progress is not None:
             progress(i + 1, n)
-    if n:
+    if hasattr(out.cfg, "map_attention"):  # every kind of layer (full, sliding) gets the new KV heads
+        out.cfg = out.cfg.map_attention(lambda attn: attn.replace(n_kv_heads=n_kv_heads))
+    elif n:
         out.cfg = out.cfg.with_attention(out.layers[0].attention.cfg)
     return out

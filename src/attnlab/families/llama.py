@@ -144,8 +144,9 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("mistral has no biases; AttentionConfig.bias and ModelConfig.mlp_bias must be False")
     if model_type == "llama" and attn.has_out_bias != attn.bias:
         raise ValueError("llama puts attention_bias on q, k, v and o alike; out_bias must equal bias")
-    hf = dict(base)
-    hf.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]])
+    hf = dict(base, model_type=model_type)
+    if model_type in ARCHITECTURES:  # (a family registered with these readers keeps its own class name)
+        hf["architectures"] = [ARCHITECTURES[model_type]]
     put(hf, "hidden_size", attn.d_model)
     put(hf, "num_attention_heads", attn.n_heads)
     put(hf, "num_key_value_heads", attn.n_kv_heads, hf.get("num_attention_heads"))

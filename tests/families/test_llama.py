@@ -1,0 +1,174 @@
+"""The Llama family (``attnlab.families.llama``): Llama 3.x (llama3 RoPE), Mistral (sliding window), Qwen2 / Qwen2.5
+(yarn, sliding layers), against their transformers classes with the same random weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from family_oracle import (
+    build,
+    check_convert,
+    check_generate,
+    check_left_padded,
+    check_logits,
+    convert,
+    tokens,
+)
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+from attnlab.cost import kv_cache_bytes
+from attnlab.hf import load_causal_lm
+from attnlab.hf_config import from_hf_config
+
+SMALL = dict(
+    hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2
+)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16, rope_theta=500000.0)  # fmt: skip
+DYNAMIC_ROPE = dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)
+YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=10000.0)
+CASES = {
+    "llama-3.2 (llama3 RoPE, tied)": (
+        transformers.LlamaConfig,
+        dict(SMALL, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True, max_position_embeddings=128),
+    ),
+    "llama (dynamic RoPE)": (
+        transformers.LlamaConfig,
+        dict(SMALL, rope_parameters=DYNAMIC_ROPE, max_position_embeddings=16),
+    ),
+    "mistral (window 8)": (
+        transformers.MistralConfig,
+        dict(SMALL, sliding_window=8, max_position_embeddings=64),
+    ),
+    "qwen2.5 (yarn, sliding layers)": (
+        transformers.Qwen2Config,
+        dict(
+            SMALL,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+            rope_parameters=YARN_ROPE,
+            max_position_embeddings=64,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    cls, fields = CASES[request.param]
+    return build(cls, tmp_path_factory.mktemp("llama") / "src", **fields)
+
+
+def test_logits_equal_transformers_also_past_the_window(checkpoint):
+    check_logits(checkpoint, n=24)  # 24 tokens: three windows of 8, and past the 16 original positions
+
+
+def test_bfloat16_logits_within_its_rounding(checkpoint):
+    model, theirs = load_causal_lm(checkpoint).to(torch.bfloat16), transformers.AutoModelForCausalLM
+    hf = theirs.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    x = tokens(12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits.float(), rtol=0.05, atol=0.05)
+
+
+def test_greedy_tokens_equal_transformers_through_both_caches(checkpoint):
+    if "dynamic" in str(checkpoint.parent):
+        pytest.skip("dynamic RoPE: transformers keeps grown frequencies between calls (stateful)")
+    check_generate(checkpoint, lengths=(5, 11), new=8)  # 11 + 8 tokens: past the window of 8 in the ring
+
+
+def test_a_left_padded_batch_equals_its_rows_alone(checkpoint):
+    check_left_padded(checkpoint, lengths=(3, 6))
+
+
+def test_the_cost_model_counts_a_sliding_layer_at_its_window(checkpoint):
+    cfg = from_hf_config(checkpoint)
+    model = load_causal_lm(checkpoint)
+    caches = model.new_caches(2, 40)
+    assert sum(c.nbytes for c in caches) == kv_cache_bytes(cfg, 2, 40, torch.float32)
+    windows = [getattr(layer.attention.cfg, "window", None) for layer in model.layers]
+    assert [c.capacity for c in caches] == [min(w or 40, 40) for w in windows]
+
+
+@pytest.mark.parametrize("method", ["mean", "fit"])
+def test_convert_loads_in_transformers_with_attnlab_logits(checkpoint, tmp_path, method):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(" ".join(str(i) for i in range(j, j + 12)) for j in range(20)))
+    if not (checkpoint / "tokenizer.json").exists():
+        _tokenizer(checkpoint)
+    args = ("--method", method) + (("--calib", calib) if method == "fit" else ())
+    summary = check_convert(checkpoint, tmp_path / "dst", 1, *args)
+    src_cfg = json.loads((checkpoint / "config.json").read_text())
+    dst_cfg = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert dst_cfg["num_key_value_heads"] == 1 and summary["n_kv_heads_after"] == 1
+    # nothing stale: every other field as the source wrote it
+    assert {k: v for k, v in dst_cfg.items() if k != "num_key_value_heads"} == {
+        k: v for k, v in src_cfg.items() if k != "num_key_value_heads"
+    }
+
+
+def test_mla_conversion_is_refused_where_deepseek_cannot_express_it(checkpoint, tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(checkpoint), str(tmp_path / "mla"), "--to", "mla",
+                                      "--kv-lora-rank", "8"])  # fmt: skip
+    assert result.exit_code == 2 and "cannot be converted to MLA" in result.stderr
+    assert "rope_type" in result.stderr or "sliding window" in result.stderr
+    assert not (tmp_path / "mla").exists()
+
+
+def test_compare_reads_the_config(checkpoint):
+    result = CliRunner().invoke(app, ["compare", "--model", str(checkpoint / "config.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    native = next(r for r in rows if r["native"])
+    assert native["kv_cache_bytes_per_token"] == kv_cache_bytes(from_hf_config(checkpoint), 1, 1, "bf16")
+
+
+def test_an_unknown_rope_type_is_one_line(tmp_path):
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "ntk-by-parts", "rope_theta": 10000.0}
+    (src / "config.json").write_text(json.dumps(cfg))
+    result = CliRunner().invoke(app, ["eval", str(src), "--data", str(src / "config.json")])
+    assert result.exit_code == 2
+    assert "rope_type='ntk-by-parts' is not supported" in result.stderr
+
+
+def _tokenizer(path):
+    """A word-level tokenizer whose tokens are the numbers the calibration text holds."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    tok = Tokenizer(WordLevel({str(i): i for i in range(96)} | {"[UNK]": 96}, unk_token="[UNK]"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_a_family_module_and_a_registry_entry_are_all_a_new_family_needs(tmp_path, monkeypatch):
+    """A family defined here, in the test: registered, it is loaded, converted and costed like any other."""
+    from attnlab import families
+    from attnlab.families import llama
+
+    mine = families.Family(
+        "llamalike", ("llamalike",), llama.read, llama.write, llama.TENSORS, {"llamalike": "LlamaForCausalLM"}
+    )
+    monkeypatch.setitem(families.FAMILIES, "llamalike", mine)
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"model_type": "llamalike"}))
+    model = load_causal_lm(src)
+    with torch.no_grad():
+        x = tokens(8)
+        reference = transformers.LlamaForCausalLM.from_pretrained(src).eval()  # the class, by its name
+        torch.testing.assert_close(model(x), reference(x).logits, rtol=1e-4, atol=1e-4)
+    summary = convert(src, tmp_path / "dst", "--kv-heads", 1)
+    assert (
+        summary["model_type"] == "llamalike"
+        and load_causal_lm(tmp_path / "dst").cfg.attention.n_kv_heads == 1
+    )
