@@ -37,6 +37,35 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "initializer_range")
 
 
+# What a dense model's config.json says about experts, decided by the loaders that read it (llama.cpp build 11434,
+# transformers 5.x, vLLM's deepseek_v2.py); ``first_k_dense_replace`` = layers is written beside these.
+# - first_k_dense_replace = num_hidden_layers: every layer is dense. transformers builds the MoE MLP only for
+#   ``layer_idx >= config.first_k_dense_replace`` (DeepseekV3DecoderLayer); vLLM's DeepseekV2DecoderLayer likewise
+#   (``is_moe_layer``); llama.cpp's converter writes it as ``leading_dense_block_count`` and deepseek2.cpp gives
+#   layers below it the dense FFN.
+# - n_routed_experts = 0, n_shared_experts = 0, moe_intermediate_size = 0: transformers' DeepseekV3Config types
+#   them ``int`` (null fails its strict validation). llama.cpp's converter writes n_routed_experts as the expert
+#   count (0: llama-model.cpp then asserts no experts are used and no expert groups exist), and always writes
+#   n_shared_experts and moe_intermediate_size (deepseek2.cpp requires both keys).
+# - num_experts_per_tok, n_group, topk_group, norm_topk_prob = null: typed ``int | None`` by transformers; llama.cpp's
+#   converter writes each only when not null (conversion/base.py, set_gguf_parameters), and llama-model.cpp asserts
+#   ``n_expert_groups == 0`` when there are no experts: ``n_group: 1`` makes llama.cpp refuse the model.
+# - routed_scaling_factor = 1.0: vLLM divides a dense layer's float16 output by it (its overflow guard), and
+#   transformers' default is 2.5; 1.0 is the neutral value (llama.cpp reads it only for experts).
+# - num_nextn_predict_layers = 0: no multi-token-prediction layers (llama.cpp adds that many blocks when converting).
+DENSE_FIELDS: dict[str, Any] = dict(
+    n_routed_experts=0,
+    n_shared_experts=0,
+    moe_intermediate_size=0,
+    num_experts_per_tok=None,
+    n_group=None,
+    topk_group=None,
+    norm_topk_prob=None,
+    routed_scaling_factor=1.0,
+    num_nextn_predict_layers=0,
+)
+
+
 def read(f: Fields) -> ModelConfig:
     """DeepSeek-V2/V3: MLA (``kv_lora_rank``, ``q_lora_rank``, rope/nope/v head dims) and DeepSeekMoE."""
     d = f.int("hidden_size")
@@ -140,15 +169,8 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         rope_interleave=base.get("rope_interleave", True)
         if base.get("model_type") == "deepseek_v3"
         else True,
-        # Dense: no routed or shared experts, every layer below first_k_dense_replace.
+        **DENSE_FIELDS,
         first_k_dense_replace=cfg.n_layers,
-        n_routed_experts=0,
-        n_shared_experts=0,
-        num_experts_per_tok=0,
-        moe_intermediate_size=0,
-        n_group=1,
-        topk_group=1,
-        num_nextn_predict_layers=0,
     )
     return hf
 
