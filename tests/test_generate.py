@@ -15,6 +15,7 @@ from attnlab import AttentionConfig, MLAConfig, ModelConfig
 from attnlab.cli import app
 from attnlab.cost import weight_bytes_read
 from attnlab.data import shakespeare, train_byte_bpe
+from attnlab.families.base import freeze
 from attnlab.generate import filter_logits, generate, sample_next
 from attnlab.hf.causal_lm import load_causal_lm, save_causal_lm
 from attnlab.model import Transformer
@@ -297,3 +298,54 @@ def test_decode_step_times_round_robin_and_cache_bytes():
     assert {v: len(t) for v, t in times.items()} == {"gqa": 2, "mla": 2}
     assert all(t > 0 for ts in times.values() for t in ts)
     assert nbytes == {v: kv_cache_bytes(m.cfg, 2, 8, torch.float32) for v, m in models.items()}
+
+
+# ---------------------------------------------------------------------------------------- longrope's switch
+
+
+def _longrope_model(switch: int = 12) -> Transformer:
+    """A model whose RoPE takes other factors once a forward is longer than ``switch`` (Phi-3's longrope)."""
+    scaling = freeze(
+        dict(
+            rope_type="longrope",
+            short_factor=[1.0 + 0.2 * i for i in range(8)],
+            long_factor=[3.0 + 2.0 * i for i in range(8)],
+            original_max_position_embeddings=switch,
+            max_position_embeddings=4 * switch,
+        )
+    )
+    attention = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, rope_scaling=scaling)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layers=2, attention=attention, ffn_dim=96, max_seq_len=48)
+    m = Transformer(cfg)
+    m.init_weights(std=0.3, seed=0)
+    return m.eval()
+
+
+def _rerun(m: Transformer, prompt: list[int], new: int) -> list[int]:
+    """Greedy tokens by running the model on the whole sequence at every step (no cache)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            tokens.append(int(m(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_a_longrope_sequence_growing_past_its_switch_is_prefilled_again():
+    """Keys cached by forwards of at most 12 tokens hold the short factors' angles: generation prefills a row again
+    when it grows past 12 (as transformers' Phi-3 drops its cache), so its tokens are those of rerunning the model;
+    rows of a paged batch on either side of the switch each turn at their own frequencies."""
+    m = _longrope_model(switch=12)
+    rows = prompts([5, 12, 14, 9], seed=3)
+    want = [_rerun(m, p, 10) for p in rows]
+    assert generate(m, rows, 10, block_size=4).tokens == want
+    for prompt, row in zip(rows, want, strict=True):
+        assert generate(m, [prompt, prompt], 10, cache="contiguous").tokens == [row, row]
+    # without the second prefill, the stale keys would change the tokens of these weights
+    with torch.no_grad():
+        caches, prompt = m.new_caches(1, 30), rows[0]
+        tokens = list(prompt)
+        logits = m(torch.tensor([tokens]), caches=caches)
+        for _ in range(10):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits = m(torch.tensor([[tokens[-1]]]), caches=caches)
+    assert tokens[len(prompt) :] != want[0]

@@ -17,6 +17,11 @@ A row stops after emitting one of ``stop_tokens`` (kept in its output) or after 
 
 Greedy decoding of a prompt gives the same tokens alone or in any batch, from either cache (tested); samples are
 drawn for the batch's rows in order from one generator, so a sampled row depends on the rows before it.
+
+A model with longrope RoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) turns every position by other angles once a forward is
+longer than its ``original_max_position_embeddings`` (``rope.switch_length``): the keys its caches hold from shorter
+forwards are then stale. A row that grows past that length is prefilled again, whole, at the step it does (as
+transformers' Phi-3 drops its cache there), so that the tokens equal those of rerunning the model on the sequence.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import fused
+from .attention.rope import switch_length
 from .cost import kv_cache_bytes, weight_bytes_read
 from .model import Transformer
 
@@ -221,6 +227,12 @@ class _Run:
         self.prefill_s = self.decode_s = 0.0
         self.steps = self.decode_rows = self.kv_tokens = self.bytes = 0
         self.dtype = next(model.parameters()).dtype
+        # cache lengths at which a decode step would be the first forward past a longrope layer's switch
+        self.switches = {
+            n
+            for layer in model.layers
+            if (n := switch_length(getattr(layer.attention.cfg, "rope_scaling", ()))) is not None
+        }
 
     def _take(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Sample a token for each of ``rows`` (one logits row each); record it; return them (len(rows),)."""
@@ -257,8 +269,15 @@ class _Run:
         self.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         while not all(self.done(r) for r in range(b)):
-            self.account(b, b * (len(caches[0]) + 1))
-            logits = model(nxt[:, None], caches=caches)[:, -1]
+            if self.switches:  # every row's tokens so far (the newest not yet run), to prefill again
+                tokens = torch.cat((tokens, nxt[:, None]), dim=1)
+            if len(caches[0]) in self.switches:  # past a longrope switch: every row again, whole
+                for c in caches:
+                    c.reset()
+                logits = model(tokens, caches=caches, logits_to_keep=1)[:, -1]
+            else:
+                self.account(b, b * (len(caches[0]) + 1))
+                logits = model(nxt[:, None], caches=caches)[:, -1]
             nxt = self._take(logits, list(range(b)))
         self.decode_s = time.perf_counter() - start
 
@@ -282,11 +301,24 @@ class _Run:
                     c.free(row)
             if not last:
                 break
-            active = sorted(last)
-            for c in caches:
-                c.select(active)
-            self.account(len(active), sum(caches[0].lengths[r] + 1 for r in active))
-            logits = model(torch.tensor([[last[r]] for r in active]), caches=caches)[:, -1]
-            for row, token in zip(active, self._take(logits, active).tolist(), strict=True):
+            # a row past a longrope switch is prefilled again, whole and alone; the others take one decode step
+            again = [r for r in sorted(last) if caches[0].lengths[r] in self.switches]
+            active = [r for r in sorted(last) if r not in again]
+            logits = {}
+            for row in again:
+                for c in caches:
+                    c.free(row)
+                whole = torch.tensor([self.rows[row] + self.out[row]])
+                logits[row] = model(whole, caches=[c.select([row]) for c in caches], logits_to_keep=1)[0, -1]
+            if active:
+                for c in caches:
+                    c.select(active)
+                self.account(len(active), sum(caches[0].lengths[r] + 1 for r in active))
+                step = model(torch.tensor([[last[r]] for r in active]), caches=caches)[:, -1]
+                logits |= dict(zip(active, step, strict=True))
+            rows = sorted(logits)
+            for row, token in zip(
+                rows, self._take(torch.stack([logits[r] for r in rows]), rows).tolist(), strict=True
+            ):
                 last[row] = token
         self.decode_s = time.perf_counter() - start

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.attention.rope import apply_rope, interleaved_to_half_split, rope_cos_sin
+from attnlab.attention.rope import (
+    apply_rope,
+    interleaved_to_half_split,
+    inverse_frequencies,
+    rope_cos_sin,
+    switch_length,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,3 +116,26 @@ def test_interleaved_weights_permuted_give_half_split_rope_the_same_rotation(dim
 def test_interleaved_to_half_split_rejects_odd_dim():
     with pytest.raises(ValueError, match=r"rotary dim must be even, got 7"):
         interleaved_to_half_split(7)
+
+
+def test_longrope_rows_of_a_batch_turn_as_they_turn_alone():
+    """longrope's factors follow a forward's length, taken per row: a row of a left-padded or paged batch that is
+    at most ``original_max_position_embeddings`` long keeps the short factors beside a longer row."""
+    scaling = (
+        ("long_factor", (4.0, 8.0, 16.0, 32.0)),
+        ("max_position_embeddings", 32),
+        ("original_max_position_embeddings", 8),
+        ("rope_type", "longrope"),
+        ("short_factor", (1.0, 1.5, 2.0, 2.5)),
+    )
+    assert switch_length(scaling) == 8 and switch_length(()) is None
+    short, long = torch.arange(3, 8), torch.arange(10, 15)  # forwards of 8 and 15 tokens
+    cos, sin = rope_cos_sin(torch.stack((short, long)), 8, 10000.0, scaling=scaling)
+    for row, positions in enumerate((short, long)):
+        alone = rope_cos_sin(positions[None], 8, 10000.0, scaling=scaling)
+        torch.testing.assert_close((cos[row : row + 1], sin[row : row + 1]), alone, rtol=0, atol=0)
+    for row, (positions, length) in enumerate(((short, 8), (long, 15))):  # short, then long factors
+        inv_freq, factor = inverse_frequencies(8, 10000.0, scaling, seq_len=length)
+        freqs = positions[:, None].float() * inv_freq
+        torch.testing.assert_close(cos[row], torch.cat((freqs, freqs), -1).cos() * factor)
+    assert not torch.equal(*(inverse_frequencies(8, 10000.0, scaling, seq_len=n)[0] for n in (8, 9)))

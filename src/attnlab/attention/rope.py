@@ -12,7 +12,11 @@ longrope multiply cos and sin by, from transformers' own ``ROPE_INIT_FUNCTIONS``
 holding the same parameters, so attnlab computes what transformers computes rather than a re-derivation. Two of
 them depend on the sequence: "longrope" switches to its long factors once a forward reaches past
 ``original_max_position_embeddings``, "dynamic" grows its base with the length; both are asked with the forward's
-length (its largest position + 1), as transformers' ``dynamic_rope_update`` does.
+length (its largest position + 1), as transformers' ``dynamic_rope_update`` does, taken per row of a (B, T)
+``positions``: a row of a left-padded or paged batch turns as it turns alone (transformers takes the batch's
+largest position). Keys cached by forwards at most ``original_max_position_embeddings`` long hold the short
+factors' angles, so a longrope sequence that grows past that length is recomputed (``switch_length``; transformers'
+Phi-3 ``prepare_inputs_for_generation`` drops its cache there, and ``attnlab.generate`` prefills again).
 
 Positions are explicit: ``token_positions`` takes the caller's ``position_ids`` (left padding, packed sequences)
 or continues from a cache. The angles (``RopeAngles``) are computed once per model step by
@@ -76,6 +80,18 @@ def inverse_frequencies(
     return _scaled_frequencies(dim, theta, scaling, seq_len)
 
 
+def switch_length(scaling: tuple[tuple[str, Any], ...]) -> int | None:
+    """The forward length past which ``scaling`` turns every position by other angles (longrope: its
+    ``original_max_position_embeddings``), so that keys cached by shorter forwards are stale; None where the angles
+    of a position do not jump with the length (plain and fixed scalings; "dynamic", which transformers lets drift)."""
+    params = dict(scaling)
+    if params.get("rope_type") != "longrope":
+        return None
+    return int(
+        params.get("original_max_position_embeddings") or params.get("max_position_embeddings") or 2048
+    )
+
+
 def rope_cos_sin(
     positions: torch.Tensor,
     dim: int,
@@ -88,7 +104,12 @@ def rope_cos_sin(
     as ``apply_rope`` pairs the dims (half-split, or ``interleaved``)."""
     seq_len = None
     if dict(scaling).get("rope_type") in _SEQUENCE_DEPENDENT and positions.numel():
-        seq_len = int(positions.max()) + 1  # a host sync, for these two scalings only (as transformers)
+        if positions.ndim == 2 and positions.shape[0] > 1:
+            lengths = positions.amax(-1) + 1  # a host sync, for these two scalings only (as transformers)
+            if bool((lengths != lengths[0]).any()):  # rows of different lengths: each at its own frequencies
+                rows = [rope_cos_sin(p[None], dim, theta, dtype, scaling, interleaved) for p in positions]
+                return torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
+        seq_len = int(positions.max()) + 1
     inv_freq, factor = inverse_frequencies(dim, theta, scaling, seq_len)
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # (..., T, dim/2)
     if interleaved:
