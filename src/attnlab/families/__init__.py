@@ -13,11 +13,25 @@ from .base import Family, Fields, MLASupport, Rule, TensorMap, Transform
 from .bert import BERT
 from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
+from .gemma import GEMMA, GEMMA2, GEMMA3
 from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2
 from .phi3 import PHI3
 
-REGISTERED: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, DEEPSEEK_V3, DEEPSEEK_V2, CHATGLM, GPT2, BERT)
+REGISTERED: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    GEMMA,
+    GEMMA2,
+    GEMMA3,
+    PHI3,
+    DEEPSEEK_V3,
+    DEEPSEEK_V2,
+    CHATGLM,
+    GPT2,
+    BERT,
+)
 FAMILIES: dict[str, Family] = {model_type: f for f in REGISTERED for model_type in f.model_types}
 
 
