@@ -14,9 +14,20 @@ from .bert import BERT
 from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gpt2 import GPT2
+from .gpt_neox import GPT_NEOX
 from .llama import LLAMA, MISTRAL, QWEN2
 
-REGISTERED: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, DEEPSEEK_V3, DEEPSEEK_V2, CHATGLM, GPT2, BERT)
+REGISTERED: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    DEEPSEEK_V3,
+    DEEPSEEK_V2,
+    CHATGLM,
+    GPT2,
+    GPT_NEOX,
+    BERT,
+)
 FAMILIES: dict[str, Family] = {model_type: f for f in REGISTERED for model_type in f.model_types}
 
 
