@@ -27,7 +27,7 @@ from attnlab.config import AttentionConfig, ModelConfig
 from attnlab.convert.model import convert_model
 from attnlab.cost import kv_cache_bytes
 from attnlab.families import gpt_neox
-from attnlab.hf import load_causal_lm, save_model
+from attnlab.hf import load_causal_lm, save_causal_lm, save_model
 from attnlab.hf.io import read_tensors
 from attnlab.hf_config import from_hf_config, to_hf_config
 from attnlab.model import Transformer
@@ -208,6 +208,21 @@ def test_the_buffers_of_an_old_checkpoint_are_copied_on_conversion(tmp_path):
     assert set(before) == set(after)
     buffers = [k for k in before if gpt_neox.TENSORS.is_ignored(k)]
     assert len(buffers) == 3 * 2 and all(torch.equal(before[k], after[k]) for k in buffers)
+
+
+def test_saving_new_weights_like_an_old_checkpoint_copies_its_boolean_mask(tmp_path):
+    """``save_causal_lm(like=src)`` (training's writer) copies buffers that are not float (Pythia's causal mask is
+    bool) as they are, and writes the new weight values."""
+    src = build(transformers.GPTNeoXConfig, tmp_path / "src", **CASES[min(CASES)])
+    pythia_style(src)
+    model = load_causal_lm(src)
+    state = {k: v + 0.01 for k, v in model.state_dict().items()}
+    save_causal_lm(state, model.cfg, tmp_path / "dst", like=src)
+    before, after = read_tensors(src)[0], read_tensors(tmp_path / "dst")[0]
+    assert set(before) == set(after)
+    assert all(torch.equal(before[k], after[k]) for k in before if gpt_neox.TENSORS.is_ignored(k))
+    assert after["gpt_neox.layers.0.attention.bias"].dtype == torch.bool
+    assert torch.equal(after["embed_out.weight"], state["output.weight"])
 
 
 def test_mla_conversion_is_refused_with_the_reason(checkpoint, tmp_path):
