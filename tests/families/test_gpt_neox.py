@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from attnlab.cli import app
 from attnlab.config import AttentionConfig, ModelConfig
 from attnlab.convert.model import convert_model
-from attnlab.cost import kv_cache_bytes
+from attnlab.cost import kv_cache_bytes, model_param_count
 from attnlab.families import gpt_neox
 from attnlab.hf import load_causal_lm, save_causal_lm, save_model
 from attnlab.hf.io import read_tensors
@@ -143,10 +143,13 @@ def test_query_key_value_is_split_head_by_head(checkpoint):
     assert torch.equal(model.layers[0].attention.wv.weight[48:64], fused[3 * 48 + 32 : 3 * 48 + 48])
 
 
-def test_the_cost_model_counts_the_cache(checkpoint):
+def test_the_cost_model_counts_the_cache_and_the_parameters(checkpoint):
     cfg = from_hf_config(checkpoint)
-    caches = load_causal_lm(checkpoint).new_caches(2, 40)
+    model = load_causal_lm(checkpoint)
+    caches = model.new_caches(2, 40)
     assert sum(c.nbytes for c in caches) == kv_cache_bytes(cfg, 2, 40, torch.float32)
+    n = model_param_count(cfg)  # LayerNorm and MLP biases, no gate, the head tied or not
+    assert n == sum(p.numel() for p in model.parameters()) == hf_model(checkpoint).num_parameters()
 
 
 def _tokenizer(path) -> None:
