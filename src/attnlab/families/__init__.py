@@ -15,6 +15,7 @@ from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gemma import GEMMA, GEMMA2, GEMMA3
 from .gpt2 import GPT2
+from .gpt_neox import GPT_NEOX
 from .llama import LLAMA, MISTRAL, QWEN2
 from .phi3 import PHI3
 
@@ -28,6 +29,7 @@ REGISTERED: tuple[Family, ...] = (
     PHI3,
     DEEPSEEK_V3,
     DEEPSEEK_V2,
+    GPT_NEOX,
     CHATGLM,
     GPT2,
     BERT,

@@ -103,16 +103,20 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, hf: dic
     return family(hf["model_type"]).tensor_map(hf).to_checkpoint(state, cfg)
 
 
-def _tensor_meta(src: Path, files: dict[str, str]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def _tensor_meta(
+    src: Path, files: dict[str, str], written: set[str]
+) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]]:
+    """(dtype, shape) of each tensor; the ``written`` ones must have a float dtype (the others, buffers such as
+    GPT-NeoX's boolean causal mask, are copied as they are: dtype None)."""
     meta = {}
     for name in sorted(set(files.values())):
         with safe_open(src / name, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 piece = f.get_slice(key)
                 dtype = piece.get_dtype()
-                if dtype not in _DTYPES:
+                if dtype not in _DTYPES and key in written:
                     raise ValueError(f"{src / name}: tensor {key} has dtype {dtype}, not a float type")
-                meta[key] = (_DTYPES[dtype], tuple(piece.get_shape()))
+                meta[key] = (_DTYPES.get(dtype), tuple(piece.get_shape()))
     return meta
 
 
@@ -137,7 +141,7 @@ def save_causal_lm(
     _family(hf, like)
     new = checkpoint_tensors(state, cfg, hf)
     files = io.shard_map(like)
-    meta = _tensor_meta(like, files)
+    meta = _tensor_meta(like, files, set(new))
     unknown = sorted(set(new) - set(files))
     if unknown:
         raise ValueError(f"{like} has no tensors {unknown[:4]}: the model does not have its architecture")
