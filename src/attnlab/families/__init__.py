@@ -13,10 +13,22 @@ from .base import Family, Fields, MLASupport, Rule, TensorMap, Transform
 from .bert import BERT
 from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
+from .glm import GLM, GLM4
 from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2
 
-REGISTERED: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, DEEPSEEK_V3, DEEPSEEK_V2, CHATGLM, GPT2, BERT)
+REGISTERED: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    DEEPSEEK_V3,
+    DEEPSEEK_V2,
+    GLM,
+    GLM4,
+    CHATGLM,
+    GPT2,
+    BERT,
+)
 FAMILIES: dict[str, Family] = {model_type: f for f in REGISTERED for model_type in f.model_types}
 
 
