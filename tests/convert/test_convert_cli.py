@@ -426,3 +426,26 @@ def test_convert_terminated_mid_write_cleans_up_itself(tmp_path):
     )
     assert stopped.returncode == 128 + 15 and "Traceback" not in stopped.stderr, stopped.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_tensors_are_written_in_the_layout_of_the_config_written_beside_them(tmp_path, monkeypatch):
+    """A family whose tensor layout follows a config field (ChatGLM's fused QKV follows multi_query_attention) is
+    written by the tensor map of the converted config.json, which the writer may have changed, not the source's."""
+    from attnlab import families
+    from attnlab.families import llama
+
+    asked = []
+
+    def tensors(hf: dict):
+        asked.append(hf["num_key_value_heads"])
+        return llama.TENSORS
+
+    mine = families.Family("layoutlike", ("layoutlike",), llama.read, llama.write, tensors)
+    monkeypatch.setitem(families.FAMILIES, "layoutlike", mine)
+    src = make_checkpoint(tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"model_type": "layoutlike"}))
+    result = run("convert", src, tmp_path / "dst", "--kv-heads", "2")
+    assert result.exit_code == 0, result.output
+    assert asked[-1] == 2  # the written config's map made the tensors (the source's, 8, loaded them)
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["num_key_value_heads"] == 2

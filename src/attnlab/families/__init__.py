@@ -14,6 +14,7 @@ from .bert import BERT
 from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gemma import GEMMA, GEMMA2, GEMMA3
+from .glm import GLM, GLM4
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
 from .llama import LLAMA, MISTRAL, QWEN2
@@ -27,9 +28,11 @@ REGISTERED: tuple[Family, ...] = (
     GEMMA2,
     GEMMA3,
     PHI3,
+    GPT_NEOX,
+    GLM,
+    GLM4,
     DEEPSEEK_V3,
     DEEPSEEK_V2,
-    GPT_NEOX,
     CHATGLM,
     GPT2,
     BERT,

@@ -164,7 +164,9 @@ def convert_checkpoint(
         else:
             cfg_out = converted.cfg
             new_hf = fam.write(cfg_out, hf)
-        tensor_map = fam.tensor_map(hf)
+        # the layout of the config.json written beside the tensors: a fused tensor's may follow a field the writer
+        # changed (ChatGLM's query_key_value is per head without multi_query_attention, [q; k; v] with it)
+        tensor_map = fam.tensor_map(new_hf)
         new = tensor_map.to_checkpoint(state, cfg_out)
         moved = {
             k for k, v in state.items() if k not in before or not torch.equal(before[k].float(), v.float())
