@@ -4,7 +4,7 @@ if a test read a file beside the checkout (``outside_reads``: the suite must pas
 Seed sweeps: ``ATTNLAB_SEEDS=N`` runs every test N times, with base seeds 0 .. N-1 (the default, 1, is seed 0
 only). The autouse fixture seeds torch with the base seed, and tests that draw from their own generators offset
 those generators' seeds by ``base_seed``, so a sweep changes every random input of the equivalence and conversion
-suites. Claims that hold only for a lucky seed fail a sweep.
+suites. Claims that hold only for a lucky seed fail a sweep. Property tests draw fixed examples unless ``ATTNLAB_EXPLORE=1``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,18 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 from outside_reads import READS, install
 
 install()
+
+# Property tests draw the same examples on every run, like the seeded tests: a verdict never depends on which
+# examples a run happened to draw. ATTNLAB_EXPLORE=1 lets hypothesis search afresh (and keep what fails in
+# .hypothesis/ to replay).
+settings.register_profile("fixed", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile("explore" if os.environ.get("ATTNLAB_EXPLORE") == "1" else "fixed")
 
 # Nothing may download at test time (transformers is imported only by the tests that compare against it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -97,12 +97,20 @@ def test_fused_steps_equal_the_module_by_module_steps(dtype, data):
         # every one-token call of both layers was fused: the decode steps (and a one-token prompt)
         assert spy.calls == 2 * (tokens.shape[1] - prompt + (prompt == 1))
         want, ref_caches = _module_by_module(monkeypatch, lambda: _decode(model, tokens, prompt))
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
-    torch.testing.assert_close(got, want, **tol)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        # float32: the fused step sums in another order, so its error scales with the tensor's size, not each
+        # element's: 1e-5 of the largest (a logit range of 5 showed 1.6e-5 on a near-zero logit). bf16: its rounding.
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+        else:
+            torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+    close(got, want)
     for c, r in zip(caches, ref_caches, strict=True):
         assert len(c) == len(r) == tokens.shape[1]
-        torch.testing.assert_close(c.k[:, :, : len(c)], r.k[:, :, : len(r)], **tol)
-        torch.testing.assert_close(c.v[:, :, : len(c)], r.v[:, :, : len(r)], **tol)
+        close(c.k[:, :, : len(c)], r.k[:, :, : len(r)])
+        close(c.v[:, :, : len(c)], r.v[:, :, : len(r)])
 
 
 def test_rows_at_their_own_positions_equal_the_module_by_module_steps(monkeypatch):
