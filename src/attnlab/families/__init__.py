@@ -15,8 +15,19 @@ from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2
+from .qwen3 import QWEN3
 
-REGISTERED: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, DEEPSEEK_V3, DEEPSEEK_V2, CHATGLM, GPT2, BERT)
+REGISTERED: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    DEEPSEEK_V3,
+    DEEPSEEK_V2,
+    CHATGLM,
+    GPT2,
+    BERT,
+)
 FAMILIES: dict[str, Family] = {model_type: f for f in REGISTERED for model_type in f.model_types}
 
 
