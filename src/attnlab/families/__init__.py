@@ -15,6 +15,7 @@ from .chatglm import CHATGLM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2
+from .olmo2 import OLMO2
 from .qwen3 import QWEN3
 
 REGISTERED: tuple[Family, ...] = (
@@ -22,6 +23,7 @@ REGISTERED: tuple[Family, ...] = (
     MISTRAL,
     QWEN2,
     QWEN3,
+    OLMO2,
     DEEPSEEK_V3,
     DEEPSEEK_V2,
     CHATGLM,
