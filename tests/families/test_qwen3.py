@@ -125,9 +125,9 @@ def test_the_cost_model_counts_the_norms_and_a_sliding_layer_at_its_window(check
     assert [c.capacity for c in caches] == [min(w or 40, 40) for w in windows]
 
 
-@pytest.mark.parametrize("method", ["mean", "fit"])
+@pytest.mark.parametrize("method", ["mean", "fit", "grouped-fit"])
 def test_convert_loads_in_transformers_with_attnlab_logits(checkpoint, tmp_path, method):
-    args = ("--method", method) + (("--calib", calibration(checkpoint, tmp_path)) if method == "fit" else ())
+    args = ("--method", method) + (("--calib", calibration(checkpoint, tmp_path)) if method != "mean" else ())
     summary = check_convert(checkpoint, tmp_path / "dst", 1, *args)
     src_cfg = json.loads((checkpoint / "config.json").read_text())
     dst_cfg = json.loads((tmp_path / "dst" / "config.json").read_text())
