@@ -267,6 +267,7 @@ def test_a_model_that_ran_fused_steps_still_pickles_and_copies(monkeypatch):
     "change",
     [
         {"norm_offset": 1.0},  # Gemma's (1 + w) RMSNorm
+        {"norm_gain_float32": True},  # OLMo 2's gain before the cast (a bfloat16 step would round otherwise)
         {"norm_placement": "sandwich"},
         {"norm_placement": "post"},
         {"parallel_residual": True},

@@ -119,3 +119,31 @@ def test_bad_input():
     )
     with pytest.raises(ValueError, match=r"ModelConfig.n_experts=4"):
         Transformer(moe)
+
+
+def test_norm_gain_float32_rounds_as_a_gain_applied_before_the_cast():
+    """Llama's RMSNorm casts the normalised x back, then scales it: ``w * n(x).to(dtype)``; OLMo 2's scales it in
+    float32, then casts: ``(w * n(x)).to(dtype)``. Equal in float32, not in bfloat16; ``norm_gain_float32`` picks the
+    second for every norm of the model, the q/k norms by their own ``AttentionConfig`` field."""
+    from attnlab.attention.norm import RMSNorm, make_norm
+
+    gen = torch.Generator().manual_seed(seeded(5))
+    x = torch.randn(64, 48, generator=gen).bfloat16()
+    w = (1 + 0.3 * torch.randn(48, generator=gen)).bfloat16()
+    n = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    llama, olmo = RMSNorm(48).bfloat16(), RMSNorm(48, gain_float32=True).bfloat16()
+    with torch.no_grad():
+        for norm in (llama, olmo):
+            norm.weight.copy_(w)
+        assert torch.equal(llama(x), w * n.to(torch.bfloat16))
+        assert torch.equal(olmo(x), (w * n).to(torch.bfloat16))
+        assert not torch.equal(llama(x), olmo(x))  # the rounding differs somewhere in 64 x 48 values
+        torch.testing.assert_close(llama.float()(x.float()), olmo.float()(x.float()), rtol=0, atol=0)
+    attn = AttentionConfig(d_model=48, n_heads=6, n_kv_heads=2, qk_norm="full", norm_gain_float32=True)
+    cfg = ModelConfig(vocab_size=97, n_layers=2, attention=attn, ffn_dim=64, norm_gain_float32=True)
+    norms = [m for m in Transformer(cfg).modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 4 + 1 and all(m.gain_float32 for m in norms)
+    with pytest.raises(ValueError, match="a LayerNorm has no gain offset or float32 gain"):
+        make_norm("layernorm", 48, 1e-5, gain_float32=True)
+    with pytest.raises(TypeError, match=r"ModelConfig\.norm_gain_float32 must be True or False"):
+        cfg.replace(norm_gain_float32=1)

@@ -94,6 +94,7 @@ class AttentionConfig:
     qk_norm: str = "none"  # RMSNorm of q and k before RoPE: per head ("head") or over all heads ("full")
     norm_eps: float = 1e-6  # of the q/k norms
     norm_offset: float = 0.0  # the q/k norms' gain is offset + weight (Gemma 3: 1)
+    norm_gain_float32: bool = False  # the q/k norms apply their gain before the cast back (OLMo 2; RMSNorm)
     scale: float | None = (
         None  # softmax scale; None: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
     )
@@ -148,6 +149,7 @@ class AttentionConfig:
         _check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS)
         _check_float(owner, "norm_eps", self.norm_eps)
         _check_float(owner, "norm_offset", self.norm_offset)
+        _check_bool(owner, ("norm_gain_float32", self.norm_gain_float32))
         for name in ("scale", "softcap"):
             value = getattr(self, name)
             if value is not None:
@@ -305,6 +307,9 @@ class ModelConfig:
     name: str = ""
     # The decoder's options (defaults: Llama). See ``attnlab.model`` for how each is computed.
     norm_offset: float = 0.0  # a norm's gain is offset + weight (Gemma: RMSNorm with 1 + w)
+    # The norms apply their gain in float32 before casting back to the activations' dtype (OLMo 2), not after
+    # (Llama); Gemma's offset norms always do. The same in float32; in bfloat16 they round differently.
+    norm_gain_float32: bool = False
     norm_placement: str = "pre"  # NORM_PLACEMENTS
     parallel_residual: bool = False  # x + attention(norm1 x) + mlp(norm2 x) (GPT-NeoX)
     embed_scale: float = 1.0  # token embeddings times this, in their dtype (Gemma: sqrt(d_model))
@@ -337,6 +342,7 @@ class ModelConfig:
             _check_int(owner, name, getattr(self, name), minimum=0)
         _check_float(owner, "norm_eps", self.norm_eps)
         _check_float(owner, "norm_offset", self.norm_offset)
+        _check_bool(owner, ("norm_gain_float32", self.norm_gain_float32))
         _check_choice(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_bool(owner, ("parallel_residual", self.parallel_residual))
         _check_float(owner, "embed_scale", self.embed_scale)

@@ -9,7 +9,8 @@ Blocks (``norm_placement``), with ``n1 = attention_norm``, ``n2 = ffn_norm``, ``
     post (OLMo 2)          h = x + p1(attn(x));       out = h + p2(mlp(h))
     parallel (GPT-NeoX)    out = x + attn(n1 x) + mlp(n2 x)
 
-Norms are RMSNorm (gain ``norm_offset + w``: Gemma's ``1 + w``) or LayerNorm with a bias; the MLP is SwiGLU
+Norms are RMSNorm (gain ``norm_offset + w``: Gemma's ``1 + w``; applied before the cast back from float32 with
+``norm_gain_float32``, as OLMo 2) or LayerNorm with a bias; the MLP is SwiGLU
 (``w2(silu(w1 x) * w3 x)``), GeGLU (tanh GELU in place of SiLU) or plain GELU (``w2(gelu(w1 x))``); RoPE, q/k norms,
 the softmax scale, logit soft-capping and sliding windows live in the attention (``AttentionConfig``; a layer's own
 is ``cfg.attention_of(i)``). Token embeddings may be scaled (``embed_scale``: Gemma's sqrt(d_model), in the
@@ -90,12 +91,13 @@ class FeedForward(nn.Module):
 
 def fused_block_config(cfg: ModelConfig, attn: AttentionConfig | MLAConfig) -> bool:
     """Whether the fused C++ block step computes a block of this configuration exactly: Llama's block (pre RMSNorms
-    with gain w, sequential residuals, SwiGLU) around GQA/MHA/MQA without RoPE, or with RoPE on every head dim in
+    with gain w applied after the cast back, sequential residuals, SwiGLU) around GQA/MHA/MQA without RoPE, or with RoPE on every head dim in
     half-split pairs (any frequencies: the angles are computed in Python); no q/k norm and no logit soft-capping. A sliding window is
     fine while the layer's cache holds every token (``_FusedPlan.of`` checks that per step)."""
     return (
         cfg.norm == "rmsnorm"
         and cfg.norm_offset == 0
+        and not cfg.norm_gain_float32
         and cfg.norm_placement == "pre"
         and not cfg.parallel_residual
         and cfg.mlp == "swiglu"
@@ -240,13 +242,13 @@ class Block(nn.Module):
         )
         d, eps = cfg.d_model, cfg.norm_eps
         if cfg.norm_placement != "post":
-            self.attention_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
+            self.attention_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset, cfg.norm_gain_float32)
         self.feed_forward = FeedForward(d, cfg.ffn_dim, bias=cfg.mlp_bias, kind=cfg.mlp)
         if cfg.norm_placement != "post":
-            self.ffn_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
+            self.ffn_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset, cfg.norm_gain_float32)
         if cfg.norm_placement != "pre":
-            self.post_attention_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
-            self.post_ffn_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset)
+            self.post_attention_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset, cfg.norm_gain_float32)
+            self.post_ffn_norm = make_norm(cfg.norm, d, eps, cfg.norm_offset, cfg.norm_gain_float32)
 
     def forward(
         self,
@@ -292,7 +294,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset)
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset, cfg.norm_gain_float32)
         self.output = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -42,10 +42,34 @@ from torch.distributed.tensor.parallel import (
 
 from .attention.gqa import GroupedQueryAttention
 from .attention.mla import MultiHeadLatentAttention
+from .config import AttentionConfig, MLAConfig, ModelConfig
 from .cost.parallel import check_tp, kv_heads_per_rank, kv_replicas
 from .model import FeedForward, Transformer
 
-__all__ = ["apply_tp", "attention_plan", "check_tp", "kv_heads_per_rank", "kv_replicas", "mlp_plan"]
+__all__ = [
+    "apply_tp",
+    "attention_plan",
+    "check_shardable",
+    "check_tp",
+    "kv_heads_per_rank",
+    "kv_replicas",
+    "mlp_plan",
+]
+
+
+def check_shardable(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int, *, flag: str = "tp") -> None:
+    """``check_tp``, and what ``apply_tp`` does not shard: q/k norms (Qwen3, OLMo 2, Gemma 3), refused when tp > 1.
+    A per-head norm's gain would be trained on each rank's share of the heads' gradient alone (never summed), and a
+    norm over all heads would normalise each rank's heads by their own RMS (and its gain does not match them)."""
+    check_tp(cfg, tp, flag=flag)
+    attentions = cfg.layer_attentions if isinstance(cfg, ModelConfig) else (cfg,)
+    norms = sorted({a.qk_norm for a in attentions if isinstance(a, AttentionConfig)} - {"none"})
+    if tp > 1 and norms:
+        given = f"{flag} {tp}" if flag.startswith("--") else f"{flag}={tp}"
+        raise ValueError(
+            f"{given}: tensor parallelism does not shard q/k norms yet (qk_norm={norms[0]!r}); use tp 1 "
+            "(data parallelism alone)"
+        )
 
 
 # ---- gradients that are partial sums over the ranks -------------------------------------------------------------
@@ -188,7 +212,7 @@ def _check_mesh(mesh: DeviceMesh) -> int:
 def _check_module(module: nn.Module, tp: int) -> None:
     """Everything apply_tp checks, before anything is sharded (no collective has been issued yet)."""
     if isinstance(module, (Transformer, GroupedQueryAttention, MultiHeadLatentAttention)):
-        check_tp(module.cfg, tp)
+        check_shardable(module.cfg, tp)
     elif not isinstance(module, FeedForward):
         raise TypeError(
             "apply_tp shards GroupedQueryAttention, MultiHeadLatentAttention, FeedForward and Transformer; "

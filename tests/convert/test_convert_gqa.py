@@ -101,6 +101,26 @@ def test_permuting_heads_leaves_output_unchanged(rope):
     torch.testing.assert_close(heads(moved.wq.weight, 8)[:2], heads(attn.wq.weight, 8)[4:6])
 
 
+@pytest.mark.parametrize("qk_norm", ["head", "full"])
+def test_q_k_norm_gains_move_with_their_heads(qk_norm):
+    # Per-head norms (Qwen3) share one gain; norms over all heads (OLMo 2) have one per value of each head, which
+    # must follow its head when heads are reordered, and so when grouped-fit reorders them into groups.
+    from attnlab.convert.gqa import similarity_groups
+
+    attn = GroupedQueryAttention(make(n_kv_heads=4, bias=True).cfg.replace(qk_norm=qk_norm)).double()
+    attn.init_weights(std=0.2)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.normal_(1.0, 0.3)
+    x = inputs()
+    tol = dict(rtol=1e-5, atol=1e-6)  # RMSNorm computes in float32: summed in another order, it rounds apart
+    torch.testing.assert_close(permute_heads(attn, [2, 0, 3, 1])(x), attn(x), **tol)
+    order = similarity_groups(attn, 2, x)
+    grouped = mha_to_gqa(attn, 2, "grouped-fit", calib=x)
+    fit = mha_to_gqa(permute_heads(attn, order), 2, "fit", calib=x)
+    torch.testing.assert_close(grouped(x), fit(x), **tol)
+
+
 @pytest.mark.parametrize("rope", [True, False])
 def test_joint_fit_of_a_single_head_is_exact_and_rope_maps_commute(rope):
     # One projection: the fit must reproduce it exactly (P = A B). With RoPE, A must commute with rotations.

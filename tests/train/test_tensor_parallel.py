@@ -24,7 +24,8 @@ from attnlab.config import ModelConfig
 from attnlab.cost import kv_cache_bytes, model_param_count, param_count
 from attnlab.cost.parallel import check_tp, kv_heads_per_rank, rank_config
 from attnlab.cost.params import mlp_param_count
-from attnlab.train import UptrainOptions, uptrain
+from attnlab.parallel import check_shardable
+from attnlab.train import UptrainOptions, distributed, uptrain
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -155,3 +156,23 @@ def test_check_tp_names_the_rule_that_fails():
         check_tp(ATTENTION["mha"].replace(n_heads=12, n_kv_heads=6, head_dim=8), 4)
     with pytest.raises(TypeError):
         check_tp(ATTENTION["mha"], 2.0)
+
+
+def test_q_k_norms_are_refused_before_any_collective(tmp_path, tokenizer, corpus, monkeypatch):
+    """apply_tp does not shard q/k norms: a per-head gain would get each rank's share of its gradient only, a norm
+    over all heads would see each rank's heads only. Refused (apply_tp, uptrain --tp) instead of training wrong."""
+    for qk_norm in ("head", "full"):
+        cfg = ATTENTION["gqa2"].replace(qk_norm=qk_norm)
+        check_shardable(cfg, 1)
+        with pytest.raises(
+            ValueError,
+            match=rf"tp=2: tensor parallelism does not shard q/k norms yet \(qk_norm='{qk_norm}'\)",
+        ):
+            check_shardable(one_layer(cfg), 2)
+    src = make_llama(tmp_path / "qwen3", tokenizer, kind="qwen3", head_dim=8)
+    two_ranks = distributed.Env(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    monkeypatch.setattr(distributed, "setup", lambda tp=1: two_ranks)  # rank 0 of 2: a collective would hang
+    opts = UptrainOptions(src=src, dst=tmp_path / "d", data=corpus, steps=1, tp=2)
+    with pytest.raises(ValueError, match=r"--tp 2: tensor parallelism does not shard q/k norms yet"):
+        uptrain(opts, progress=False)
+    assert not (tmp_path / "d").exists()

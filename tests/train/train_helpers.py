@@ -29,7 +29,11 @@ def make_llama(path: Path, tokenizer, **overrides) -> Path:
     """A random transformers Llama (or ``model_type`` given by ``kind``) saved with ``tokenizer``."""
     torch.manual_seed(0)
     kind = overrides.pop("kind", "llama")
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kind]
     cfg = config_cls(
         **{
             "vocab_size": VOCAB,

@@ -75,8 +75,9 @@ class GroupedQueryAttention(nn.Module):
             per_head = cfg.qk_norm == "head"
             q_dim = cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim
             k_dim = cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim
-            self.q_norm = RMSNorm(q_dim, eps=cfg.norm_eps, offset=cfg.norm_offset)
-            self.k_norm = RMSNorm(k_dim, eps=cfg.norm_eps, offset=cfg.norm_offset)
+            gain = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, gain_float32=cfg.norm_gain_float32)
+            self.q_norm = RMSNorm(q_dim, **gain)
+            self.k_norm = RMSNorm(k_dim, **gain)
 
     @property
     def n_heads(self) -> int:

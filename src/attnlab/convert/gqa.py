@@ -104,7 +104,8 @@ def input_moment(calib: torch.Tensor | Iterable[torch.Tensor], cfg: AttentionCon
 def permute_heads(attn: GroupedQueryAttention, perm: torch.Tensor | list[int]) -> GroupedQueryAttention:
     """A copy whose KV head ``j`` is the source's KV head ``perm[j]``, with its query heads and ``wo`` columns.
 
-    Queries, keys and values move together, so the output is unchanged (up to float summation order).
+    Queries, keys and values move together (and the gains of q/k norms over all heads), so the output is unchanged
+    (up to float summation order).
     """
     perm = torch.as_tensor(perm, dtype=torch.long)
     if sorted(perm.tolist()) != list(range(attn.n_kv_heads)):
@@ -127,6 +128,10 @@ def permute_heads(attn: GroupedQueryAttention, perm: torch.Tensor | list[int]) -
         if out.wv.bias is not None:
             out.wv.bias.copy_(attn.wv.bias[idx])
         out.wo.weight.copy_(attn.wo.weight[:, rows(q_perm)])
+        # q/k norms over all heads (OLMo 2) have one gain per value of every head: they move with their heads
+        if attn.cfg.qk_norm == "full":
+            out.q_norm.weight.copy_(attn.q_norm.weight[rows(q_perm)])
+            out.k_norm.weight.copy_(attn.k_norm.weight[rows(perm)])
     return out
 
 
@@ -273,6 +278,8 @@ def mha_to_gqa(
                 f"method={method!r} needs calib: the module's inputs on calibration data (..., d_model)"
             )
         c = input_moment(calib, attn.cfg)
+        if method == "grouped-fit":  # heads reordered (the function unchanged): each group consecutive
+            attn = permute_heads(attn, _similarity_order(attn, r, c))
     weight = attn.wq.weight
     new = GroupedQueryAttention(attn.cfg.replace(n_kv_heads=n_kv_heads)).to(weight.device, weight.dtype)
     new.load_state_dict(
@@ -305,11 +312,8 @@ def mha_to_gqa(
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * std)
                 if lin.bias is not None:
                     lin.bias.zero_()
-    elif method == "fit":
+    else:  # "fit", or "grouped-fit" on the reordered heads
         _fit(attn, new, r, c)
-    else:
-        moved = permute_heads(attn, _similarity_order(attn, r, c))
-        _fit(moved, new, r, c)
     return new
 
 

@@ -18,16 +18,20 @@ from .glm import GLM, GLM4
 from .gpt2 import GPT2
 from .gpt_neox import GPT_NEOX
 from .llama import LLAMA, MISTRAL, QWEN2
+from .olmo2 import OLMO2
 from .phi3 import PHI3
+from .qwen3 import QWEN3
 
 REGISTERED: tuple[Family, ...] = (
     LLAMA,
     MISTRAL,
     QWEN2,
+    QWEN3,
     GEMMA,
     GEMMA2,
     GEMMA3,
     PHI3,
+    OLMO2,
     GPT_NEOX,
     GLM,
     GLM4,

@@ -114,9 +114,9 @@ def _check_sizes(opts: UptrainOptions, env: distributed.Env) -> None:
     tensor-parallel sizes, the sequence length, and whether a training step fits in memory."""
     cfg = from_hf_config(opts.src)
     if opts.tp > 1:
-        from ..parallel import check_tp
+        from ..parallel import check_shardable
 
-        check_tp(cfg, opts.tp, flag="--tp")
+        check_shardable(cfg, opts.tp, flag="--tp")
     if opts.seq_len > cfg.max_seq_len:
         raise ValueError(
             f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings {cfg.max_seq_len}"
