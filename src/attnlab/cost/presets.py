@@ -15,6 +15,13 @@ from ..hf_config import from_hf_config
 
 _LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)
+_LLAMA31_ROPE = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 _DEEPSEEK_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -46,12 +53,19 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.1-405B
     "llama-3.1-405b": dict(
         _LLAMA3, hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
-        intermediate_size=53248, max_position_embeddings=131072,
+        intermediate_size=53248, max_position_embeddings=131072, rope_scaling=_LLAMA31_ROPE,
+    ),
+    # meta-llama/Llama-3.2-1B
+    "llama-3.2-1b": dict(
+        _LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling=dict(_LLAMA31_ROPE, factor=32.0),
     ),
     # mistralai/Mistral-7B-v0.1
     "mistral-7b": dict(
         model_type="mistral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        sliding_window=4096,
     ),
     # Qwen/Qwen2-7B
     "qwen2-7b": dict(
@@ -64,6 +78,56 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="qwen2", vocab_size=152064, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
         num_key_value_heads=8, intermediate_size=29568, max_position_embeddings=131072, rope_theta=1000000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    # google/gemma-7b
+    "gemma-7b": dict(
+        model_type="gemma", vocab_size=256000, hidden_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=256, intermediate_size=24576, max_position_embeddings=8192,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+    ),
+    # google/gemma-2-9b
+    "gemma-2-9b": dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=3584, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, intermediate_size=14336, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    # google/gemma-3-1b-pt
+    "gemma-3-1b": dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, intermediate_size=6912, max_position_embeddings=32768,
+        sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        query_pre_attn_scalar=256,
+    ),
+    # microsoft/Phi-3-mini-4k-instruct
+    "phi-3-mini-4k": dict(
+        model_type="phi3", vocab_size=32064, hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, intermediate_size=8192, max_position_embeddings=4096,
+        original_max_position_embeddings=4096, sliding_window=2047, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    # allenai/OLMo-2-1124-7B
+    "olmo-2-7b": dict(
+        model_type="olmo2", vocab_size=100352, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, intermediate_size=11008, max_position_embeddings=4096, rope_theta=500000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    # EleutherAI/pythia-1b
+    "pythia-1b": dict(
+        model_type="gpt_neox", vocab_size=50304, hidden_size=2048, num_hidden_layers=16, num_attention_heads=8,
+        intermediate_size=8192, max_position_embeddings=2048, rotary_pct=0.25, rotary_emb_base=10000,
+        use_parallel_residual=True, tie_word_embeddings=False, layer_norm_eps=1e-5,
+    ),
+    # THUDM/glm-4-9b-hf
+    "glm-4-9b": dict(
+        model_type="glm", vocab_size=151552, hidden_size=4096, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=2, head_dim=128, intermediate_size=13696, max_position_embeddings=8192,
+        partial_rotary_factor=0.5, attention_bias=True, rms_norm_eps=1.5625e-07, tie_word_embeddings=False,
     ),
     # THUDM/chatglm2-6b
     "chatglm2-6b": dict(
@@ -120,6 +184,23 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float | None, str]] = {
     "mistral-7b": (7.24e9, None, "HF safetensors metadata of Mistral-7B-v0.1: 7,241,732,096"),
     "qwen2-7b": (7.62e9, None, "Qwen2 technical report (arXiv 2407.10671), Table 1: 7.6B incl. embeddings"),
     "qwen2.5-72b": (72.7e9, None, "Qwen2.5 model card: 72.7B"),
+    "llama-3.2-1b": (1.23e9, None, "Llama 3.2 model card: 1.23B"),
+    "qwen3-8b": (8.2e9, None, "Qwen3-8B model card: 8.2B"),
+    "gemma-7b": (8.54e9, None, "HF safetensors metadata of gemma-7b: 8.54B"),
+    "gemma-2-9b": (
+        9.24e9,
+        None,
+        "Gemma 2 report (arXiv 2408.00118), Table 2: 8,324,201,984 non-embedding + 917,504,000 embedding",
+    ),
+    "gemma-3-1b": (
+        1.0e9,
+        None,
+        "Gemma 3 report (arXiv 2503.19786), Table 1: 302M embedding + 698M non-embedding",
+    ),
+    "phi-3-mini-4k": (3.8e9, None, "Phi-3 report (arXiv 2404.14219): 3.8B"),
+    "olmo-2-7b": (7.3e9, None, "OLMo 2 model card: 7.3B (HF safetensors metadata: 7.30B)"),
+    "pythia-1b": (1_011_781_632, None, "Pythia paper (arXiv 2304.01373), Table 1: 1,011,781,632 total"),
+    "glm-4-9b": (9.4e9, None, "GLM-4-9B model card: 9.4B"),
     "chatglm2-6b": (6.24e9, None, "HF safetensors metadata of chatglm2-6b: 6.24B"),
     "deepseek-67b": (67e9, None, "DeepSeek LLM paper (arXiv 2401.02954): 67B"),
     "deepseek-v2": (236e9, 21e9, "DeepSeek-V2 paper (arXiv 2405.04434): 236B total, 21B activated"),
