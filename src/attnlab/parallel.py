@@ -29,6 +29,7 @@ ValueError raised before any collective is issued, so a bad launch fails on ever
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -149,8 +150,24 @@ class ReplicatedKVHeads(ParallelStyle):
             kv_mesh,
             lambda _name, mod, m: _distribute_params(mod, m, [Shard(0), Replicate()]),
             lambda _mod, inputs, m: (_replicated_input(inputs[0], m), *inputs[1:]),
-            lambda _mod, out, m: out.to_local(grad_placements=[Shard(out.ndim - 1), Partial()]),
+            lambda _mod, out, m: _ContiguousGrad.apply(
+                out.to_local(grad_placements=[Shard(out.ndim - 1), Partial()])
+            ),
         )
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. A strided one (the key gradient of the explicit
+    grouped attention, e.g. with soft-capping) made DTensor's linear backward shard the input gradient over the
+    batch on the "rep" axis, which it then cannot turn into the partial sum the input expects."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _replicated_block_input() -> PrepareModuleInput:

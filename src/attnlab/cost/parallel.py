@@ -78,15 +78,16 @@ def rank_config(model_cfg: ModelConfig, tp: int) -> ModelConfig:
     check_tp(model_cfg, tp)
     if tp == 1:
         return model_cfg
-    attn = model_cfg.attention
-    if isinstance(attn, AttentionConfig):
-        local = attn.replace(
-            n_heads=attn.n_heads // tp, n_kv_heads=kv_heads_per_rank(attn, tp), head_dim=attn.head_dim
-        )
-    else:
-        local = attn.replace(n_heads=attn.n_heads // tp)
-    return model_cfg.replace(
-        attention=local,
+
+    def local(attn: AttentionConfig | MLAConfig) -> AttentionConfig | MLAConfig:
+        if isinstance(attn, AttentionConfig):
+            return attn.replace(
+                n_heads=attn.n_heads // tp, n_kv_heads=kv_heads_per_rank(attn, tp), head_dim=attn.head_dim
+            )
+        return attn.replace(n_heads=attn.n_heads // tp)
+
+    # every kind of layer's attention (a sliding layer's is its own config)
+    return model_cfg.map_attention(local).replace(
         ffn_dim=_ceil_div(model_cfg.ffn_dim, tp),
         moe_ffn_dim=_ceil_div(model_cfg.moe_ffn_dim, tp),
         vocab_size=model_cfg.vocab_size if model_cfg.tie_embeddings else _ceil_div(model_cfg.vocab_size, tp),

@@ -175,16 +175,22 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
 
 def mla(cfg: ModelConfig) -> MLASupport:
     """What ``convert --to mla`` makes of a Llama-family model: DeepSeek-V3 has plain RoPE (kept planes at a new
-    theta) and no sliding window."""
-    attn = cfg.attention
+    theta), no sliding window and no query bias. A refusal names every obstacle present."""
+    attn, obstacles = cfg.attention, []
     if attn.rope_scaling:
         kind = dict(attn.rope_scaling).get("rope_type")
-        return MLASupport("refused", f"rope_type {kind!r}: the MLA export keeps plain RoPE planes only")
+        obstacles.append(f"rope_type {kind!r}: the MLA export keeps plain RoPE planes only")
     if cfg.sliding is not None and cfg.sliding.window < cfg.max_seq_len:
-        return MLASupport(
-            "refused",
-            f"a sliding window of {cfg.sliding.window} tokens: DeepSeek-V3 attends to the whole context",
+        obstacles.append(
+            f"a sliding window of {cfg.sliding.window} tokens: DeepSeek-V3 attends to the whole context"
         )
+    if attn.bias:
+        obstacles.append(
+            "a query bias (attention_bias, or Qwen2's q/k/v biases): DeepSeek-V3's q_proj has none, and the "
+            "per-key logit it adds cannot be folded into MLA's weights"
+        )
+    if obstacles:
+        return MLASupport("refused", "; ".join(obstacles))
     return MLASupport(
         "approximate",
         "RoPE-aware: exact without RoPE, or with one KV head keeping every rotary plane, at full rank; otherwise the "
@@ -192,8 +198,55 @@ def mla(cfg: ModelConfig) -> MLASupport:
     )
 
 
-LLAMA = Family("llama", ("llama",), read, write, TENSORS, {"llama": ARCHITECTURES["llama"]}, mla=mla)
-MISTRAL = Family(
-    "mistral", ("mistral",), read, write, TENSORS, {"mistral": ARCHITECTURES["mistral"]}, mla=mla
+_SMALL = dict(
+    vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+)  # fmt: skip
+
+LLAMA = Family(
+    "llama",
+    ("llama",),
+    read,
+    write,
+    TENSORS,
+    {"llama": ARCHITECTURES["llama"]},
+    mla=mla,
+    covers="Llama 2, Llama 3 / 3.1 / 3.2 / 3.3, DeepSeek LLM, SmolLM2, TinyLlama",
+    # Llama 3.2's shape: GQA, tied embeddings, llama3 RoPE
+    example=dict(
+        _SMALL,
+        model_type="llama",
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+            rope_theta=500000.0,
+        ),
+    ),
 )
-QWEN2 = Family("qwen2", ("qwen2",), read, write, TENSORS, {"qwen2": ARCHITECTURES["qwen2"]}, mla=mla)
+MISTRAL = Family(
+    "mistral",
+    ("mistral",),
+    read,
+    write,
+    TENSORS,
+    {"mistral": ARCHITECTURES["mistral"]},
+    mla=mla,
+    covers="Mistral 7B (its sliding window), Mistral NeMo, Ministral",
+    example=dict(_SMALL, model_type="mistral", sliding_window=8),
+)
+QWEN2 = Family(
+    "qwen2",
+    ("qwen2",),
+    read,
+    write,
+    TENSORS,
+    {"qwen2": ARCHITECTURES["qwen2"]},
+    mla=mla,
+    covers="Qwen2, Qwen2.5 (yarn long-context configs, sliding layers)",
+    # Qwen2.5's shape: q/k/v biases, tied embeddings, theta 1e6
+    example=dict(_SMALL, model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+)
