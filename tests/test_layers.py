@@ -37,7 +37,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "hf": BASE | {"families", "cache", "attention", "model", "convert", "data"},
     "data": BASE - {"hf_config"},
     "train": BASE | {"cache", "attention", "model", "cost", "convert", "parallel", "hf", "data"},
-    "bench": BASE | {"cache", "attention", "model", "cost", "convert", "generate", "hf", "data"},
+    "bench": BASE
+    | {"families", "cache", "attention", "model", "cost", "convert", "generate", "parallel", "hf", "data"},
     "cli": BASE
     | {
         "families",

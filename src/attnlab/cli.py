@@ -226,8 +226,8 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
-    """Convert a Llama / Mistral / Qwen2 / BERT checkpoint to fewer KV heads (GQA / MQA), or a Llama / Mistral /
-    Qwen2 one to a native DeepSeek-V3 MLA checkpoint (--to mla)."""
+    """Convert a checkpoint to fewer KV heads (GQA / MQA, same architecture), or to a native DeepSeek-V3 MLA
+    checkpoint (--to mla); `attnlab families` says which families take which."""
     from .hf.command import run_convert
 
     run_convert(
@@ -347,6 +347,32 @@ def generate(
         ckpt, prompt, max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
         ignore_eos=ignore_eos, dtype=dtype, as_json=as_json, bandwidth_gbs=bandwidth,
     )  # fmt: skip
+
+
+@app.command()
+@user_errors
+def families(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    markdown: bool = typer.Option(
+        False, "--markdown", help="Print docs/families.md (the table and its notes)."
+    ),
+) -> None:
+    """The model families attnlab reads, and what each command does with them (import, convert, uptrain, ...)."""
+    from .bench import families as support
+    from .console import Grid, print_grid
+
+    if as_json and markdown:
+        raise ValueError("--json and --markdown: choose one")
+    if as_json or markdown:
+        print(support.as_json() if as_json else support.markdown(), end="\n" if as_json else "")
+        return
+    grid = Grid(
+        "Model families (attnlab families --markdown: with the notes behind each cell)",
+        ["family", *support.COLUMNS],
+    )
+    for fam, cells in support.rows():
+        grid.add_row(fam.name, *(cells[col].text for col in support.COLUMNS))
+    print_grid(grid)
 
 
 bench_app = typer.Typer(

@@ -93,6 +93,14 @@ def test_sharded_mlp_equals_unsharded_and_splits_unevenly_where_it_must(record):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sharded_transformer_generates_the_one_process_greedy_tokens(record, name):
     got, tp, cfg = record["models"][name], record["world_size"], MODELS[name]
+    if (
+        "refused" in got
+    ):  # a family example check_shardable refuses at this size (q/k norms, heads tp does not divide)
+        with pytest.raises(ValueError) as err:
+            check_shardable(cfg, tp)
+        assert str(err.value) == got["refused"]
+        assert tp > 2 or cfg.layer_attentions[0].qk_norm != "none", got  # every other family shards at tp 2
+        pytest.skip(got["refused"])
     assert got["loss"] < 1e-5 and got["weight_grad"] < 1e-5, got
     assert got["tokens_sharded"] == [got["tokens_one_process"]] * tp
     assert got["tokens_sharded_no_cache"] == [got["tokens_one_process"]] * tp

@@ -22,10 +22,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, MultiHeadLatentAttention
+from attnlab.bench.families import example_config, loads
 from attnlab.config import ModelConfig
+from attnlab.families import REGISTERED
 from attnlab.generate import generate
 from attnlab.model import FeedForward, Transformer
-from attnlab.parallel import apply_tp
+from attnlab.parallel import apply_tp, check_shardable
 from attnlab.train import UptrainOptions, distributed, uptrain
 
 # Configs keyed by the names the test parametrises over; n_heads 8 splits over 2 and 4 ranks.
@@ -46,6 +48,9 @@ MODELS = {  # vocab 97: an uneven split of the embedding and LM head
     "mla": ModelConfig(vocab_size=97, n_layers=2, attention=MLAConfig(d_model=32, n_heads=4, kv_lora_rank=8,
                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8), ffn_dim=64, max_seq_len=64),
 }  # fmt: skip
+# Every family whose weights load, at its example config (the uptrain --tp cell of docs/families.md): the worker
+# shards those that check_shardable takes at its world size and lists the others as refused.
+MODELS |= {f"family-{fam.name}": example_config(fam) for fam in REGISTERED if loads(fam)}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -132,6 +137,11 @@ def model_checks(mesh) -> dict:
     """Whole models: logits and gradients, and greedy generation with the caches (with and without them)."""
     out = {}
     for name, cfg in MODELS.items():
+        try:
+            check_shardable(cfg, mesh.size())
+        except ValueError as err:
+            out[name] = {"refused": str(err)}
+            continue
         ref = Transformer(cfg)
         ref.init_weights(std=0.3, seed=0)
         sharded = apply_tp(copy.deepcopy(ref), mesh)

@@ -352,6 +352,11 @@ class Family:
     # Refusals that matter only when weights are loaded (what the cost model can read but attnlab.model cannot run
     # exactly), as ValueErrors naming the field.
     check_load: Callable[[Fields], None] | None = None
+    # The checkpoints this family reads, in words (docs/families.md), and the config.json of a small model of the
+    # family with its characteristic options: what ``attnlab families`` judges each capability on, and what
+    # tests/families/test_support.py runs every command of the table on.
+    covers: str = ""
+    example: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.gqa not in ("native", "repeated", None):

@@ -33,4 +33,22 @@ def read(f: Fields) -> ModelConfig:
     )
 
 
-BERT = Family("bert", ("bert",), read, architectures={"bert": "BertModel"}, gqa="repeated", causal_lm=False)
+BERT = Family(
+    "bert",
+    ("bert",),
+    read,
+    architectures={"bert": "BertModel"},
+    gqa="repeated",
+    causal_lm=False,
+    covers="BERT encoders (all-MiniLM-L6-v2, bert-base): converted to fewer KV heads, written in the MHA layout",
+    example=dict(
+        model_type="bert",
+        vocab_size=320,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        intermediate_size=80,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+    ),
+)

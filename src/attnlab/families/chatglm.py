@@ -206,4 +206,34 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
-CHATGLM = Family("chatglm", ("chatglm",), read, write, tensors, mla=glm.mla, check_load=check_load)
+CHATGLM = Family(
+    "chatglm",
+    ("chatglm",),
+    read,
+    write,
+    tensors,
+    mla=glm.mla,
+    check_load=check_load,
+    covers="ChatGLM2-6B, ChatGLM3-6B (THUDM's layout and config.json)",
+    # chatglm2-6b's fields at a small size: 2 query groups, fused query_key_value with bias, half rotary
+    example=dict(
+        model_type="chatglm",
+        padded_vocab_size=320,
+        hidden_size=48,
+        num_layers=2,
+        num_attention_heads=6,
+        multi_query_attention=True,
+        multi_query_group_num=2,
+        kv_channels=8,
+        ffn_hidden_size=80,
+        add_qkv_bias=True,
+        add_bias_linear=False,
+        seq_length=64,
+        layernorm_epsilon=1e-5,
+        rmsnorm=True,
+        post_layer_norm=True,
+        original_rope=True,
+        apply_residual_connection_post_layernorm=False,
+        tie_word_embeddings=False,
+    ),
+)

@@ -374,8 +374,43 @@ def mla(cfg: ModelConfig) -> MLASupport:
     return MLASupport("refused", "; ".join(reasons))
 
 
-GEMMA = Family("gemma", ("gemma",), read, write, TENSORS, {"gemma": ARCHITECTURES["gemma"]}, mla=mla)
-GEMMA2 = Family("gemma2", ("gemma2",), read, write, TENSORS_2, {"gemma2": ARCHITECTURES["gemma2"]}, mla=mla)
+_SMALL = dict(
+    vocab_size=320, hidden_size=48, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=64,
+)  # fmt: skip
+
+GEMMA = Family(
+    "gemma",
+    ("gemma",),
+    read,
+    write,
+    TENSORS,
+    {"gemma": ARCHITECTURES["gemma"]},
+    mla=mla,
+    covers="Gemma, CodeGemma",
+    # (1 + w) norms, GeGLU, scaled embeddings, head_dim apart from hidden_size / heads, tied embeddings
+    example=dict(_SMALL, model_type="gemma", num_hidden_layers=2),
+)
+GEMMA2 = Family(
+    "gemma2",
+    ("gemma2",),
+    read,
+    write,
+    TENSORS_2,
+    {"gemma2": ARCHITECTURES["gemma2"]},
+    mla=mla,
+    covers="Gemma 2",
+    # sandwich norms, attention and final soft-capping, a window on alternate layers
+    example=dict(
+        _SMALL,
+        model_type="gemma2",
+        num_hidden_layers=2,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+)
 GEMMA3 = Family(
     "gemma3_text",
     ("gemma3_text",),
@@ -384,4 +419,18 @@ GEMMA3 = Family(
     TENSORS_3,
     {"gemma3_text": ARCHITECTURES["gemma3_text"]},
     mla=mla,
+    covers="Gemma 3 text models (gemma-3-1b; the text config of the larger multimodal ones)",
+    # q/k norms, five sliding layers in six (here: the first of two), a RoPE per layer type
+    example=dict(
+        _SMALL,
+        model_type="gemma3_text",
+        num_hidden_layers=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 )

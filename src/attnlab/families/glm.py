@@ -215,8 +215,21 @@ def mla(cfg: ModelConfig) -> MLASupport:
     )
 
 
+_SMALL = dict(
+    vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0,
+)  # fmt: skip
+
 GLM = Family(
-    "glm", ("glm",), read, write, TensorMap(_rules("glm"), "GLM"), {"glm": ARCHITECTURES["glm"]}, mla=mla
+    "glm",
+    ("glm",),
+    read,
+    write,
+    TensorMap(_rules("glm"), "GLM"),
+    {"glm": ARCHITECTURES["glm"]},
+    mla=mla,
+    covers="GLM-4-9B (transformers' layout)",
+    example=dict(_SMALL, model_type="glm"),  # q/k/v biases, rotary on half of each head in interleaved pairs
 )
 GLM4 = Family(
     "glm4",
@@ -226,4 +239,6 @@ GLM4 = Family(
     TensorMap(_rules("glm4"), "GLM-4"),
     {"glm4": ARCHITECTURES["glm4"]},
     mla=mla,
+    covers="GLM-4-0414, GLM-Z1",
+    example=dict(_SMALL, model_type="glm4"),  # GLM's attention with sandwich norms
 )

@@ -27,4 +27,11 @@ def read(f: Fields) -> ModelConfig:
     )
 
 
-GPT2 = Family("gpt2", ("gpt2",), read, gqa=None)
+GPT2 = Family(
+    "gpt2",
+    ("gpt2",),
+    read,
+    gqa=None,
+    covers="GPT-2 (for the cost model)",
+    example=dict(model_type="gpt2", vocab_size=320, n_positions=64, n_embd=48, n_layer=2, n_head=6),
+)

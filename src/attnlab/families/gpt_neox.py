@@ -228,5 +228,25 @@ def mla(cfg: ModelConfig) -> MLASupport:
 
 
 GPT_NEOX = Family(
-    "gpt_neox", ("gpt_neox",), read, write, TENSORS, {"gpt_neox": ARCHITECTURE}, gqa="repeated", mla=mla
+    "gpt_neox",
+    ("gpt_neox",),
+    read,
+    write,
+    TENSORS,
+    {"gpt_neox": ARCHITECTURE},
+    gqa="repeated",
+    mla=mla,
+    covers="GPT-NeoX-20B, Pythia",
+    # Pythia's shape: LayerNorm, GELU, parallel residual, rotary on a quarter of each head
+    example=dict(
+        model_type="gpt_neox",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+    ),
 )

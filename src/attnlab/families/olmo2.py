@@ -125,4 +125,25 @@ def mla(cfg: ModelConfig) -> MLASupport:
     )
 
 
-OLMO2 = Family("olmo2", ("olmo2",), read, write, TENSORS, {"olmo2": ARCHITECTURE}, mla=mla)
+OLMO2 = Family(
+    "olmo2",
+    ("olmo2",),
+    read,
+    write,
+    TENSORS,
+    {"olmo2": ARCHITECTURE},
+    mla=mla,
+    covers="OLMo 2",
+    # post-norm blocks, q/k norms over all heads
+    example=dict(
+        model_type="olmo2",
+        vocab_size=320,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=500000.0,
+    ),
+)

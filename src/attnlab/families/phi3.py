@@ -274,4 +274,27 @@ def mla(cfg: ModelConfig) -> MLASupport:
     )
 
 
-PHI3 = Family("phi3", ("phi3",), read, write, TENSORS, {"phi3": ARCHITECTURE}, mla=mla)
+PHI3 = Family(
+    "phi3",
+    ("phi3",),
+    read,
+    write,
+    TENSORS,
+    {"phi3": ARCHITECTURE},
+    mla=mla,
+    covers="Phi-3, Phi-3.5, Phi-4-mini",
+    # Phi-4-mini's shape: fused qkv and gate/up, rotary on 3/4 of each head, GQA, tied embeddings
+    example=dict(
+        model_type="phi3",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    ),
+)

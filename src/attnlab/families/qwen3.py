@@ -184,4 +184,26 @@ def mla(cfg: ModelConfig) -> MLASupport:
     )
 
 
-QWEN3 = Family("qwen3", ("qwen3",), read, write, TENSORS, {"qwen3": ARCHITECTURE}, mla=mla)
+QWEN3 = Family(
+    "qwen3",
+    ("qwen3",),
+    read,
+    write,
+    TENSORS,
+    {"qwen3": ARCHITECTURE},
+    mla=mla,
+    covers="Qwen3 (dense)",
+    # Qwen3-0.6B's shape: per-head q/k norms, head_dim apart from hidden_size / heads, tied embeddings
+    example=dict(
+        model_type="qwen3",
+        vocab_size=320,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    ),
+)
