@@ -39,8 +39,27 @@ MAY_IMPORT: dict[str, set[str]] = {
     "train": BASE | {"cache", "attention", "model", "cost", "convert", "parallel", "hf", "data"},
     "bench": BASE
     | {"families", "cache", "attention", "model", "cost", "convert", "generate", "parallel", "hf", "data"},
+    "jobs": {"atomic", "console"},
+    "sweep": BASE
+    | {
+        "families",
+        "cache",
+        "attention",
+        "model",
+        "cost",
+        "convert",
+        "generate",
+        "parallel",
+        "hf",
+        "data",
+        "train",
+        "bench",
+        "jobs",
+    },
     "cli": BASE
     | {
+        "jobs",
+        "sweep",
         "families",
         "cache",
         "attention",
