@@ -60,7 +60,7 @@ import torch
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
 from ..attention.rope import inverse_frequencies, plain_pairs
-from ..config import AttentionConfig, MLAConfig
+from ..config import ROPE_KEEPING_FAST_PLANES, ROPE_WITHOUT_PLAIN_PLANES, AttentionConfig, MLAConfig
 from .gqa import _augmented, _sqrt_and_inv_sqrt, input_moment, joint_fit
 
 WEIGHTINGS = ("readers", "inputs")
@@ -104,23 +104,6 @@ def rope_planes(
     return torch.arange(rope_dim // 2) * stride
 
 
-# Why a scaled RoPE cannot keep any plane in a plain-RoPE export (module docstring), by rope_type.
-REFUSED_ROPE = {
-    "dynamic": "its frequencies change with the sequence length, and a DeepSeek export turns by fixed ones",
-    "longrope": "per-plane factor lists that switch with the sequence length, and a DeepSeek export turns by "
-    "fixed frequencies",
-    "linear": "every frequency is divided by its factor, so no plane turns at a plain RoPE frequency "
-    "(DeepSeek's first is 1), and vLLM serves any rope_type of a DeepSeek config as DeepSeek YaRN",
-}
-KEPT_ROPE = ("llama3", "yarn")  # scalings that leave their fastest planes at plain RoPE's frequencies
-
-
-def rope_type(cfg: AttentionConfig) -> str:
-    """The source's ``rope_parameters.rope_type`` ("default": plain RoPE)."""
-    params = dict(cfg.rope_scaling)
-    return params.get("rope_type", params.get("type", "default"))
-
-
 def plain_planes(cfg: AttentionConfig) -> int:
     """How many planes, fastest first, the source turns at plain RoPE's frequencies: the ones that can keep
     RoPE exactly in a plain-RoPE export (every plane without scaling)."""
@@ -138,11 +121,11 @@ def rope_obstacle(cfg: AttentionConfig) -> str | None:
     """Why the conversion cannot take ``cfg``'s RoPE, naming ``rope_parameters.rope_type``; None if it can."""
     if not cfg.rope or not cfg.rope_scaling:
         return None
-    kind = rope_type(cfg)
-    if kind in REFUSED_ROPE:
-        return f"rope_parameters.rope_type={kind!r}: {REFUSED_ROPE[kind]}"
-    if kind not in KEPT_ROPE:
-        taken = " or ".join(KEPT_ROPE)
+    kind = cfg.rope_type
+    if kind in ROPE_WITHOUT_PLAIN_PLANES:
+        return f"rope_parameters.rope_type={kind!r}: {ROPE_WITHOUT_PLAIN_PLANES[kind]}"
+    if kind not in ROPE_KEEPING_FAST_PLANES:
+        taken = " or ".join(ROPE_KEEPING_FAST_PLANES)
         return f"rope_parameters.rope_type={kind!r}: the MLA conversion takes plain, {taken} RoPE"
     if plain_planes(cfg) == 0:
         return (
@@ -165,7 +148,7 @@ def stride_limit(cfg: AttentionConfig, rope_dim: int, name: str = "rope_dim") ->
     high = max_stride(cfg.head_dim, rope_dim, plain)
     if high == 0:
         raise ValueError(
-            f"{name}={rope_dim} would keep {rope_dim // 2} rotary planes, but rope_type {rope_type(cfg)!r} "
+            f"{name}={rope_dim} would keep {rope_dim // 2} rotary planes, but rope_type {cfg.rope_type!r} "
             f"scales every plane from {plain} on, and a DeepSeek export turns planes 0..{plain - 1} exactly "
             f"(plain RoPE): {name} must be at most {2 * plain}"
         )

@@ -25,7 +25,14 @@ import torch
 
 from ..atomic import check_destination
 from ..config import AttentionConfig
-from ..convert.mla import check_target, plain_planes, rope_planes, rope_type, stride_limit
+from ..convert.mla import (
+    check_target,
+    plain_planes,
+    rope_obstacle,
+    rope_planes,
+    source_frequencies,
+    stride_limit,
+)
 from ..convert.mla_model import (
     choose_stride,
     convert_model_to_mla,
@@ -89,6 +96,11 @@ def convert_checkpoint_to_mla(
     support = family(hf["model_type"]).mla(cfg)
     if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
         raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
+    obstacle = rope_obstacle(
+        cfg.attention
+    )  # what the family's verdict cannot see: a scaling that keeps no plane
+    if obstacle:
+        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {obstacle}")
     attn_cfg = cfg.attention
     flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
     rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
@@ -99,7 +111,7 @@ def convert_checkpoint_to_mla(
             band = ""
             if plain < attn_cfg.head_dim // 2:  # a scaled RoPE: only its plain planes can keep RoPE exactly
                 band = (
-                    f", whose rope_type {rope_type(attn_cfg)!r} turns only planes 0..{plain - 1} at plain "
+                    f", whose rope_type {attn_cfg.rope_type!r} turns only planes 0..{plain - 1} at plain "
                     "RoPE frequencies (what a DeepSeek export computes)"
                 )
             raise ValueError(
@@ -145,6 +157,11 @@ def convert_checkpoint_to_mla(
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
+        "source_rope_type": attn_cfg.rope_type if attn_cfg.rope else None,
+        # planes 0..n-1 turn at plain RoPE frequencies (all of them without scaling): those that can keep RoPE
+        "source_plain_planes": plain,
+        # yarn's factor on cos and sin, folded into q_proj as its square (1: none)
+        "source_attention_factor": source_frequencies(attn_cfg)[1] if attn_cfg.rope else 1.0,
         "rope_stride": stride,
         "rope_planes": rope_planes(attn_cfg.head_dim, rope_dim, stride, planes=plain).tolist()
         if attn_cfg.rope
