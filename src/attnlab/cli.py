@@ -215,7 +215,10 @@ def convert(
         None, "--kv-lora-rank", help="mla: latent values cached per token and layer."
     ),
     rope_dim: int | None = typer.Option(
-        None, "--rope-dim", help="mla: rotary key width, even, <= head_dim (default head_dim)."
+        None,
+        "--rope-dim",
+        help="mla: rotary key width, even, <= head_dim (default head_dim; with llama3 / yarn RoPE, the "
+        "planes they leave unscaled).",
     ),
     planes: str | None = typer.Option(
         None, "--planes", help="mla: planes kept rotary: norm (default), error, first, uniform, or a stride."

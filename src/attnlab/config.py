@@ -30,6 +30,18 @@ QK_NORMS = (
     "full",
 )  # RMSNorm of each head's q and k (Qwen3, Gemma 3) or of all heads at once (OLMo 2)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+# Scaled RoPE (``AttentionConfig.rope_scaling``) and MLA, whose RoPE is plain (``MLAConfig.rope_theta``: the one
+# rotary setting every engine computes alike for a DeepSeek config). "llama3" and "yarn" leave their fastest planes
+# at plain RoPE's frequencies, which an MLA conversion therefore keeps exactly (``attnlab.convert.mla``); the
+# others leave none, for the reason given.
+ROPE_KEEPING_FAST_PLANES = ("llama3", "yarn")
+ROPE_WITHOUT_PLAIN_PLANES = {
+    "dynamic": "its frequencies change with the sequence length, and a DeepSeek export turns by fixed ones",
+    "longrope": "per-plane factor lists that switch with the sequence length, and a DeepSeek export turns by "
+    "fixed frequencies",
+    "linear": "every frequency is divided by its factor, so no plane turns at a plain RoPE frequency "
+    "(DeepSeek's first is 1), and vLLM serves any rope_type of a DeepSeek config as DeepSeek YaRN",
+}
 
 
 def check_int(name: str, value: Any, *, minimum: int = 1) -> int:
@@ -170,6 +182,12 @@ class AttentionConfig:
     def rope_parameters(self) -> dict[str, Any]:
         """``rope_scaling`` as the dict transformers reads (empty for plain RoPE)."""
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.rope_scaling}
+
+    @property
+    def rope_type(self) -> str:
+        """transformers' ``rope_parameters.rope_type`` of ``rope_scaling`` ("default": plain RoPE)."""
+        params = dict(self.rope_scaling)
+        return params.get("rope_type", params.get("type", "default"))
 
     @property
     def softmax_scale(self) -> float:

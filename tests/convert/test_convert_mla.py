@@ -7,7 +7,7 @@ import torch
 from test_convert_gqa import heads, inputs, make, rope_commuting
 
 from attnlab import AttentionConfig, ModelConfig
-from attnlab.attention.rope import apply_rope, rope_cos_sin
+from attnlab.attention.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from attnlab.convert import (
     choose_stride,
     convert_model_to_mla,
@@ -220,9 +220,16 @@ def test_padded_calibration_equals_one_sequence_at_a_time():
     assert logit_distance(model, a, padded) == pytest.approx(logit_distance(model, a, separate), rel=1e-4)
 
 
-def test_mean_phase_is_exact_for_heads_that_attend_at_one_distance():
+# Llama 3's scaling on 4 planes of theta 100: plane 0 as plain RoPE turns it, 1 and 2 smoothed, 3 divided by 8.
+LLAMA3 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+          ("original_max_position_embeddings", 64), ("rope_type", "llama3"))  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", [(), LLAMA3], ids=["plain", "llama3"])
+def test_mean_phase_is_exact_for_heads_that_attend_at_one_distance(scaling):
     # A head whose attention sits at one distance D sees one rotation e^{-i w D} per plane: turning its
-    # query by the conjugate must give the source's rotated score for every pair (t, t - D), unrotated.
+    # query by the conjugate must give the source's rotated score for every pair (t, t - D), unrotated; with
+    # scaled RoPE, at the scaled frequencies w the source turns by.
     gen = torch.Generator().manual_seed(8)
     q, k = (
         torch.randn(2, 8, generator=gen, dtype=torch.float64),
@@ -230,11 +237,19 @@ def test_mean_phase_is_exact_for_heads_that_attend_at_one_distance():
     )
     distances = torch.zeros(2, 10, dtype=torch.float64)
     distances[0, 3], distances[1, 7] = 1.0, 2.0  # head 0 attends 3 tokens back, head 1 seven
-    turned = mean_phase_queries(q[..., None], mean_rotation(distances, 100.0, 8))[..., 0]
+    inv_freq = inverse_frequencies(8, 100.0, scaling)[0]
+    turned = mean_phase_queries(q[..., None], mean_rotation(distances, inv_freq))[..., 0]
+    plain = mean_phase_queries(q[..., None], mean_rotation(distances, inverse_frequencies(8, 100.0)[0]))[
+        ..., 0
+    ]
     for h, back in ((0, 3), (1, 7)):
-        cos, sin = rope_cos_sin(torch.tensor([9, 9 - back]), 8, 100.0, dtype=torch.float64)
+        cos, sin = rope_cos_sin(torch.tensor([9, 9 - back]), 8, 100.0, dtype=torch.float64, scaling=scaling)
         source = apply_rope(q[h], cos[0], sin[0]) @ apply_rope(k, cos[1], sin[1])
         torch.testing.assert_close(turned[h] @ k, source, rtol=1e-5, atol=1e-5)
         assert (
             abs((q[h] @ k - source).item()) > 1e-2
         )  # without the turn the score is wrong: the test can fail
+        if (
+            scaling
+        ):  # ... and so is a turn at plain RoPE's frequencies, which the scaled planes no longer have
+            assert abs((plain[h] @ k - source).item()) > 1e-2

@@ -80,6 +80,18 @@ def inverse_frequencies(
     return _scaled_frequencies(dim, theta, scaling, seq_len)
 
 
+def plain_pairs(dim: int, theta: float, scaling: tuple[tuple[str, Any], ...] = ()) -> int:
+    """How many pairs, fastest first, turn at plain RoPE's frequencies ``theta ** (-2i / dim)`` under
+    ``scaling`` (all ``dim/2`` without one): "llama3" and "yarn" leave their high-frequency band as it was,
+    "linear" scales every pair. Read off transformers' frequencies, not re-derived: a pair counts only where its
+    float32 value is the plain one (both scalings select the plain value there, bit for bit). Sequence-dependent
+    scalings are read at their base length."""
+    plain, _ = inverse_frequencies(dim, theta)
+    scaled, _ = inverse_frequencies(dim, theta, scaling)
+    same = torch.cat((scaled == plain, torch.zeros(1, dtype=torch.bool)))
+    return int(same.int().argmin())
+
+
 def switch_length(scaling: tuple[tuple[str, Any], ...]) -> int | None:
     """The forward length past which ``scaling`` turns every position by other angles (longrope: its
     ``original_max_position_embeddings``), so that keys cached by shorter forwards are stale; None where the angles

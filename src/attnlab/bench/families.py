@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..config import MLAConfig, ModelConfig
+from ..config import AttentionConfig, MLAConfig, ModelConfig
+from ..convert.mla import rope_obstacle
 from ..families import Family
 
 COLUMNS = ("import", "convert GQA", "convert MLA", "uptrain", "generate", "compare")
@@ -72,6 +73,9 @@ def support(fam: Family) -> dict[str, Cell]:
     if loads(fam):
         verdict = fam.mla(cfg)
         mla = Cell(verdict.verdict != "refused", verdict.verdict, verdict.note)
+        obstacle = rope_obstacle(cfg.attention) if isinstance(cfg.attention, AttentionConfig) else None
+        if verdict.verdict != "refused" and obstacle:  # the converter's check of the frequencies themselves
+            mla = Cell(False, "refused", obstacle)
         if isinstance(cfg.attention, MLAConfig):
             mla = Cell(False, "n/a", "already MLA")
         try:

@@ -32,9 +32,21 @@ The conversion, per layer:
    stacked projections, weighted by the second moment of calibration inputs when given, and by what reads each
    row: the queries for keys, ``wo`` for values, with ``weighting="readers"``). Exact at full rank.
 
-Exact cases (tested): a source without RoPE at full rank (any n_kv_heads; the rotary part is zero), and a
-one-KV-head source with every plane kept (``qk_rope_head_dim = head_dim``) at full rank. With several KV heads
-only one virtual head per plane keeps RoPE, so no rank makes those exact. MLA's ``wq`` has no bias (DeepSeek's
+Scaled RoPE (``AttentionConfig.rope_scaling``). The export keeps plain RoPE, which is what every engine
+computes for a DeepSeek config (vLLM turns any other ``rope_type`` of one into its DeepSeek YaRN; llama.cpp
+builds llama3's ``rope_freqs`` for the Llama architecture only). So a plane keeps RoPE only where the source
+turns it at plain RoPE's frequency: "llama3" and "yarn" leave their fastest planes so (``plain_planes``: 29 of
+Llama 3.1's 64, 24 of Qwen2.5's), and the kept planes ``0, s, ..., (P-1) s`` must lie among them
+(``max_stride``'s ``planes``). Planes that lose RoPE keep their mean rotation at the source's actual, scaled
+frequencies (``source_frequencies``). yarn's attention factor multiplies cos and sin, and so every score of a
+source that turns every head dim by ``factor ** 2``: folded into ``wq``, exactly. "linear" (no plane at a plain
+frequency), "dynamic" and "longrope" (frequencies that change with the sequence length) are refused
+(``rope_obstacle``).
+
+Exact cases (tested): a source without RoPE at full rank (any n_kv_heads; the rotary part is zero), a
+one-KV-head source with every plane kept (``qk_rope_head_dim = head_dim``) at full rank, and, with llama3 or
+yarn scaling, a one-KV-head source whose scaled planes carry no score, with its plain planes kept, at full
+rank. With several KV heads only one virtual head per plane keeps RoPE, so no rank makes those exact. MLA's ``wq`` has no bias (DeepSeek's
 layout), so a non-zero query bias is refused. The module is built with ``kv_norm=False``: keys and values stay
 linear in the input, as in the source; ``convert.latent_norm`` adds DeepSeek's latent RMSNorm for export.
 """
@@ -47,7 +59,8 @@ import torch
 
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
-from ..config import AttentionConfig, MLAConfig
+from ..attention.rope import inverse_frequencies, plain_pairs
+from ..config import ROPE_KEEPING_FAST_PLANES, ROPE_WITHOUT_PLAIN_PLANES, AttentionConfig, MLAConfig
 from .gqa import _augmented, _sqrt_and_inv_sqrt, input_moment, joint_fit
 
 WEIGHTINGS = ("readers", "inputs")
@@ -69,17 +82,77 @@ def check_rope_dim(rope_dim: object, head_dim: int, rope: bool, name: str = "rop
     return value
 
 
-def max_stride(head_dim: int, rope_dim: int) -> int:
-    """The largest stride ``s`` for which planes ``0, s, ..., (rope_dim/2 - 1) s`` exist in a head."""
-    n_planes = rope_dim // 2
-    return (head_dim // 2 - 1) // (n_planes - 1) if n_planes > 1 else 1
+def max_stride(head_dim: int, rope_dim: int, planes: int | None = None) -> int:
+    """The largest stride ``s`` for which planes ``0, s, ..., (rope_dim/2 - 1) s`` lie among the ``planes``
+    fastest of a head (default all ``head_dim/2``: ``plain_planes`` of a scaled source); 0 if none does."""
+    n_planes, limit = rope_dim // 2, head_dim // 2 if planes is None else planes
+    if n_planes > limit:
+        return 0
+    return (limit - 1) // (n_planes - 1) if n_planes > 1 else 1
 
 
-def rope_planes(head_dim: int, rope_dim: int, stride: int, name: str = "stride") -> torch.Tensor:
-    """Source planes that keep RoPE: ``0, stride, ..., (rope_dim/2 - 1) * stride`` (long tensor)."""
-    high = max_stride(head_dim, rope_dim)
-    _check_int(name, stride, 1, high, f"{rope_dim // 2} planes of a head_dim={head_dim} head")
+def rope_planes(
+    head_dim: int, rope_dim: int, stride: int, name: str = "stride", planes: int | None = None
+) -> torch.Tensor:
+    """Source planes that keep RoPE: ``0, stride, ..., (rope_dim/2 - 1) * stride`` (long tensor), among the
+    ``planes`` fastest (``max_stride``)."""
+    high = max_stride(head_dim, rope_dim, planes)
+    why = f"{rope_dim // 2} planes of a head_dim={head_dim} head"
+    if planes is not None and planes < head_dim // 2:
+        why += f", among its {planes} planes at plain RoPE frequencies"
+    _check_int(name, stride, 1, high, why)
     return torch.arange(rope_dim // 2) * stride
+
+
+def plain_planes(cfg: AttentionConfig) -> int:
+    """How many planes, fastest first, the source turns at plain RoPE's frequencies: the ones that can keep
+    RoPE exactly in a plain-RoPE export (every plane without scaling)."""
+    return plain_pairs(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def source_frequencies(cfg: AttentionConfig) -> tuple[torch.Tensor, float]:
+    """(head_dim/2,) float64 frequencies of the source's planes as it turns them (scaled, from transformers'
+    ROPE_INIT_FUNCTIONS), and the factor its RoPE multiplies cos and sin by (yarn; 1 otherwise)."""
+    inv_freq, factor = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return inv_freq.double(), factor
+
+
+def rope_obstacle(cfg: AttentionConfig) -> str | None:
+    """Why the conversion cannot take ``cfg``'s RoPE, naming ``rope_parameters.rope_type``; None if it can."""
+    if not cfg.rope or not cfg.rope_scaling:
+        return None
+    kind = cfg.rope_type
+    if kind in ROPE_WITHOUT_PLAIN_PLANES:
+        return f"rope_parameters.rope_type={kind!r}: {ROPE_WITHOUT_PLAIN_PLANES[kind]}"
+    if kind not in ROPE_KEEPING_FAST_PLANES:
+        taken = " or ".join(ROPE_KEEPING_FAST_PLANES)
+        return f"rope_parameters.rope_type={kind!r}: the MLA conversion takes plain, {taken} RoPE"
+    if plain_planes(cfg) == 0:
+        return (
+            f"rope_parameters.rope_type={kind!r} scales every plane, the fastest included, so none can keep "
+            "RoPE in a plain-RoPE DeepSeek export"
+        )
+    return None
+
+
+def default_rope_dim(cfg: AttentionConfig) -> int:
+    """qk_rope_head_dim when none is asked for: every plane that can keep RoPE exactly (head_dim for plain
+    RoPE, the plain band of a scaled one), or 2 (a zero rotary part) without RoPE."""
+    return 2 * plain_planes(cfg) if cfg.rope and not rope_obstacle(cfg) else 2
+
+
+def stride_limit(cfg: AttentionConfig, rope_dim: int, name: str = "rope_dim") -> int:
+    """The largest stride whose ``rope_dim/2`` kept planes the source turns at plain RoPE frequencies; raises
+    ValueError naming ``name`` (the CLI's ``--rope-dim``) when even stride 1 would keep a scaled plane."""
+    plain = plain_planes(cfg)
+    high = max_stride(cfg.head_dim, rope_dim, plain)
+    if high == 0:
+        raise ValueError(
+            f"{name}={rope_dim} would keep {rope_dim // 2} rotary planes, but rope_type {cfg.rope_type!r} "
+            f"scales every plane from {plain} on, and a DeepSeek export turns planes 0..{plain - 1} exactly "
+            f"(plain RoPE): {name} must be at most {2 * plain}"
+        )
+    return high
 
 
 def plane_rows(planes: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -113,14 +186,19 @@ def check_target(
     names: dict[str, str] | None = None,
 ) -> int:
     """Validate an MLA target for a source with attention ``cfg`` before any work; returns the rope_dim
-    (``None`` -> head_dim with RoPE, else 2). Raises ValueError naming the bad value, by its name in ``names``
-    (keys "kv_lora_rank", "rope_dim", "stride"; the CLI passes its flags) or else by the argument's."""
+    (``None`` -> ``default_rope_dim``). Raises ValueError naming the bad value, by its name in ``names`` (keys
+    "kv_lora_rank", "rope_dim", "stride"; the CLI passes its flags) or else by the argument's, or naming the
+    ``rope_type`` the conversion cannot take (``rope_obstacle``)."""
     names = {"kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "stride": "stride"} | (names or {})
+    obstacle = rope_obstacle(cfg)
+    if obstacle:
+        raise ValueError(obstacle)
     if rope_dim is None:
-        rope_dim = cfg.head_dim if cfg.rope else 2
+        rope_dim = default_rope_dim(cfg)
     rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope, names["rope_dim"])
     if cfg.rope:
-        rope_planes(cfg.head_dim, rope_dim, stride, names["stride"])
+        stride_limit(cfg, rope_dim, names["rope_dim"])
+        rope_planes(cfg.head_dim, rope_dim, stride, names["stride"], plain_planes(cfg))
     high = full_rank(cfg, rope_dim)
     _check_int(names["kv_lora_rank"], kv_lora_rank, 1, high, "the rank of the stacked nope keys and values")
     return rope_dim
@@ -179,7 +257,7 @@ def gqa_to_mla(
 ) -> MultiHeadLatentAttention:
     """An MLA module (DeepSeek layout, ``kv_norm=False``) approximating ``attn``; see the module docstring.
 
-    ``rope_dim``: qk_rope_head_dim (default: head_dim with RoPE, else 2). ``stride``: source planes
+    ``rope_dim``: qk_rope_head_dim (default: ``default_rope_dim``). ``stride``: source planes
     ``0, stride, 2 stride, ...`` keep RoPE. ``calib``: inputs of ``attn`` on calibration data, one tensor
     (..., d_model) or an iterable of them (only their second moment is kept); weights the virtual heads and the
     factorisation (without it every input direction counts alike).
@@ -205,13 +283,16 @@ def gqa_to_mla(
     wk, wv = _augmented(attn.wk, n_kv, hd), _augmented(attn.wv, n_kv, hd)
     kv_of_head = torch.arange(cfg.n_heads) // cfg.n_rep
     if cfg.rope:
+        inv_freq, factor = source_frequencies(cfg)
+        # yarn multiplies cos and sin by ``factor``: a head turned whole has every score times factor^2
+        wq = wq * factor**2
         k_star, a = shared_rotary_keys(attn, c, rorope)
-        kept = plane_rows(rope_planes(hd, rope_dim, stride), hd)
+        kept = plane_rows(rope_planes(hd, rope_dim, stride, planes=plain_planes(cfg)), hd)
         k_rope = k_star[kept]  # (rope_dim, d_in): the shared rotary key
         q_rope = torch.einsum("hji,hjd->hid", a[kv_of_head], wq)[:, kept]  # a^T q keeps a^T q . k* = q . a k*
         k_nope = wk.clone()
         k_nope[:, kept] -= torch.einsum("gij,jd->gid", a, k_star)[:, kept]  # residuals of the kept planes
-        m_rot = None if distances is None else mean_rotation(distances, cfg.rope_theta, hd)
+        m_rot = None if distances is None else mean_rotation(distances, inv_freq)
         q_nope = wq if m_rot is None else mean_phase_queries(wq, m_rot)
         nope_rows = torch.arange(hd) if nope == hd else _complement(kept, hd)
         k_nope, q_nope = k_nope[:, nope_rows], q_nope[:, nope_rows]
@@ -253,12 +334,13 @@ def gqa_to_mla(
     return mla
 
 
-def mean_rotation(distances: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
+def mean_rotation(distances: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """(H, head_dim/2) complex ``m = E[e^{-i w_f D}]``: the mean rotation plane f of head h sees, over the
-    distances ``D = t - s`` where that head attends (``distances`` (H, K): weight of D = 0..K-1)."""
+    distances ``D = t - s`` where that head attends (``distances`` (H, K): weight of D = 0..K-1), at the
+    frequencies ``w`` = ``inv_freq`` (head_dim/2,) the source turns its planes by (``source_frequencies``: a
+    scaled RoPE's slow planes turn slower than plain RoPE's)."""
     w = distances.double() / distances.double().sum(-1, keepdim=True).clamp_min(1e-300)
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angle = -inv_freq[None, :] * torch.arange(w.shape[1], dtype=torch.float64)[:, None]  # (K, head_dim/2)
+    angle = -inv_freq.double()[None, :] * torch.arange(w.shape[1], dtype=torch.float64)[:, None]  # (K, hd/2)
     return torch.complex(w @ angle.cos(), w @ angle.sin())
 
 

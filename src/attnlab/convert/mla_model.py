@@ -4,7 +4,8 @@ A model is a ``Transformer``-like object as in ``convert.model`` (``layers[i].at
 calibration batches are token ids (B, T) or ``(ids, mask)`` pairs, right-padded (see ``convert.model``).
 
 Which planes keep RoPE (``planes``), one stride for the whole model because a DeepSeek config has one
-``rope_theta`` (see ``convert.mla``):
+``rope_theta`` (see ``convert.mla``). With llama3 or yarn scaling every choice keeps its planes among those
+the source turns at plain RoPE frequencies (``convert.mla.plain_planes``), which alone stay exact:
     "first"    stride 1: the ``rope_dim/2`` fastest-turning planes (MHA2MLA's "high-frequency" baseline; the
                slowest planes cannot be kept in DeepSeek's layout, whose rotary frequencies start at 1).
     "uniform"  the largest stride: kept planes spread evenly over the frequency range.
@@ -36,7 +37,17 @@ from ..attention.mla import MultiHeadLatentAttention
 from ..attention.rope import apply_rope, rope_cos_sin
 from .gqa import _augmented, input_moment
 from .latent_norm import fold_latent_norm
-from .mla import check_rope_dim, gqa_to_mla, max_stride, mean_rotation, shared_rotary_keys
+from .mla import (
+    check_rope_dim,
+    default_rope_dim,
+    gqa_to_mla,
+    mean_rotation,
+    plain_planes,
+    rope_obstacle,
+    shared_rotary_keys,
+    source_frequencies,
+    stride_limit,
+)
 from .model import Batch, Progress, calibrate
 
 PLANES = ("error", "norm", "first", "uniform")
@@ -74,7 +85,7 @@ def plane_scores(
 
     q_rms = plane_rms(q)  # (H, hd/2)
     if distances is not None:
-        m = mean_rotation(distances, cfg.rope_theta, hd)
+        m = mean_rotation(distances, source_frequencies(cfg)[0])
         q_rms = q_rms * (1 - m.abs().square()).clamp_min(0).sqrt()
     return q_rms.sum(0) * plane_rms(k_star)
 
@@ -99,12 +110,17 @@ def choose_stride(
     if not cfg.rope:
         return 1
     rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope)
-    high = max_stride(cfg.head_dim, rope_dim)
+    obstacle = rope_obstacle(cfg)
+    if obstacle:
+        raise ValueError(obstacle)
+    high = stride_limit(cfg, rope_dim)
     if isinstance(planes, int) and not isinstance(planes, bool):
         if not 1 <= planes <= high:
+            plain = plain_planes(cfg)
+            band = f" (its {plain} planes at plain RoPE frequencies)" if plain < cfg.head_dim // 2 else ""
             raise ValueError(
-                f"planes (a stride) must be in [1, {high}] for rope_dim={rope_dim} of head_dim={cfg.head_dim}, "
-                f"got {planes}"
+                f"planes (a stride) must be in [1, {high}] for rope_dim={rope_dim} of head_dim={cfg.head_dim}"
+                f"{band}, got {planes}"
             )
         return planes
     if planes not in PLANES:
@@ -141,13 +157,13 @@ def convert_model_to_mla(
     progress: Progress | None = None,
 ) -> nn.Module:
     """A copy of ``model`` whose attention layers are MLA (``gqa_to_mla``, ``kv_norm=False``); ``model`` is not
-    modified. ``rope_dim`` defaults to head_dim (every plane kept) with RoPE, else 2. ``mean_phase`` (with
-    calibration): planes that lose RoPE are turned by the mean rotation each head sees (``mean_phase_queries``)
-    instead of none. ``progress(done, total)`` is called after each layer."""
+    modified. ``rope_dim`` defaults to every plane that can keep RoPE exactly (``convert.mla.default_rope_dim``,
+    head_dim for plain RoPE). ``mean_phase`` (with calibration): planes that lose RoPE are turned by the mean
+    rotation each head sees (``mean_phase_queries``) instead of none. ``progress(done, total)`` is called after each layer."""
     attns = _attentions(model, GroupedQueryAttention)
     cfg = attns[0].cfg
     if rope_dim is None:
-        rope_dim = cfg.head_dim if cfg.rope else 2
+        rope_dim = default_rope_dim(cfg)
     stride = choose_stride(model, rope_dim, planes, calib=calib, rorope=rorope)
     out = copy.deepcopy(model).eval()
     n = len(out.layers)
@@ -261,10 +277,11 @@ def attention_scores(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
         hd = attn.head_dim
         q = attn.wq(x).view(b, t, -1, hd).transpose(1, 2)
         k = attn.wk(x).view(b, t, -1, hd).transpose(1, 2).repeat_interleave(attn.cfg.n_rep, dim=1)
-        if attn.cfg.rope:
-            cos, sin = rope_cos_sin(pos, hd, attn.cfg.rope_theta)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q @ k.transpose(-1, -2) * hd**-0.5
+        if attn.cfg.rope:  # at the module's own frequencies, scaled ones included (and yarn's factor)
+            dim, theta, scaling, interleaved = attn.rope_spec
+            cos, sin = rope_cos_sin(pos, dim, theta, scaling=scaling, interleaved=interleaved)
+            q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
+        return q @ k.transpose(-1, -2) * attn.cfg.softmax_scale
     cfg = attn.cfg
     q, kv = attn._projections(x)
     q = q.reshape(b, t, -1, cfg.qk_head_dim).transpose(1, 2)

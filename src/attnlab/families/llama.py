@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import AttentionConfig, ModelConfig
+from ..config import ROPE_KEEPING_FAST_PLANES, ROPE_WITHOUT_PLAIN_PLANES, AttentionConfig, ModelConfig
 from .base import (
     Family,
     Fields,
@@ -175,11 +175,13 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
 
 def mla(cfg: ModelConfig) -> MLASupport:
     """What ``convert --to mla`` makes of a Llama-family model: DeepSeek-V3 has plain RoPE (kept planes at a new
-    theta), no sliding window and no query bias. A refusal names every obstacle present."""
+    theta), no sliding window and no query bias; of the scaled RoPEs only llama3 and yarn, which leave their fastest
+    planes at plain RoPE frequencies, can keep any plane (``attnlab.config.ROPE_KEEPING_FAST_PLANES``). A refusal
+    names every obstacle present."""
     attn, obstacles = cfg.attention, []
-    if attn.rope_scaling:
-        kind = dict(attn.rope_scaling).get("rope_type")
-        obstacles.append(f"rope_type {kind!r}: the MLA export keeps plain RoPE planes only")
+    kind = attn.rope_type if attn.rope else "default"
+    if kind in ROPE_WITHOUT_PLAIN_PLANES:
+        obstacles.append(f"rope_parameters.rope_type={kind!r}: {ROPE_WITHOUT_PLAIN_PLANES[kind]}")
     if cfg.sliding is not None and cfg.sliding.window < cfg.max_seq_len:
         obstacles.append(
             f"a sliding window of {cfg.sliding.window} tokens: DeepSeek-V3 attends to the whole context"
@@ -191,6 +193,20 @@ def mla(cfg: ModelConfig) -> MLASupport:
         )
     if obstacles:
         return MLASupport("refused", "; ".join(obstacles))
+    if kind in ROPE_KEEPING_FAST_PLANES:
+        folded = (
+            "; yarn's attention factor on cos and sin is folded into the queries, exactly (source_attention_factor)"
+            if kind == "yarn"
+            else ""
+        )
+        return MLASupport(
+            "approximate",
+            f"rope_type {kind!r}: only the planes it leaves at plain RoPE frequencies, its fastest "
+            "(source_plain_planes; --rope-dim at most twice their number), keep RoPE, exported as plain RoPE at a "
+            "new theta, exactly; the scaled planes lose RoPE and keep their mean rotation at their scaled "
+            f"frequencies{folded}; the rotary planes kept and the latent rank bound the error "
+            "(docs/mla_conversion.md)",
+        )
     return MLASupport(
         "approximate",
         "RoPE-aware: exact without RoPE, or with one KV head keeping every rotary plane, at full rank; otherwise the "
@@ -219,10 +235,10 @@ LLAMA = Family(
         tie_word_embeddings=True,
         rope_parameters=dict(
             rope_type="llama3",
-            factor=8.0,
+            factor=32.0,
             low_freq_factor=1.0,
             high_freq_factor=4.0,
-            original_max_position_embeddings=16,
+            original_max_position_embeddings=8192,
             rope_theta=500000.0,
         ),
     ),

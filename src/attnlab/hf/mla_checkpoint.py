@@ -25,7 +25,14 @@ import torch
 
 from ..atomic import check_destination
 from ..config import AttentionConfig
-from ..convert.mla import check_target, max_stride, rope_planes
+from ..convert.mla import (
+    check_target,
+    plain_planes,
+    rope_obstacle,
+    rope_planes,
+    source_frequencies,
+    stride_limit,
+)
 from ..convert.mla_model import (
     choose_stride,
     convert_model_to_mla,
@@ -77,8 +84,9 @@ def convert_checkpoint_to_mla(
     ``convert.fold_latent_norms``. ``progress(stage, done, total)`` is called after each layer of each pass
     (``STAGES``).
 
-    Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim) raise
-    ValueError before anything is written.
+    Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim, a
+    rope_dim or stride that would keep a plane the source's llama3 / yarn scaling changes) raise ValueError
+    before anything is written.
     """
     src, dst = Path(src), Path(dst)
     # Checked again when writing; here so that a refused destination costs no loading.
@@ -88,18 +96,28 @@ def convert_checkpoint_to_mla(
     support = family(hf["model_type"]).mla(cfg)
     if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
         raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
+    obstacle = rope_obstacle(
+        cfg.attention
+    )  # what the family's verdict cannot see: a scaling that keeps no plane
+    if obstacle:
+        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {obstacle}")
     attn_cfg = cfg.attention
     flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
     rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
-    if (
-        isinstance(planes, int)
-        and attn_cfg.rope
-        and not 1 <= planes <= max_stride(attn_cfg.head_dim, rope_dim)
-    ):
-        raise ValueError(
-            f"--planes {planes}: a stride must be in [1, {max_stride(attn_cfg.head_dim, rope_dim)}] for --rope-dim "
-            f"{rope_dim} of the source's head_dim {attn_cfg.head_dim}"
-        )
+    plain = plain_planes(attn_cfg) if attn_cfg.rope else 0
+    if isinstance(planes, int) and attn_cfg.rope:
+        high = stride_limit(attn_cfg, rope_dim, flags["rope_dim"])
+        if not 1 <= planes <= high:
+            band = ""
+            if plain < attn_cfg.head_dim // 2:  # a scaled RoPE: only its plain planes can keep RoPE exactly
+                band = (
+                    f", whose rope_type {attn_cfg.rope_type!r} turns only planes 0..{plain - 1} at plain "
+                    "RoPE frequencies (what a DeepSeek export computes)"
+                )
+            raise ValueError(
+                f"--planes {planes}: a stride must be in [1, {high}] for --rope-dim {rope_dim} of the "
+                f"source's head_dim {attn_cfg.head_dim}{band}"
+            )
     model = load_causal_lm(src)
     dtype = model.tok_embeddings.weight.dtype
     model = model.float()
@@ -139,8 +157,15 @@ def convert_checkpoint_to_mla(
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
+        "source_rope_type": attn_cfg.rope_type if attn_cfg.rope else None,
+        # planes 0..n-1 turn at plain RoPE frequencies (all of them without scaling): those that can keep RoPE
+        "source_plain_planes": plain,
+        # yarn's factor on cos and sin, folded into q_proj as its square (1: none)
+        "source_attention_factor": source_frequencies(attn_cfg)[1] if attn_cfg.rope else 1.0,
         "rope_stride": stride,
-        "rope_planes": rope_planes(attn_cfg.head_dim, rope_dim, stride).tolist() if attn_cfg.rope else [],
+        "rope_planes": rope_planes(attn_cfg.head_dim, rope_dim, stride, planes=plain).tolist()
+        if attn_cfg.rope
+        else [],
         "rope_theta": native.cfg.attention.rope_theta,
         "kv_values_per_token_before": 2 * cfg.n_layers * attn_cfg.n_kv_heads * attn_cfg.head_dim,
         "kv_values_per_token_after": cfg.n_layers * native.cfg.attention.cache_dim,
