@@ -354,6 +354,58 @@ def generate(
 
 @app.command()
 @user_errors
+def sweep(
+    src: Path = typer.Argument(..., help="Source causal-LM checkpoint (MHA or GQA); never modified."),
+    data: Path = typer.Option(..., "--data", help="Text for uptraining and calibration (file or directory)."),
+    eval_data: Path | None = typer.Option(
+        None, "--eval-data", help="Held-out text; default: whole files of --data (a tenth)."
+    ),
+    variants: list[str] = typer.Option(
+        ["auto"], "--variants", help="gqa:G,G,... mla:R,R,... or auto (repeatable, or space separated)."
+    ),
+    methods: str = typer.Option(
+        "mean,fit", "--methods", help="Conversion methods (attnlab convert --method)."
+    ),
+    uptrain_steps: str | None = typer.Option(
+        None, "--uptrain-steps", help="Comma list of uptraining steps (default 0,50,200; --quick 0,50)."
+    ),
+    teacher: str = typer.Option(
+        "src", "--teacher", help="Distil from: src (the source), none, or a checkpoint."
+    ),
+    context: int = typer.Option(4096, "--context", help="Tokens per request: KV bytes, roofline, timing."),
+    batch: int = typer.Option(1, "--batch", help="Requests decoded together."),
+    hardware: list[str] = typer.Option(["h100"], "--hardware", help="Roofline device(s) (repeatable)."),
+    jobs: int = typer.Option(1, "--jobs", help="Worker processes; the threads are split between them."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Directory for the job cache, checkpoints, JSON, report."
+    ),
+    keep: str = typer.Option("all", "--keep", help="Checkpoints kept: none, best (Pareto-optimal) or all."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Uptraining / eval window (default <= 256)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Uptraining sequences per step."),
+    lr: float = typer.Option(3e-4, "--lr", help="Uptraining peak learning rate."),
+    eval_windows: int | None = typer.Option(
+        None, "--eval-windows", help="Held-out windows scored (default 256; --quick 64)."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="Three variants, steps 0,50, fewer windows: minutes."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Which attention should this model use? Every variant x method x uptraining steps: held-out loss, KV bytes,
+    decode tokens/s here and the roofline; Pareto-optimal rows marked."""
+    from .sweep import SweepOptions, run_sweep
+    from .sweep.plan import parse_ints
+
+    opts = SweepOptions(
+        src=src, data=data, eval_data=eval_data, variants=tuple(p for v in variants for p in v.split()),
+        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        uptrain_steps=parse_ints(uptrain_steps, "--uptrain-steps") if uptrain_steps is not None else None,
+        teacher=teacher, context=context, batch=batch, hardware=tuple(hardware), jobs=jobs, out=out, quick=quick,
+        keep=keep, seq_len=seq_len, batch_size=batch_size, lr=lr, eval_windows=eval_windows,
+    )  # fmt: skip
+    run_sweep(opts, as_json=as_json)
+
+
+@app.command()
+@user_errors
 def families(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
     markdown: bool = typer.Option(

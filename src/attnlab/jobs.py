@@ -61,6 +61,7 @@ class Outcome:
     seconds: float
     cached: bool  # taken from an earlier run
     out: Path | None
+    skipped: bool = False  # not run: a job it needs failed
 
 
 def _slug(name: str) -> str:
@@ -226,6 +227,7 @@ def run_jobs(
                     0.0,
                     False,
                     None,
+                    True,
                 )
                 waiting.remove(job)
 

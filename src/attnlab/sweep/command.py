@@ -1,0 +1,99 @@
+"""``attnlab sweep``: plan the jobs, run them (cached, ``--jobs`` workers, progress on stderr), build the rows, print
+the table or JSON and, with ``--out``, write the results JSON, the markdown report and the plots there.
+
+Where it writes: ``--out DIR`` (an attnlab "sweep" directory, created if missing and held by one sweep at a time)
+holds everything: ``jobs/`` (the job cache with every converted and uptrained checkpoint), ``sweep.json``,
+``report.md`` and the plots. Without ``--out`` the job cache is attnlab's own,
+``$XDG_CACHE_HOME/attnlab/sweep/<source>``, and only the table (or JSON) is printed. ``--keep best`` deletes the
+checkpoints of the rows that are not Pareto-optimal, ``--keep none`` all of them; their results stay cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..atomic import claim_dir, json_text, lock, remove_owned, write_atomic, write_json
+from ..data import _cache_home
+from ..hf import io
+from ..hf.causal_lm import model_config
+from ..jobs import cpu_count, run_jobs
+from . import plan, report
+from .plan import SweepOptions
+
+
+def _cache_root(opts: SweepOptions) -> Path:
+    if opts.out is not None:
+        return opts.out / "jobs"
+    key = hashlib.sha256(str(opts.src.resolve()).encode()).hexdigest()[:16]
+    return _cache_home() / "attnlab" / "sweep" / f"{opts.src.resolve().name}-{key}"
+
+
+def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = True) -> dict:
+    """Run the sweep (see the module docstring); returns the results (what ``--json`` prints)."""
+    plan.check_options(opts)
+    started = time.perf_counter()
+    hf = io.read_config(opts.src)
+    cfg = model_config(opts.src, hf)
+    variants = plan.variants(cfg, opts.variants, opts.quick)
+    sources = [opts.src, opts.data, opts.eval_data]
+    with contextlib.ExitStack() as held:
+        if opts.out is not None:
+            out = claim_dir(opts.out, "sweep", sources=sources, what="--out")
+            held.enter_context(lock(out, "--out"))
+        root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
+        data = plan.prepare_data(opts, root)
+        jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
+        outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
+                            title="sweep (jobs)")  # fmt: skip
+        rows = report.build_rows(planned, outcomes, hf, opts)
+        if opts.keep != "all":
+            kept = {r["checkpoint"] for r in rows if r["pareto"] and opts.keep == "best"}
+            for r in rows:
+                if r["kind"] != "source" and r["checkpoint"] is not None and r["checkpoint"] not in kept:
+                    remove_owned(r["checkpoint"], "checkpoint", "checkpoint")
+                    r["checkpoint"] = None
+        measured = [o.result["context"] for n, o in outcomes.items() if n.startswith("speed/") and o.result]
+        results = {
+            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+            | {"uptrain_steps": list(opts.steps), "variants": [v.name for v in variants]},
+            "source": {
+                "model_type": hf["model_type"],
+                "n_heads": cfg.n_heads,
+                "n_kv_heads": cfg.attention.n_kv_heads,
+                "head_dim": cfg.attention.head_dim,
+                "n_layers": cfg.n_layers,
+            },
+            "measured_context": min(measured) if measured else None,
+            "rows": rows,
+            "jobs": {
+                "run": sum(not o.cached and not o.skipped for o in outcomes.values()),
+                "cached": sum(o.cached for o in outcomes.values()),
+                "failed": sum(o.result is None and not o.skipped for o in outcomes.values()),
+                "skipped": sum(o.skipped for o in outcomes.values()),
+                "computed": sorted(n for n, o in outcomes.items() if not o.cached and not o.skipped),
+                "seconds": {n: o.seconds for n, o in outcomes.items()},
+            },
+            "seconds": time.perf_counter() - started,
+            "machine": {"threads": cpu_count(), "workers": opts.jobs, "load_average": os.getloadavg()[0]},
+        }
+        if opts.out is not None:
+            plots = report.plot(results, out)
+            write_atomic(out / "report.md", report.markdown(results, plots), ours=True)
+            write_json(out / "sweep.json", results, by="sweep", ours=True)
+    if as_json:
+        print(json_text(results), end="")
+    else:
+        report.print_table(results)
+        if opts.out is not None:
+            print(f"results: {opts.out / 'sweep.json'}, report: {opts.out / 'report.md'}")
+    return results
+
+
+def load_results(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())

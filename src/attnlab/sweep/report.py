@@ -1,0 +1,203 @@
+"""The sweep's results: its rows with every figure (quality from ``attnlab eval``'s function, KV bytes and the
+roofline from the cost model, tokens/s measured here), the Pareto marks, the terminal table, the markdown report
+and the plots. Every number shown is read from the results dict, which is what ``--json`` prints and ``--out``
+saves.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..console import Grid, print_grid
+from ..cost.memory import kv_cache_bytes
+from ..cost.roofline import roofline
+from ..hf.causal_lm import model_config
+
+# Pareto: lower loss, fewer KV bytes per token, more tokens/s
+OBJECTIVES = (("loss", -1), ("kv_bytes_per_token", -1), ("tokens_per_s", 1))
+
+
+def pareto(rows: list[dict]) -> list[bool]:
+    """For each row, whether it is Pareto-optimal: it has every objective and no other such row is at least as good
+    in all of them and better in one (``OBJECTIVES``: quality, bytes, speed)."""
+
+    def figures(row: dict) -> tuple[float, ...] | None:
+        values = [row.get(name) for name, _ in OBJECTIVES]
+        if any(v is None or (isinstance(v, float) and math.isnan(v)) for v in values):
+            return None
+        return tuple(sign * v for v, (_, sign) in zip(values, OBJECTIVES, strict=True))  # larger is better
+
+    scored = [figures(r) for r in rows]
+    marks = []
+    for mine in scored:
+        if mine is None:
+            marks.append(False)
+            continue
+        dominated = any(
+            other is not None and all(o >= m for o, m in zip(other, mine, strict=True)) and other != mine
+            for other in scored
+        )
+        marks.append(not dominated)
+    return marks
+
+
+def costs(hf: dict, context: int, batch: int, hardware: tuple[str, ...]) -> dict:
+    """KV bytes (bf16) per token and per request of ``batch`` x ``context`` tokens, and the roofline's decode step
+    on each ``hardware``, for the checkpoint whose config.json is ``hf``."""
+    cfg = model_config("config.json", hf)
+    per_request = kv_cache_bytes(cfg, batch, context, "bf16")
+    return {
+        "kv_bytes_per_token": per_request / (batch * context),
+        "kv_bytes_per_request": per_request,
+        "predicted_decode_s": {
+            hw: roofline(cfg, hw, batch=batch, seq_len=context).decode.seconds for hw in hardware
+        },
+    }
+
+
+def build_rows(plan_rows: list[dict], outcomes: dict, src_hf: dict, opts) -> list[dict]:
+    """The rows of the results: each planned row with its jobs' figures, or the one-line reason it has none."""
+    rows = []
+    for planned in plan_rows:
+        row = {k: planned.get(k) for k in ("variant", "kind", "method", "steps", "n_kv_heads", "kv_lora_rank",
+                                            "rope_dim")}  # fmt: skip
+        errors = []
+        hf = src_hf
+        if planned["convert"] is not None:
+            conv = outcomes[planned["convert"]]
+            hf = conv.result["config"] if conv.result else None
+            if conv.error:
+                errors.append(conv.error)
+        row |= costs(hf, opts.context, opts.batch, opts.hardware) if hf is not None else {}
+        q = outcomes[planned["eval"]]
+        if q.result is not None:
+            scores = q.result.get("eval") or q.result  # an uptraining's summary holds its final eval
+            row |= {k: scores[k] for k in ("loss", "perplexity", "bits_per_byte")}
+        elif q.error and q.error not in errors and not q.error.startswith("needs "):
+            errors.append(q.error)
+        t = outcomes[planned["speed"]]
+        if t.result is not None:
+            row |= {"tokens_per_s": t.result["tokens_per_s"], "measured_context": t.result["context"],
+                    "cache_nbytes": t.result["cache_nbytes"]}  # fmt: skip
+        elif t.error and not t.error.startswith("needs "):
+            errors.append(f"speed: {t.error}")
+        job = planned["checkpoint_job"]
+        out = outcomes[job].out if job is not None else Path(opts.src)
+        row["checkpoint"] = str(out) if out is not None and out.is_dir() else None
+        row["error"] = "; ".join(errors) or None
+        rows.append(row)
+    for row, mark in zip(rows, pareto(rows), strict=True):
+        row["pareto"] = mark
+    return rows
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.4g} B"
+
+
+COLUMNS = ["", "variant", "method", "steps", "loss", "ppl", "bits/byte", "KV B/token", "KV/request", "tok/s"]
+
+
+def table_rows(results: dict) -> list[list[str]]:
+    hw = results["options"]["hardware"]
+    out = []
+    for r in results["rows"]:
+        cells = ["*" if r["pareto"] else "", r["variant"], r["method"], str(r["steps"]),
+                 _num(r.get("loss"), ".4f"), _num(r.get("perplexity"), ".2f"), _num(r.get("bits_per_byte"), ".3f"),
+                 _num(r.get("kv_bytes_per_token"), ".4g"), _bytes(r.get("kv_bytes_per_request")),
+                 _num(r.get("tokens_per_s"), ".0f")]  # fmt: skip
+        pred = r.get("predicted_decode_s") or {}
+        cells += [_num(pred[h] * 1e3 if h in pred else None, ".3g") for h in hw]
+        cells.append(r["error"] or "")
+        out.append(cells)
+    return out
+
+
+def header(results: dict) -> list[str]:
+    return [*COLUMNS, *(f"ms/step {h}" for h in results["options"]["hardware"]), "note"]
+
+
+def title(results: dict) -> str:
+    o = results["options"]
+    return (
+        f"attnlab sweep: {o['src']} (* = Pareto-optimal in loss, KV bytes and tokens/s; KV in bf16 at batch "
+        f"{o['batch']} x {o['context']} tokens; tok/s measured here at {results['measured_context']} tokens)"
+    )
+
+
+def print_table(results: dict) -> None:
+    grid = Grid(title(results), header(results))
+    for cells in table_rows(results):
+        grid.add_row(*cells)
+    print_grid(grid)
+
+
+def markdown(results: dict, plots: list[str]) -> str:
+    o = results["options"]
+    lines = [
+        "<!-- generated by attnlab sweep from sweep.json: edit that, not this -->",
+        f"# Sweep of {o['src']}",
+        "",
+        f"Held-out text: {o['eval_data'] or 'whole files of ' + o['data']}; uptraining distils from "
+        f"{o['teacher']}. Loss in nats per token; KV bytes in bf16, per request = batch {o['batch']} x "
+        f"{o['context']} tokens; tok/s: decode with a filled cache of {results['measured_context']} tokens on "
+        f"this machine ({results['machine']['threads']} threads); ms/step: the roofline's decode step. "
+        "`*`: Pareto-optimal (no other row is at least as good in loss, KV bytes and tok/s).",
+        "",
+        "| " + " | ".join(header(results)) + " |",
+        "|" + "---|" * len(header(results)),
+    ]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in table_rows(results)]
+    lines += ["", f"{results['jobs']['run']} jobs run, {results['jobs']['cached']} from the cache, "
+              f"{results['jobs']['failed']} failed ({results['jobs']['skipped']} skipped after a failure); {results['seconds']:.0f} s (load average "
+              f"{results['machine']['load_average']:.2f})."]  # fmt: skip
+    lines += ["", *(f"![{p}]({p})" for p in plots)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: Path) -> list[str]:
+    """Quality against KV bytes per token, uptraining steps and measured tokens/s; the PNG names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..atomic import save_figure
+
+    rows = [r for r in results["rows"] if r.get("loss") is not None]
+    names = []
+    for name, x_key, xlabel in (
+        ("quality_vs_kv_bytes.png", "kv_bytes_per_token", "KV bytes per token (bf16)"),
+        ("quality_vs_steps.png", "steps", "uptraining steps"),
+        ("quality_vs_speed.png", "tokens_per_s", "decode tokens/s (measured here)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        series: dict[str, list[dict]] = {}
+        for r in rows:
+            if r.get(x_key) is not None:
+                series.setdefault(f"{r['variant']} {r['method']}".replace(" -", ""), []).append(r)
+        for label, pts in series.items():
+            pts = sorted(pts, key=lambda r: r[x_key])
+            ax.plot([p[x_key] for p in pts], [p["loss"] for p in pts], "o-" if x_key == "steps" else "o",
+                    label=label)  # fmt: skip
+            for p in pts:
+                if p["pareto"]:
+                    ax.plot(p[x_key], p["loss"], "k*", markersize=12)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_title(f"{Path(results['options']['src']).name}: * Pareto-optimal", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        save_figure(fig, out / name, ours=True, dpi=110, bbox_inches="tight")
+        names.append(name)
+    return names

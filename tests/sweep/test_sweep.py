@@ -1,0 +1,172 @@
+"""``attnlab sweep`` on a tiny random Llama: the rows (source first, a failing conversion reported in its row), KV
+bytes equal to the caches' ``nbytes``, ``--json``, the files of ``--out`` and nothing written outside it, a warm
+rerun and an added variant running only what is new, the Pareto marks on a hand-made table, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+from attnlab.data import shakespeare, train_byte_bpe
+from attnlab.hf import load_causal_lm
+from attnlab.sweep import SweepOptions, pareto
+from attnlab.sweep.command import _cache_root
+
+runner = CliRunner()
+FAST = ["--quick", "--methods", "mean", "--uptrain-steps", "0,2", "--seq-len", "16", "--batch-size", "2",
+        "--eval-windows", "4", "--context", "24"]  # fmt: skip
+
+
+def snapshot(path: Path, skip: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(f.relative_to(path)): (f.stat().st_size, f.stat().st_mtime_ns)
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and skip not in f.parents
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sweep")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet", "macbeth", "othello"):
+        (corpus / f"{name}.txt").write_text((shakespeare() / f"{name}.txt").read_text()[:8000])
+    tok = train_byte_bpe([p.read_text() for p in sorted(corpus.glob("*.txt"))], 320)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                   eos_token_id=0, bos_token_id=0)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "src")
+    tok.save(str(root / "src" / "tokenizer.json"))
+    return {"root": root, "src": root / "src", "corpus": corpus}
+
+
+def sweep(tiny, *args, env: dict | None = None):
+    result = runner.invoke(app, ["sweep", str(tiny["src"]), "--data", str(tiny["corpus"]), *FAST, *map(str, args)],
+                           env=env)  # fmt: skip
+    return result
+
+
+@pytest.fixture(scope="module")
+def first(tiny):
+    """gqa-2, MLA at gqa-2's bytes (8 x 2 x 2 - 4 = 28) and a rank the layers cannot use, with --out."""
+    before = snapshot(tiny["root"], tiny["root"] / "out")
+    result = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", tiny["root"] / "out", "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), before, snapshot(tiny["root"], tiny["root"] / "out")
+
+
+def test_rows_source_first_and_a_failing_conversion_in_its_row(first):
+    results, _, _ = first
+    rows = results["rows"]
+    assert [(r["variant"], r["method"], r["steps"]) for r in rows] == [
+        ("source", "-", 0), ("gqa-2", "mean", 0), ("gqa-2", "mean", 2), ("mla-28", "plain", 0),
+        ("mla-28", "plain", 2), ("mla-500", "plain", 0), ("mla-500", "plain", 2),
+    ]  # fmt: skip
+    for r in rows[:5]:
+        assert r["error"] is None and r["loss"] > 0 and r["tokens_per_s"] > 0
+    assert rows[1]["kv_bytes_per_token"] == rows[3]["kv_bytes_per_token"] == rows[0]["kv_bytes_per_token"] / 2
+    for r in rows[5:]:  # the conversion refused: one line, no figures, the sweep went on
+        assert "kv-lora-rank" in r["error"] and "\n" not in r["error"] and r.get("loss") is None
+        assert not r["pareto"]
+    assert any(r["pareto"] for r in rows)
+    assert results["jobs"]["failed"] == 1 and results["jobs"]["skipped"] == 3  # its speed, eval, uptrain
+
+
+def test_kv_bytes_equal_the_caches_nbytes(first):
+    results, _, _ = first
+    ctx, batch = results["options"]["context"], results["options"]["batch"]
+    for r in results["rows"][:5]:
+        model = load_causal_lm(r["checkpoint"])
+        caches = model.new_caches(batch, ctx, dtype=torch.bfloat16)
+        assert r["kv_bytes_per_request"] == sum(c.nbytes for c in caches)
+        assert r["cache_nbytes"] > 0  # the timed caches, checked against the cost model in the job
+
+
+def test_out_holds_everything_and_nothing_is_written_outside(first, tiny):
+    results, before, after = first
+    out = tiny["root"] / "out"
+    assert before == after  # inputs untouched, no file beside --out
+    assert not _cache_root(SweepOptions(tiny["src"], tiny["corpus"])).exists()  # the cache without --out
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["rows"] == results["rows"] and saved["generated_by"].startswith("attnlab")
+    report = (out / "report.md").read_text()
+    assert "| * | source |" in report or "|  | source |" in report
+    for png in ("quality_vs_kv_bytes.png", "quality_vs_steps.png", "quality_vs_speed.png"):
+        assert (out / png).stat().st_size > 5000
+        assert f"]({png})" in report
+
+
+def test_warm_rerun_runs_nothing_and_a_new_variant_runs_only_its_jobs(first, tiny):
+    out = tiny["root"] / "out"
+    again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json")
+    assert again.exit_code == 0, again.output
+    warm = json.loads(again.stdout)
+    assert warm["jobs"]["run"] == 0 and warm["jobs"]["computed"] == []
+    assert [r.get("loss") for r in warm["rows"]] == [r.get("loss") for r in first[0]["rows"]]
+    more = sweep(tiny, "--variants", "gqa:2 mla:28,500 gqa:1", "--out", out, "--json", "--keep", "best")
+    assert more.exit_code == 0, more.output
+    extended = json.loads(more.stdout)
+    assert extended["jobs"]["computed"] == [
+        "convert/mqa/mean",
+        "eval/mqa/mean",
+        "speed/mqa",
+        "uptrain/mqa/mean/2",
+    ]
+    rows = extended["rows"]
+    assert [r["variant"] for r in rows][-2:] == ["mqa", "mqa"]
+    for r in rows:  # --keep best: only the Pareto-optimal rows keep their checkpoints
+        if r["kind"] != "source":
+            assert (r["checkpoint"] is not None) == r["pareto"]
+            assert r["checkpoint"] is None or Path(r["checkpoint"]).is_dir()
+
+
+def test_pareto_on_a_hand_made_table():
+    rows = [
+        {"loss": 3.0, "kv_bytes_per_token": 256, "tokens_per_s": 100},  # best loss
+        {"loss": 3.2, "kv_bytes_per_token": 64, "tokens_per_s": 100},  # fewest bytes
+        {"loss": 3.3, "kv_bytes_per_token": 64, "tokens_per_s": 90},  # beaten by the row above
+        {"loss": 3.1, "kv_bytes_per_token": 128, "tokens_per_s": 150},  # fastest
+        {"loss": 3.1, "kv_bytes_per_token": 128, "tokens_per_s": 150},  # a tie: neither beats the other
+        {"loss": 3.4, "kv_bytes_per_token": 256, "tokens_per_s": 80},  # beaten by all of the first
+        {"loss": None, "kv_bytes_per_token": 32, "tokens_per_s": 500},  # no quality: not a candidate
+        {"loss": float("nan"), "kv_bytes_per_token": 32, "tokens_per_s": 500},
+    ]
+    assert pareto(rows) == [True, True, False, True, True, False, False, False]
+    assert pareto([]) == []
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--variants", "gqa:3"], "--variants gqa:3"),
+        (["--variants", "bogus"], "--variants takes"),
+        (["--methods", "median"], "--methods"),
+        (["--keep", "some"], "--keep"),
+        (["--hardware", "tpu"], "--hardware"),
+        (["--uptrain-steps", "x"], "--uptrain-steps"),
+        (["--jobs", "0"], "--jobs"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line(tiny, args, fragment):
+    result = runner.invoke(app, ["sweep", str(tiny["src"]), "--data", str(tiny["corpus"]), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab: error:") and fragment in lines[0], result.stderr
+
+
+def test_an_out_directory_of_the_user_is_refused(tiny):
+    mine = tiny["root"] / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    result = sweep(tiny, "--out", mine)
+    assert result.exit_code == 2 and "--out" in result.stderr and "marker" in result.stderr, result.stderr
+    assert os.listdir(mine) == ["notes.txt"]
