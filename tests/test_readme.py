@@ -179,6 +179,11 @@ def small_attnlab(args: list[str], ws: dict[str, Path], n: int) -> list[str]:
         if "--max-new" not in args:
             args += ["--max-new", "4"]
         args[args.index("--max-new") + 1] = "4"
+    if args[0] == "sweep":  # seconds, not minutes: one method, two uptraining steps, short windows
+        args += ["--methods", "mean", "--uptrain-steps", "0,2", "--seq-len", "16", "--batch-size", "2",
+                 "--eval-windows", "4", "--context", "32"]  # fmt: skip
+        if "--out" not in args:  # in the workspace, not in the user's cache
+            args += ["--out", str(ws["root"] / f"sweep{n}")]
     if "--measure" in args:  # one timed layer per variant: a 4-head model has 4 variants
         args += ["--model", str(ws["tiny"]), "--seq-len", "128"]
     return args
@@ -251,6 +256,13 @@ def plan(command: str, ws: dict[str, Path]) -> tuple[list[dict], object]:
                 and all((out / png).stat().st_size > 10_000 for png in pngs)
             ),
         )
+    if words[1:] == [
+        "benchmarks/tiny_model.py",
+        "tiny",
+    ]:  # two pretraining steps: the sweep after it reads it
+        return [job("script", script, ["tiny", "--steps", "2"])], lambda r: (
+            ws["root"] / "tiny" / "model"
+        ).is_dir()
     files = ["--doc", str(out / "conversion.md"), "--png", str(out / "conversion_minilm.png")]
     if words[1:] == ["benchmarks/convert_minilm.py"]:
         tiny = ["--kv-heads", "12,4", "--methods", "mean,random", "--n-eval", "16", "--n-calib", "32", "--json",

@@ -356,6 +356,12 @@ def generate(
 @user_errors
 def sweep(
     src: Path = typer.Argument(..., help="Source causal-LM checkpoint (MHA or GQA); never modified."),
+    more_variants: list[str] | None = typer.Argument(
+        None,
+        metavar="",
+        show_default=False,
+        help="More --variants: --variants gqa:4,2 mla:256,128 reads both.",
+    ),
     data: Path = typer.Option(..., "--data", help="Text for uptraining and calibration (file or directory)."),
     eval_data: Path | None = typer.Option(
         None, "--eval-data", help="Held-out text; default: whole files of --data (a tenth)."
@@ -394,8 +400,12 @@ def sweep(
     from .sweep import SweepOptions, run_sweep
     from .sweep.plan import parse_ints
 
+    for extra in more_variants or []:
+        if extra.partition(":")[0] not in ("gqa", "mla", "auto"):
+            raise ValueError(f"unexpected argument {extra!r}: sweep takes one SRC (and gqa:/mla: variants)")
     opts = SweepOptions(
-        src=src, data=data, eval_data=eval_data, variants=tuple(p for v in variants for p in v.split()),
+        src=src, data=data, eval_data=eval_data,
+        variants=tuple(p for v in [*variants, *(more_variants or [])] for p in v.split()),
         methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
         uptrain_steps=parse_ints(uptrain_steps, "--uptrain-steps") if uptrain_steps is not None else None,
         teacher=teacher, context=context, batch=batch, hardware=tuple(hardware), jobs=jobs, out=out, quick=quick,
