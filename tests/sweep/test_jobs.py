@@ -140,3 +140,11 @@ def test_bad_graphs_are_refused(tmp_path):
         run_jobs([b, b], tmp_path / "c", progress=False)
     with pytest.raises(ValueError, match="--jobs"):
         run_jobs([], tmp_path / "c", workers=0, progress=False)
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_PROGRESS_SECONDS", "0")
+    run_jobs(graph(tmp_path / "log"), tmp_path / "cache", title="sweep (jobs)")
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[-1].startswith("attnlab: sweep (jobs): 4/4 (100%), left 0")
+    assert any("running" in line and "left" in line for line in lines)

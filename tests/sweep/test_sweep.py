@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 from attnlab.cli import app
 from attnlab.data import shakespeare, train_byte_bpe
 from attnlab.hf import load_causal_lm
-from attnlab.sweep import SweepOptions, pareto
+from attnlab.sweep import SweepOptions, pareto, work
 from attnlab.sweep.command import _cache_root
 
 runner = CliRunner()
@@ -105,6 +106,20 @@ def test_out_holds_everything_and_nothing_is_written_outside(first, tiny):
         assert f"]({png})" in report
 
 
+def test_uptraining_under_a_launcher_gives_the_in_process_result(first, monkeypatch, tmp_path):
+    """ATTNLAB_SWEEP_LAUNCH (torchrun in practice; here the plain interpreter, the same subprocess path) runs
+    ``attnlab uptrain`` with the job's options: the same held-out loss as the job run in the sweep's process."""
+    results, _, _ = first
+    converted, uptrained = results["rows"][1], results["rows"][2]
+    saved = json.loads(
+        next(Path(uptrained["checkpoint"]).parent.glob("uptrain_gqa-2_mean_2-*.json")).read_text()
+    )
+    monkeypatch.setenv(work.LAUNCH, sys.executable)
+    summary = work.uptrain(saved["args"], {"convert": {"out": converted["checkpoint"]}}, tmp_path / "up")
+    assert summary["eval"]["loss"] == pytest.approx(uptrained["loss"], rel=1e-5)
+    assert summary["options"]["steps"] == 2 and (tmp_path / "up").is_dir()
+
+
 def test_warm_rerun_runs_nothing_and_a_new_variant_runs_only_its_jobs(first, tiny):
     out = tiny["root"] / "out"
     again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json")
@@ -170,3 +185,17 @@ def test_an_out_directory_of_the_user_is_refused(tiny):
     result = sweep(tiny, "--out", mine)
     assert result.exit_code == 2 and "--out" in result.stderr and "marker" in result.stderr, result.stderr
     assert os.listdir(mine) == ["notes.txt"]
+
+
+def test_auto_variants_compare_at_equal_cache():
+    from attnlab.config import AttentionConfig, ModelConfig
+    from attnlab.sweep.plan import variants
+
+    def cfg(n_kv: int) -> ModelConfig:
+        return ModelConfig(64, 2, AttentionConfig(d_model=64, n_heads=8, n_kv_heads=n_kv), 128)
+
+    names = [v.name for v in variants(cfg(8), ("auto",), quick=False)]
+    assert names == ["gqa-4", "gqa-2", "mqa", "mla-124", "mla-60", "mla-28", "mla-12"]  # rope 4: 2 g 8 - 4
+    assert [v.name for v in variants(cfg(8), ("auto",), quick=True)] == ["gqa-2", "mqa", "mla-28"]
+    assert [v.name for v in variants(cfg(1), ("auto",), quick=True)] == ["mla-12"]
+    assert [v.name for v in variants(cfg(4), ("gqa:2", "mla:16,16"), quick=False)] == ["gqa-2", "mla-16"]

@@ -121,9 +121,9 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
         kind, _, values = part.partition(":")
         if kind == "auto" and not values:
             groups = [g for g in range(n_kv - 1, 0, -1) if n_kv % g == 0]
-            if quick:
+            if quick:  # an MQA source has no smaller GQA: MLA at its own bytes
                 groups = groups[-2:]
-                ranks = [2 * groups[0] * hd - rope]
+                ranks = [2 * (groups or [n_kv])[0] * hd - rope]
             else:
                 ranks = [2 * g * hd - rope for g in (n_kv, *groups)]
             out += [_gqa(g, n_kv) for g in groups] + [_mla(cfg, r) for r in ranks if r > 0]
