@@ -6,6 +6,7 @@ Llama's do. The family-level round trips through transformers are in tests/famil
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from attnlab import AttentionConfig, ModelConfig
 from attnlab.attention.gqa import GroupedQueryAttention
 from attnlab.attention.rope import apply_rope, interleaved_to_half_split, rope_cos_sin
 from attnlab.convert import convert_model_to_mla, gqa_to_mla, layer_errors, logit_distance
-from attnlab.convert.mla import full_rank, head_rows
+from attnlab.convert.mla import full_rank, head_rows, plain_planes, source_frequencies
+from attnlab.families.base import freeze
 from attnlab.hf.mla_checkpoint import random_batches
 from attnlab.model import Transformer
 
@@ -195,3 +197,26 @@ def test_several_kv_heads_convert_approximately_and_better_than_the_baselines(la
         for a, b in zip(mine, theirs, strict=True):
             assert a["score_error"] < 0.5 * b["score_error"], (name, mine, theirs)
         assert kl < 0.5 * logit_distance(model, baseline, held_out)["kl"], name
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_yarn_factor_is_folded_into_the_turned_dims_only(interleaved):
+    # yarn multiplies cos and sin, so only the turned dims' share of a score grows by factor^2 (transformers'
+    # GLM leaves the other dims as they are). One KV head whose scaled planes carry no key, its plain planes kept,
+    # at full rank: exact up to RoPE's float32 angles. Folding the factor into the whole head is not.
+    yarn = freeze(dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=2048))
+    attn = _attention(8, interleaved)
+    attn.cfg = attn.cfg.replace(rope_scaling=yarn)
+    plain, factor = plain_planes(attn.cfg), source_frequencies(attn.cfg)[1]
+    assert plain == 3 and factor == pytest.approx(1 + 0.1 * math.log(4.0))
+    scaled = [f for f in range(4) if f >= plain]
+    with torch.no_grad():
+        attn.wk.weight[head_rows(attn.cfg)[scaled + [f + 4 for f in scaled]]] = 0.0
+    mla = gqa_to_mla(attn, full_rank(attn.cfg, 2 * plain), rope_dim=2 * plain)
+    x = _inputs()
+    y = attn(x)
+    assert (mla(x) - y).norm() < 1e-5 * y.norm()
+    with torch.no_grad():  # the factor^2 on the never-turned dims' queries too: another model
+        nope = mla.wq.weight.view(4, -1, 48)[:, : mla.cfg.qk_nope_head_dim]
+        nope.mul_(factor**2)
+    assert (mla(x) - y).norm() > 1e-2 * y.norm()
