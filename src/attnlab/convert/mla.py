@@ -1,4 +1,4 @@
-"""GQA/MHA (Llama family, RoPE on every head dim) -> MLA in DeepSeek's layout, for one attention module.
+"""GQA/MHA (Llama family; partial or interleaved rotary too) -> MLA in DeepSeek's layout, for one attention module.
 
 Shapes: per-head projections (n, head_dim, d) as in ``convert.gqa`` (``d`` = d_model, +1 with biases).
 A *plane* ``f`` (0 <= f < head_dim/2) is the pair of rows (f, f + head_dim/2) that half-split RoPE rotates
@@ -43,8 +43,16 @@ source that turns every head dim by ``factor ** 2``: folded into ``wq``, exactly
 frequency), "dynamic" and "longrope" (frequencies that change with the sequence length) are refused
 (``rope_obstacle``).
 
+Partial and interleaved rotary (Phi-4-mini, GPT-NeoX, GLM, ChatGLM). Everything above counts planes over the
+``rotary_dim`` dims RoPE turns, not the head: ``rotary_dim/2`` planes at ``theta ** (-2f / rotary_dim)``. The work
+is done on each head's q/k rows in ``head_rows`` order: the turned dims first, as half-split planes (interleaved
+pairs (2i, 2i + 1) moved there by ``interleaved_to_half_split``), then the dims RoPE never turns, which go to the
+nope part as they are (no mean rotation: they never turned). Reordering a head's q and k rows alike changes no
+score, so both are exact; the export writes DeepSeek's own rotary layout as for any source. yarn's factor scales
+only the turned dims' share of a score, so only their query rows.
+
 Exact cases (tested): a source without RoPE at full rank (any n_kv_heads; the rotary part is zero), a
-one-KV-head source with every plane kept (``qk_rope_head_dim = head_dim``) at full rank, and, with llama3 or
+one-KV-head source with every turned plane kept (``qk_rope_head_dim = rotary_dim``) at full rank, and, with llama3 or
 yarn scaling, a one-KV-head source whose scaled planes carry no score, with its plain planes kept, at full
 rank. With several KV heads only one virtual head per plane keeps RoPE, so no rank makes those exact. MLA's ``wq`` has no bias (DeepSeek's
 layout), so a non-zero query bias is refused. The module is built with ``kv_norm=False``: keys and values stay
