@@ -1,4 +1,5 @@
-"""On-disk conversion of a Llama / Mistral / Qwen2 checkpoint to a native, dense DeepSeek-V3 (MLA) checkpoint.
+"""On-disk conversion of a checkpoint whose family allows it (Llama, Mistral, Qwen2, Phi-3, GLM, ChatGLM: ``Family.mla``) to a
+native, dense DeepSeek-V3 (MLA) checkpoint.
 
 Steps: load the source (``load_llama``) in float32; convert every attention layer to MLA
 (``convert.convert_model_to_mla``: RoPE kept on the chosen planes after RoRoPE, the rest factored into the
