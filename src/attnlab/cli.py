@@ -217,8 +217,8 @@ def convert(
     rope_dim: int | None = typer.Option(
         None,
         "--rope-dim",
-        help="mla: rotary key width, even, <= head_dim (default head_dim; with llama3 / yarn RoPE, the "
-        "planes they leave unscaled).",
+        help="mla: rotary key width, even, <= the dims RoPE turns (default all of them: head_dim, or the rotary "
+        "part of a partial rotary; with llama3 / yarn RoPE, the planes they leave unscaled).",
     ),
     planes: str | None = typer.Option(
         None, "--planes", help="mla: planes kept rotary: norm (default), error, first, uniform, or a stride."

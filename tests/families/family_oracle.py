@@ -5,11 +5,13 @@ calls the checks: logits within 1e-4 in float32 (``check_logits``; bfloat16 with
 equal through attnlab's ``generate`` with the contiguous and the paged cache (``check_generate``), a left-padded batch
 equal to its rows alone (``check_left_padded``), and ``attnlab convert --kv-heads`` whose result loads in the family's
 transformers class with logits equal to attnlab's (``check_convert``). Prompts longer than a sliding window are
-these checks with long prompts.
+these checks with long prompts. ``check_convert_mla`` and ``deepseek_without_latent_norm`` check ``convert --to mla``:
+the DeepSeek-V3 checkpoint against attnlab, and, in the exact cases, against the family's own class.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -17,9 +19,10 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
+from attnlab.attention.norm import RMSNorm
 from attnlab.cli import app
 from attnlab.generate import generate
-from attnlab.hf import load_causal_lm
+from attnlab.hf import load_causal_lm, save_deepseek
 
 VOCAB = 97
 
@@ -110,3 +113,36 @@ def check_convert(src: Path, dst: Path, kv_heads: int, *args) -> dict:
     ours, theirs = load_causal_lm(dst)(x), hf_model(dst)(x).logits.float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     return summary | {"max_logit_difference": float((ours - theirs).abs().max())}
+
+
+@torch.no_grad()
+def check_convert_mla(src: Path, dst: Path, *args) -> dict:
+    """``attnlab convert --to mla`` (``args``: --kv-lora-rank, --rope-dim, ...): the DeepSeek-V3 checkpoint written
+    loads in transformers' ``DeepseekV3ForCausalLM`` with logits equal to attnlab's; returns the summary with the
+    largest difference (``written_vs_attnlab``)."""
+    summary = convert(src, dst, "--to", "mla", *args)
+    x = tokens(16)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager").eval()
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    ours, logits = load_causal_lm(dst)(x), theirs(x).logits.float()
+    torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4)
+    return summary | {"written_vs_attnlab": float((ours - logits).abs().max())}
+
+
+@torch.no_grad()
+def deepseek_without_latent_norm(mla, path: Path, base: dict):
+    """transformers' DeepseekV3ForCausalLM holding ``mla`` (a converted attnlab model, ``kv_norm=False``) through
+    attnlab's export (config, rope_parameters, rotary row layout), with its latent norm bypassed: DeepSeek's latent
+    norm is the one step of the export that no weights make exact (``convert.latent_norm``), measured apart. As
+    tests/convert/test_convert_mla_scaled.py checks scaled RoPE."""
+    native = copy.deepcopy(mla)
+    for layer in native.layers:
+        attn = layer.attention
+        attn.cfg = attn.cfg.replace(kv_norm=True)
+        attn.kv_norm = RMSNorm(attn.cfg.kv_lora_rank)  # written, then bypassed below
+    native.cfg = native.cfg.with_attention(native.layers[0].attention.cfg)
+    save_deepseek(native, path, base_config=base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    for layer in hf.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+    return hf

@@ -17,15 +17,19 @@ from family_oracle import (
     VOCAB,
     build,
     check_convert,
+    check_convert_mla,
     check_generate,
     check_left_padded,
     check_logits,
+    deepseek_without_latent_norm,
     tokens,
 )
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from attnlab.cli import app
+from attnlab.convert import convert_model_to_mla
+from attnlab.convert.mla import full_rank
 from attnlab.cost import kv_cache_bytes, model_param_count
 from attnlab.families import FAMILIES
 from attnlab.hf import load_causal_lm
@@ -303,12 +307,63 @@ def test_convert_loads_in_transformers_with_attnlab_logits(checkpoint, tmp_path,
     assert torch.equal(after[buffer], before[buffer])  # copied as it was
 
 
-def test_mla_conversion_is_refused_for_interleaved_partial_rotary(checkpoint, tmp_path):
+def test_mla_conversion_is_refused_naming_every_obstacle(checkpoint, tmp_path):
+    # Every case here has a query bias (GLM-4-9B's attention_bias, chatglm2/3's add_qkv_bias) or add_bias_linear;
+    # GLM-4 adds sandwich norms. Partial, interleaved rotary is no obstacle and is not named.
     result = CliRunner().invoke(app, ["convert", str(checkpoint), str(tmp_path / "mla"), "--to", "mla",
                                       "--kv-lora-rank", "8"])  # fmt: skip
     assert result.exit_code == 2 and "cannot be converted to MLA" in result.stderr
-    assert "interleaved" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    cfg = from_hf_config(checkpoint)
+    named = {
+        "sandwich norms": cfg.norm_placement == "sandwich",
+        "a query bias": cfg.attention.bias,
+        "biases on the MLP (add_bias_linear)": cfg.mlp_bias,
+    }
+    assert {k for k in named if k in result.stderr} == {k for k, v in named.items() if v}
+    assert "interleaved" not in result.stderr and "rotary" not in result.stderr
     assert not (tmp_path / "mla").exists()
+
+
+# GLM and ChatGLM without a query bias (attention_bias / add_qkv_bias false): rotary on the first 8 of 16 dims in
+# interleaved pairs. One KV head for the exact case, two for the approximate one.
+MLA_CASES = {
+    "glm": lambda path, n_kv: build(
+        transformers.GlmConfig, path, **(SMALL | dict(num_key_value_heads=n_kv, attention_bias=False))
+    ),
+    "chatglm": lambda path, n_kv: build_chatglm(path, add_qkv_bias=False, multi_query_group_num=n_kv),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", sorted(MLA_CASES))
+def test_interleaved_partial_rotary_with_one_kv_head_converts_to_mla_exactly(tmp_path, kind):
+    # One KV head at full rank keeping all 4 turned planes: the rotary key is the source's 8 turned dims, read in
+    # DeepSeek's order, and the 8 dims RoPE never turns are the whole no-RoPE part. Exact but for DeepSeek's
+    # latent norm, measured apart; checked against GlmForCausalLM (ChatGLM: with its weights mapped).
+    src = MLA_CASES[kind](tmp_path / "src", 1)
+    attn = from_hf_config(src).attention
+    assert (attn.rotary_dim, attn.head_dim, attn.rope_interleaved) == (8, 16, True)
+    rank = full_rank(attn, 8)
+    summary = check_convert_mla(src, tmp_path / "mla", "--kv-lora-rank", rank)
+    assert summary["source_rotary_dim"] == 8 and summary["source_rope_interleaved"]
+    assert summary["qk_rope_head_dim"] == 8 and summary["qk_nope_head_dim"] == 8
+    assert summary["mla_conversion"] == "approximate" and "interleaved" in summary["mla_conversion_note"]
+    assert summary["logits_source_vs_mla"]["max_abs"] < 1e-4  # attnlab's MLA, before the latent norm
+    x = tokens(24)
+    mla = convert_model_to_mla(load_causal_lm(src), rank)
+    exact = deepseek_without_latent_norm(
+        mla, tmp_path / "bypassed", json.loads((src / "config.json").read_text())
+    )
+    torch.testing.assert_close(exact(x).logits, oracle(src)(x).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(MLA_CASES))
+def test_interleaved_partial_rotary_with_two_kv_heads_converts_approximately(tmp_path, kind):
+    src = MLA_CASES[kind](tmp_path / "src", 2)
+    summary = check_convert_mla(src, tmp_path / "mla", "--kv-lora-rank", 24, "--rope-dim", 4)
+    assert summary["mla_conversion"] == "approximate" and summary["qk_nope_head_dim"] == 16
+    assert summary["logits_source_vs_mla"]["max_abs"] > 0  # two KV heads: not exact
 
 
 def test_compare_reads_the_config(checkpoint):

@@ -13,14 +13,18 @@ import transformers
 from family_oracle import (
     build,
     check_convert,
+    check_convert_mla,
     check_generate,
     check_left_padded,
     check_logits,
+    deepseek_without_latent_norm,
     tokens,
 )
 from typer.testing import CliRunner
 
 from attnlab.cli import app
+from attnlab.convert import convert_model_to_mla
+from attnlab.convert.mla import full_rank
 from attnlab.cost import kv_cache_bytes
 from attnlab.families import FAMILIES
 from attnlab.families.base import Fields
@@ -187,24 +191,55 @@ def test_mla_conversion_is_refused_naming_what_the_converter_cannot_keep(checkpo
     assert len(result.stderr.strip().splitlines()) == 1
     cfg = from_hf_config(checkpoint)
     named = {
-        "partial rotary": cfg.attention.rotary_dim != cfg.attention.head_dim,
         "rope_type 'longrope'": bool(cfg.attention.rope_scaling),
         "sliding window of 8": cfg.attention_of(0).window == 8,
     }
     assert {k for k in named if k in result.stderr} == {k for k, v in named.items() if v}
     assert "sliding window of 256" not in result.stderr  # a window past every position is no obstacle
+    assert "rotary" not in result.stderr  # nor is partial rotary (Phi-4-mini)
     assert not (tmp_path / "mla").exists()
 
 
 def test_a_phi3_with_none_of_those_converts_to_mla(tmp_path):
     """The fused layout is no obstacle: a Phi-3 with full rotary, plain RoPE and no window converts as a Llama."""
     src = build(transformers.Phi3Config, tmp_path / "src", **SMALL, max_position_embeddings=64)
-    result = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "mla"), "--to", "mla",
-                                      "--kv-lora-rank", "16", "--rope-dim", "4", "--json"])  # fmt: skip
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
+    summary = check_convert_mla(src, tmp_path / "mla", "--kv-lora-rank", 16, "--rope-dim", 4)
     assert summary["mla_conversion"] == "approximate" and "qkv_proj" in summary["mla_conversion_note"]
-    assert json.loads((tmp_path / "mla" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert summary["source_rotary_dim"] == 16 and not summary["source_rope_interleaved"]
+
+
+# Phi-4-mini's attention without its longrope: 12 of 16 dims turn, in half-split pairs of those 12.
+PARTIAL = dict(SMALL, partial_rotary_factor=0.75, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+@torch.no_grad()
+def test_partial_rotary_with_one_kv_head_converts_to_mla_exactly(tmp_path):
+    # One KV head at full rank keeping all 6 turned planes: the rotary key is the source's 12 turned dims, the 4
+    # dims RoPE never turns are the whole no-RoPE part. Exact but for DeepSeek's latent norm, which is measured.
+    src = build(transformers.Phi3Config, tmp_path / "src", **(PARTIAL | dict(num_key_value_heads=1)))
+    attn = from_hf_config(src).attention
+    rank = full_rank(attn, 12)
+    summary = check_convert_mla(src, tmp_path / "mla", "--kv-lora-rank", rank)
+    assert summary["source_rotary_dim"] == 12 and summary["qk_rope_head_dim"] == 12
+    assert summary["qk_nope_head_dim"] == 4 and summary["rope_planes"] == list(range(6))
+    assert (
+        summary["mla_conversion"] == "approximate" and "4 of 16 head dims" in summary["mla_conversion_note"]
+    )
+    assert summary["logits_source_vs_mla"]["max_abs"] < 1e-4  # attnlab's MLA, before the latent norm
+    x = tokens(24)
+    mla = convert_model_to_mla(load_causal_lm(src), rank)
+    base = json.loads((src / "config.json").read_text())
+    exact = deepseek_without_latent_norm(mla, tmp_path / "bypassed", base)
+    source = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    torch.testing.assert_close(exact(x).logits, source(x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_partial_rotary_with_several_kv_heads_converts_approximately(tmp_path):
+    src = build(transformers.Phi3Config, tmp_path / "src", **(PARTIAL | dict(num_key_value_heads=2)))
+    summary = check_convert_mla(src, tmp_path / "mla", "--kv-lora-rank", 24, "--rope-dim", 8)
+    assert summary["mla_conversion"] == "approximate" and summary["qk_nope_head_dim"] == 16
+    assert summary["rope_planes"] == [0, 1, 2, 3]  # 4 of 6 turned planes: stride 1 is the only one that fits
+    assert summary["logits_source_vs_mla"]["max_abs"] > 0  # two KV heads: not exact
 
 
 def test_compare_reads_the_config(checkpoint):

@@ -1,4 +1,4 @@
-"""GQA/MHA (Llama family, RoPE on every head dim) -> MLA in DeepSeek's layout, for one attention module.
+"""GQA/MHA (Llama family; partial or interleaved rotary too) -> MLA in DeepSeek's layout, for one attention module.
 
 Shapes: per-head projections (n, head_dim, d) as in ``convert.gqa`` (``d`` = d_model, +1 with biases).
 A *plane* ``f`` (0 <= f < head_dim/2) is the pair of rows (f, f + head_dim/2) that half-split RoPE rotates
@@ -43,8 +43,16 @@ source that turns every head dim by ``factor ** 2``: folded into ``wq``, exactly
 frequency), "dynamic" and "longrope" (frequencies that change with the sequence length) are refused
 (``rope_obstacle``).
 
+Partial and interleaved rotary (Phi-4-mini, GPT-NeoX, GLM, ChatGLM). Everything above counts planes over the
+``rotary_dim`` dims RoPE turns, not the head: ``rotary_dim/2`` planes at ``theta ** (-2f / rotary_dim)``. The work
+is done on each head's q/k rows in ``head_rows`` order: the turned dims first, as half-split planes (interleaved
+pairs (2i, 2i + 1) moved there by ``interleaved_to_half_split``), then the dims RoPE never turns, which go to the
+nope part as they are (no mean rotation: they never turned). Reordering a head's q and k rows alike changes no
+score, so both are exact; the export writes DeepSeek's own rotary layout as for any source. yarn's factor scales
+only the turned dims' share of a score, so only their query rows.
+
 Exact cases (tested): a source without RoPE at full rank (any n_kv_heads; the rotary part is zero), a
-one-KV-head source with every plane kept (``qk_rope_head_dim = head_dim``) at full rank, and, with llama3 or
+one-KV-head source with every turned plane kept (``qk_rope_head_dim = rotary_dim``) at full rank, and, with llama3 or
 yarn scaling, a one-KV-head source whose scaled planes carry no score, with its plain planes kept, at full
 rank. With several KV heads only one virtual head per plane keeps RoPE, so no rank makes those exact. MLA's ``wq`` has no bias (DeepSeek's
 layout), so a non-zero query bias is refused. The module is built with ``kv_norm=False``: keys and values stay
@@ -59,7 +67,7 @@ import torch
 
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
-from ..attention.rope import inverse_frequencies, plain_pairs
+from ..attention.rope import interleaved_to_half_split, inverse_frequencies, plain_pairs
 from ..config import ROPE_KEEPING_FAST_PLANES, ROPE_WITHOUT_PLAIN_PLANES, AttentionConfig, MLAConfig
 from .gqa import _augmented, _sqrt_and_inv_sqrt, input_moment, joint_fit
 
@@ -72,33 +80,40 @@ def _check_int(name: str, value: object, low: int, high: int, why: str) -> int:
     return value
 
 
-def check_rope_dim(rope_dim: object, head_dim: int, rope: bool, name: str = "rope_dim") -> int:
-    """``rope_dim`` (qk_rope_head_dim) validated against the source's head_dim; returned as an int. ``name``: how
-    the message names it (the CLI's ``--rope-dim``)."""
-    high = head_dim if rope else max(head_dim, 2)
-    value = _check_int(name, rope_dim, 2, high, f"the rotary key of a source with head_dim={head_dim}")
+def check_rope_dim(rope_dim: object, cfg: AttentionConfig, name: str = "rope_dim") -> int:
+    """``rope_dim`` (qk_rope_head_dim) validated against the dims the source turns (``rotary_dim``: the rotary key
+    can carry no other); returned as an int. ``name``: how the message names it (the CLI's ``--rope-dim``)."""
+    if cfg.rope and cfg.rotary_dim < cfg.head_dim:
+        high, why = (
+            cfg.rotary_dim,
+            f"RoPE turns {cfg.rotary_dim} of the source's head_dim={cfg.head_dim} dims",
+        )
+    else:
+        high, why = max(cfg.head_dim, 2), f"the rotary key of a source with head_dim={cfg.head_dim}"
+    value = _check_int(name, rope_dim, 2, high, why)
     if value % 2:
         raise ValueError(f"{name} must be even (RoPE turns pairs of dims), got {value}")
     return value
 
 
-def max_stride(head_dim: int, rope_dim: int, planes: int | None = None) -> int:
+def max_stride(rotary_dim: int, rope_dim: int, planes: int | None = None) -> int:
     """The largest stride ``s`` for which planes ``0, s, ..., (rope_dim/2 - 1) s`` lie among the ``planes``
-    fastest of a head (default all ``head_dim/2``: ``plain_planes`` of a scaled source); 0 if none does."""
-    n_planes, limit = rope_dim // 2, head_dim // 2 if planes is None else planes
+    fastest of the ``rotary_dim`` dims a head turns (default all ``rotary_dim/2``: ``plain_planes`` of a scaled
+    source); 0 if none does."""
+    n_planes, limit = rope_dim // 2, rotary_dim // 2 if planes is None else planes
     if n_planes > limit:
         return 0
     return (limit - 1) // (n_planes - 1) if n_planes > 1 else 1
 
 
 def rope_planes(
-    head_dim: int, rope_dim: int, stride: int, name: str = "stride", planes: int | None = None
+    rotary_dim: int, rope_dim: int, stride: int, name: str = "stride", planes: int | None = None
 ) -> torch.Tensor:
     """Source planes that keep RoPE: ``0, stride, ..., (rope_dim/2 - 1) * stride`` (long tensor), among the
-    ``planes`` fastest (``max_stride``)."""
-    high = max_stride(head_dim, rope_dim, planes)
-    why = f"{rope_dim // 2} planes of a head_dim={head_dim} head"
-    if planes is not None and planes < head_dim // 2:
+    ``planes`` fastest of the ``rotary_dim/2`` a head turns (``max_stride``)."""
+    high = max_stride(rotary_dim, rope_dim, planes)
+    why = f"{rope_dim // 2} planes of a head turning {rotary_dim} dims"
+    if planes is not None and planes < rotary_dim // 2:
         why += f", among its {planes} planes at plain RoPE frequencies"
     _check_int(name, stride, 1, high, why)
     return torch.arange(rope_dim // 2) * stride
@@ -107,13 +122,13 @@ def rope_planes(
 def plain_planes(cfg: AttentionConfig) -> int:
     """How many planes, fastest first, the source turns at plain RoPE's frequencies: the ones that can keep
     RoPE exactly in a plain-RoPE export (every plane without scaling)."""
-    return plain_pairs(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return plain_pairs(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
 def source_frequencies(cfg: AttentionConfig) -> tuple[torch.Tensor, float]:
-    """(head_dim/2,) float64 frequencies of the source's planes as it turns them (scaled, from transformers'
+    """(rotary_dim/2,) float64 frequencies of the source's planes as it turns them (scaled, from transformers'
     ROPE_INIT_FUNCTIONS), and the factor its RoPE multiplies cos and sin by (yarn; 1 otherwise)."""
-    inv_freq, factor = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    inv_freq, factor = inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     return inv_freq.double(), factor
 
 
@@ -136,7 +151,7 @@ def rope_obstacle(cfg: AttentionConfig) -> str | None:
 
 
 def default_rope_dim(cfg: AttentionConfig) -> int:
-    """qk_rope_head_dim when none is asked for: every plane that can keep RoPE exactly (head_dim for plain
+    """qk_rope_head_dim when none is asked for: every plane that can keep RoPE exactly (rotary_dim for plain
     RoPE, the plain band of a scaled one), or 2 (a zero rotary part) without RoPE."""
     return 2 * plain_planes(cfg) if cfg.rope and not rope_obstacle(cfg) else 2
 
@@ -145,7 +160,7 @@ def stride_limit(cfg: AttentionConfig, rope_dim: int, name: str = "rope_dim") ->
     """The largest stride whose ``rope_dim/2`` kept planes the source turns at plain RoPE frequencies; raises
     ValueError naming ``name`` (the CLI's ``--rope-dim``) when even stride 1 would keep a scaled plane."""
     plain = plain_planes(cfg)
-    high = max_stride(cfg.head_dim, rope_dim, plain)
+    high = max_stride(cfg.rotary_dim, rope_dim, plain)
     if high == 0:
         raise ValueError(
             f"{name}={rope_dim} would keep {rope_dim // 2} rotary planes, but rope_type {cfg.rope_type!r} "
@@ -155,15 +170,29 @@ def stride_limit(cfg: AttentionConfig, rope_dim: int, name: str = "rope_dim") ->
     return high
 
 
-def plane_rows(planes: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of a head holding ``planes`` in half-split order: all first halves, then all second halves."""
-    return torch.cat((planes, planes + head_dim // 2))
+def plane_rows(planes: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rows of a head in the converter's order (``head_rows``) holding ``planes``: all first halves, then all
+    second halves."""
+    return torch.cat((planes, planes + rotary_dim // 2))
 
 
-def mla_rope_theta(theta: float, head_dim: int, rope_dim: int, stride: int) -> float:
+def head_rows(cfg: AttentionConfig) -> torch.Tensor:
+    """The order of one head's q/k rows that the conversion works in: the ``rotary_dim`` dims RoPE turns as
+    half-split pairs (plane f at rows f and f + rotary_dim/2), then the dims it never turns. ``w[head_rows(cfg)]``
+    of a half-split source is ``w`` itself; of an interleaved one (GLM, ChatGLM: pairs (2i, 2i + 1)) it is the
+    named permutation ``interleaved_to_half_split``. A fixed order of rows changes no score, so the source's
+    scores are unchanged."""
+    if not cfg.rope:
+        return torch.arange(cfg.head_dim)
+    rotary = cfg.rotary_dim
+    turned = interleaved_to_half_split(rotary) if cfg.rope_interleaved else torch.arange(rotary)
+    return torch.cat((turned, torch.arange(rotary, cfg.head_dim)))
+
+
+def mla_rope_theta(theta: float, rotary_dim: int, rope_dim: int, stride: int) -> float:
     """The MLA rope_theta whose j-th frequency is the source's frequency of plane ``j * stride``:
-    ``theta' ** (-2j / rope_dim) = theta ** (-2 j stride / head_dim)``."""
-    return float(theta ** (stride * rope_dim / head_dim))
+    ``theta' ** (-2j / rope_dim) = theta ** (-2 j stride / rotary_dim)``."""
+    return float(theta ** (stride * rope_dim / rotary_dim))
 
 
 def full_rank(cfg: AttentionConfig, rope_dim: int) -> int:
@@ -195,10 +224,10 @@ def check_target(
         raise ValueError(obstacle)
     if rope_dim is None:
         rope_dim = default_rope_dim(cfg)
-    rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope, names["rope_dim"])
+    rope_dim = check_rope_dim(rope_dim, cfg, names["rope_dim"])
     if cfg.rope:
         stride_limit(cfg, rope_dim, names["rope_dim"])
-        rope_planes(cfg.head_dim, rope_dim, stride, names["stride"], plain_planes(cfg))
+        rope_planes(cfg.rotary_dim, rope_dim, stride, names["stride"], plain_planes(cfg))
     high = full_rank(cfg, rope_dim)
     _check_int(names["kv_lora_rank"], kv_lora_rank, 1, high, "the rank of the stacked nope keys and values")
     return rope_dim
@@ -227,20 +256,23 @@ def _set(lin: torch.nn.Linear, w: torch.Tensor) -> None:
 def shared_rotary_keys(
     attn: GroupedQueryAttention, c: torch.Tensor, rorope: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per plane, the virtual head ``k*`` (head_dim, d) and the maps ``a`` (n_kv_heads, head_dim, head_dim).
+    """Per plane of the dims RoPE turns, the virtual head ``k*`` (rotary_dim, d) and the maps ``a``
+    (n_kv_heads, rotary_dim, rotary_dim), rows in ``head_rows`` order (half-split pairs).
 
     ``a[g] @ k*`` is KV head g's share of the virtual head (one complex scalar per plane, so it commutes with
     RoPE); ``rorope``: the leading query-weighted direction per plane, else the mean over KV heads.
     """
-    hd, n_kv = attn.head_dim, attn.n_kv_heads
-    wk = _augmented(attn.wk, n_kv, hd)
-    eye = torch.eye(hd, dtype=wk.dtype).expand(n_kv, hd, hd)
+    cfg, hd, n_kv = attn.cfg, attn.head_dim, attn.n_kv_heads
+    turned = head_rows(cfg)[: cfg.rotary_dim]
+    wk = _augmented(attn.wk, n_kv, hd)[:, turned]
+    r = len(turned)
+    eye = torch.eye(r, dtype=wk.dtype).expand(n_kv, r, r)
     if n_kv == 1:
         return wk[0], eye.clone()
     if not rorope:
         return wk.mean(0), eye.clone()
-    wq = _augmented(attn.wq, attn.n_heads, hd)
-    sq = torch.einsum("hid,de,hje->hij", wq, c, wq).view(n_kv, attn.cfg.n_rep, hd, hd).sum(1)
+    wq = _augmented(attn.wq, attn.n_heads, hd)[:, turned]
+    sq = torch.einsum("hid,de,hje->hij", wq, c, wq).view(n_kv, cfg.n_rep, r, r).sum(1)
     return joint_fit(wk, sq, c, rope=True)
 
 
@@ -279,24 +311,30 @@ def gqa_to_mla(
     # full rank is exact for every input, not only on the calibration span.
     c = c + 1e-6 * c.diagonal().mean() * torch.eye(d_in, dtype=c.dtype)
 
-    wq = _augmented(attn.wq, cfg.n_heads, hd)  # (H, hd, d_in); its bias column is zero (checked above)
-    wk, wv = _augmented(attn.wk, n_kv, hd), _augmented(attn.wv, n_kv, hd)
+    # q/k rows in ``head_rows`` order: the turned dims as half-split planes first, then the dims never turned
+    order = head_rows(cfg)
+    wq = _augmented(attn.wq, cfg.n_heads, hd)[:, order]  # (H, hd, d_in); its bias column is zero (checked)
+    wk, wv = _augmented(attn.wk, n_kv, hd)[:, order], _augmented(attn.wv, n_kv, hd)
     kv_of_head = torch.arange(cfg.n_heads) // cfg.n_rep
     if cfg.rope:
+        r = cfg.rotary_dim
         inv_freq, factor = source_frequencies(cfg)
-        # yarn multiplies cos and sin by ``factor``: a head turned whole has every score times factor^2
-        wq = wq * factor**2
+        # yarn multiplies cos and sin by ``factor``: every turned dim's share of a score is times factor^2
+        wq = torch.cat((wq[:, :r] * factor**2, wq[:, r:]), dim=1)
         k_star, a = shared_rotary_keys(attn, c, rorope)
-        kept = plane_rows(rope_planes(hd, rope_dim, stride, planes=plain_planes(cfg)), hd)
+        kept = plane_rows(rope_planes(r, rope_dim, stride, planes=plain_planes(cfg)), r)
         k_rope = k_star[kept]  # (rope_dim, d_in): the shared rotary key
-        q_rope = torch.einsum("hji,hjd->hid", a[kv_of_head], wq)[:, kept]  # a^T q keeps a^T q . k* = q . a k*
+        q_turned = torch.einsum("hji,hjd->hid", a[kv_of_head], wq[:, :r])  # a^T q keeps a^T q . k* = q . a k*
+        q_rope = q_turned[:, kept]
         k_nope = wk.clone()
         k_nope[:, kept] -= torch.einsum("gij,jd->gid", a, k_star)[:, kept]  # residuals of the kept planes
         m_rot = None if distances is None else mean_rotation(distances, inv_freq)
-        q_nope = wq if m_rot is None else mean_phase_queries(wq, m_rot)
+        # the dims RoPE never turns are position-free already: nope keys and queries as they are, exactly
+        if m_rot is not None:
+            wq = torch.cat((mean_phase_queries(wq[:, :r], m_rot), wq[:, r:]), dim=1)
         nope_rows = torch.arange(hd) if nope == hd else _complement(kept, hd)
-        k_nope, q_nope = k_nope[:, nope_rows], q_nope[:, nope_rows]
-        theta = mla_rope_theta(cfg.rope_theta, hd, rope_dim, stride)
+        k_nope, q_nope = k_nope[:, nope_rows], wq[:, nope_rows]
+        theta = mla_rope_theta(cfg.rope_theta, r, rope_dim, stride)
     else:
         k_rope = torch.zeros(rope_dim, d_in, dtype=wq.dtype)  # MLA always has a rotary part: left at zero
         q_rope = torch.zeros(cfg.n_heads, rope_dim, d_in, dtype=wq.dtype)
@@ -322,7 +360,8 @@ def gqa_to_mla(
     )
     weight = attn.wq.weight
     mla = MultiHeadLatentAttention(mla_cfg).to(weight.device, weight.dtype)
-    scale = (mla_cfg.qk_head_dim / hd) ** 0.5  # MLA scales scores by qk_head_dim^-1/2, the source by hd^-1/2
+    # MLA scales scores by qk_head_dim^-1/2, the source by its softmax scale (hd^-1/2 unless set)
+    scale = cfg.softmax_scale * mla_cfg.qk_head_dim**0.5
     q = torch.cat((q_nope, q_rope), dim=1)[..., : cfg.d_model] * scale  # the zero query-bias column dropped
     _set(mla.wq, q.reshape(-1, cfg.d_model))
     _set(mla.wkv_a, torch.cat((u.T @ weighted, k_rope)))

@@ -41,6 +41,7 @@ from .mla import (
     check_rope_dim,
     default_rope_dim,
     gqa_to_mla,
+    head_rows,
     mean_rotation,
     plain_planes,
     rope_obstacle,
@@ -69,19 +70,19 @@ def plane_scores(
     rorope: bool = True,
     distances: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(head_dim/2,) contribution of each plane to the scores (module docstring); ``calib`` None: unit inputs.
-    With ``distances`` (the "error" criterion) each head's share is scaled by ``sqrt(1 - |m|^2)``, the spread
-    of the rotations it sees around their mean ``m`` (``convert.mla.mean_rotation``)."""
-    cfg, hd = attn.cfg, attn.head_dim
+    """(rotary_dim/2,) contribution of each plane to the scores (module docstring); ``calib`` None: unit
+    inputs. With ``distances`` (the "error" criterion) each head's share is scaled by ``sqrt(1 - |m|^2)``, the
+    spread of the rotations it sees around their mean ``m`` (``convert.mla.mean_rotation``)."""
+    cfg, hd, r = attn.cfg, attn.head_dim, attn.cfg.rotary_dim
     d_in = cfg.d_model + (1 if cfg.bias else 0)
     c = input_moment(calib, cfg) if calib is not None else torch.eye(d_in, dtype=torch.float64)
     k_star, a = shared_rotary_keys(attn, c, rorope)
-    wq = _augmented(attn.wq, cfg.n_heads, hd)
+    wq = _augmented(attn.wq, cfg.n_heads, hd)[:, head_rows(cfg)[:r]]  # the turned rows, as half-split planes
     q = torch.einsum("hji,hjd->hid", a[torch.arange(cfg.n_heads) // cfg.n_rep], wq)  # queries after RoRoPE
 
-    def plane_rms(w: torch.Tensor) -> torch.Tensor:  # (..., hd, d_in) -> (..., hd/2): sqrt E|plane|^2
+    def plane_rms(w: torch.Tensor) -> torch.Tensor:  # (..., r, d_in) -> (..., r/2): sqrt E|plane|^2
         energy = torch.einsum("...id,de,...ie->...i", w, c, w).clamp_min(0)
-        return (energy[..., : hd // 2] + energy[..., hd // 2 :]).sqrt()
+        return (energy[..., : r // 2] + energy[..., r // 2 :]).sqrt()
 
     q_rms = plane_rms(q)  # (H, hd/2)
     if distances is not None:
@@ -109,7 +110,7 @@ def choose_stride(
     cfg = attns[0].cfg
     if not cfg.rope:
         return 1
-    rope_dim = check_rope_dim(rope_dim, cfg.head_dim, cfg.rope)
+    rope_dim = check_rope_dim(rope_dim, cfg)
     obstacle = rope_obstacle(cfg)
     if obstacle:
         raise ValueError(obstacle)
@@ -117,10 +118,12 @@ def choose_stride(
     if isinstance(planes, int) and not isinstance(planes, bool):
         if not 1 <= planes <= high:
             plain = plain_planes(cfg)
-            band = f" (its {plain} planes at plain RoPE frequencies)" if plain < cfg.head_dim // 2 else ""
+            band = f" (its {plain} planes at plain RoPE frequencies)" if plain < cfg.rotary_dim // 2 else ""
+            turned = f"head_dim={cfg.head_dim}"
+            if cfg.rotary_dim < cfg.head_dim:
+                turned = f"the {cfg.rotary_dim} dims RoPE turns of head_dim={cfg.head_dim}"
             raise ValueError(
-                f"planes (a stride) must be in [1, {high}] for rope_dim={rope_dim} of head_dim={cfg.head_dim}"
-                f"{band}, got {planes}"
+                f"planes (a stride) must be in [1, {high}] for rope_dim={rope_dim} of {turned}{band}, got {planes}"
             )
         return planes
     if planes not in PLANES:
@@ -131,7 +134,7 @@ def choose_stride(
         return high
     if planes == "error" and not calib:
         raise ValueError("planes='error' needs calib: the attention distances come from calibration text")
-    total = torch.zeros(cfg.head_dim // 2, dtype=torch.float64)
+    total = torch.zeros(cfg.rotary_dim // 2, dtype=torch.float64)
     for i, inputs in enumerate(calibrate(model, calib) if calib else [None] * len(attns)):
         distances = attention_distances(attns[i], inputs) if inputs and planes == "error" else None
         scores = plane_scores(attns[i], inputs.rows() if inputs else None, rorope, distances)

@@ -335,6 +335,20 @@ class MLASupport:
 NO_MLA = MLASupport("refused", "no MLA conversion is defined for this family")
 
 
+def rotary_layout_note(attn: AttentionConfig) -> str:
+    """What ``convert --to mla`` does with a rotary layout other than Llama's (partial, interleaved), for a
+    family's MLA note; "" for full rotary in half-split pairs. Both are exact (``convert.mla.head_rows``)."""
+    parts = []
+    if attn.rope and attn.rotary_dim < attn.head_dim:
+        parts.append(
+            f"the {attn.head_dim - attn.rotary_dim} of {attn.head_dim} head dims RoPE never turns go to "
+            "DeepSeek's no-RoPE part (qk_nope_head_dim) as they are"
+        )
+    if attn.rope and attn.rope_interleaved:
+        parts.append("the interleaved pairs (2i, 2i + 1) are reordered into DeepSeek's rotary layout")
+    return f"{' and '.join(parts)}, exactly" if parts else ""
+
+
 @dataclass(frozen=True)
 class Family:
     """One kind of checkpoint (see the module docstring). ``architectures``: model_type -> transformers class."""

@@ -33,7 +33,8 @@ skipped on loading and copied as it is on conversion):
     transformer.encoder.layers.N.mlp.dense_4h_to_h              layers.N.feed_forward.w2
     transformer.encoder.final_layernorm / transformer.output_layer   norm / output
 
-MLA: refused, as GLM (partial, interleaved rotary).
+MLA (``mla``): approximate, as GLM (``glm.mla``); refused, each named, with a query bias (``add_qkv_bias``: chatglm2-6b
+and chatglm3-6b have one) or ``add_bias_linear`` (biases on the MLP too).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ from .base import (
     QKV_PER_HEAD,
     Family,
     Fields,
+    MLASupport,
     Rule,
     TensorMap,
     Transform,
     check_heads,
     put,
+    rotary_layout_note,
 )
 
 BASE_THETA = 10000.0  # THUDM's RotaryEmbedding base, multiplied by rope_ratio
@@ -206,13 +209,31 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
+def mla(cfg: ModelConfig) -> MLASupport:
+    """What ``convert --to mla`` makes of a ChatGLM model: GLM's attention (``glm.mla``), with THUDM's field names
+    for the biases that refuse it."""
+    attn, obstacles = cfg.attention, []
+    if attn.bias:
+        field = "add_bias_linear" if cfg.mlp_bias else "add_qkv_bias"
+        obstacles.append(f"a query bias ({field}: a bias on query_key_value): {glm.QUERY_BIAS}")
+    if cfg.mlp_bias:
+        obstacles.append("biases on the MLP (add_bias_linear): DeepSeek-V3's MLP has none")
+    if obstacles:
+        return MLASupport("refused", "; ".join(obstacles))
+    return MLASupport(
+        "approximate",
+        f"as GLM: {rotary_layout_note(attn)}; the fused query_key_value is split on load; "
+        f"{glm.APPROXIMATE_NOTE}",
+    )
+
+
 CHATGLM = Family(
     "chatglm",
     ("chatglm",),
     read,
     write,
     tensors,
-    mla=glm.mla,
+    mla=mla,
     check_load=check_load,
     covers="ChatGLM2-6B, ChatGLM3-6B (THUDM's layout and config.json)",
     # chatglm2-6b's fields at a small size: 2 query groups, fused query_key_value with bias, half rotary

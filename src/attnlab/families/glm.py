@@ -27,15 +27,17 @@ Tensor names (N = layer index):
     model.layers.N.post_mlp_layernorm            layers.N.post_ffn_norm              (GLM-4)
     model.norm / lm_head                         norm / output   (lm_head absent when embeddings are tied)
 
-MLA: refused. RoPE on part of each head in interleaved pairs is not what ``convert --to mla`` exports (full rotary in
-half-split pairs).
+MLA (``mla``): approximate, as a Llama with one more exact step: the dims RoPE never turns go to DeepSeek's no-RoPE
+part as they are, and the interleaved pairs are reordered into DeepSeek's rotary layout. Refused, each named, with a
+query bias (``attention_bias``, the default: GLM-4-9B has one), with GLM-4's sandwich norms, and with a rope_type
+whose frequencies a DeepSeek export cannot turn.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import AttentionConfig, ModelConfig
+from ..config import ROPE_WITHOUT_PLAIN_PLANES, AttentionConfig, ModelConfig
 from .base import (
     GATE_UP_CONCAT,
     Family,
@@ -47,6 +49,7 @@ from .base import (
     put,
     rope_fields,
     rope_parameters,
+    rotary_layout_note,
 )
 
 ARCHITECTURES = {"glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
@@ -205,14 +208,42 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
+APPROXIMATE_NOTE = (
+    "RoPE-aware: exact with one KV head keeping every rotary plane, at full rank; otherwise the rotary planes kept "
+    "and the latent rank bound the error (docs/mla_conversion.md)"
+)
+QUERY_BIAS = (
+    "DeepSeek-V3's q_proj has none, and the per-key logit it adds (the bias times each key) cannot be folded into "
+    "MLA's weights"
+)
+
+
+def rope_obstacle(attn: AttentionConfig) -> str | None:
+    """Why a DeepSeek export cannot turn ``attn``'s scaled RoPE (transformers' rope_type), or None."""
+    kind = attn.rope_type
+    if kind in ROPE_WITHOUT_PLAIN_PLANES:
+        return f"rope_parameters.rope_type={kind!r}: {ROPE_WITHOUT_PLAIN_PLANES[kind]}"
+    return None
+
+
 def mla(cfg: ModelConfig) -> MLASupport:
-    """GLM's RoPE is partial and interleaved: the MLA export keeps full rotary in half-split pairs only."""
-    attn = cfg.attention
-    return MLASupport(
-        "refused",
-        f"RoPE turns {attn.rotary_dim} of the {attn.head_dim} dims of each head in interleaved pairs (2i, 2i + 1) "
-        "(partial, interleaved rotary); the MLA export handles full rotary in half-split pairs only",
-    )
+    """What ``convert --to mla`` makes of a GLM or GLM-4 model. Its partial, interleaved rotary is no obstacle (the
+    dims RoPE never turns are DeepSeek's no-RoPE part, the pairs a fixed reordering of rows); a query bias (GLM's
+    ``attention_bias``, on by default) and GLM-4's sandwich norms are, and a refusal names every one present."""
+    attn, obstacles = cfg.attention, []
+    if cfg.norm_placement == "sandwich":
+        obstacles.append(
+            "sandwich norms (post_self_attn_layernorm and post_mlp_layernorm on each sublayer's output): "
+            "DeepSeek-V3's block normalises before each sublayer only"
+        )
+    if attn.bias:
+        obstacles.append(f"a query bias (attention_bias: q, k and v biases): {QUERY_BIAS}")
+    rope = rope_obstacle(attn)
+    if rope:
+        obstacles.append(rope)
+    if obstacles:
+        return MLASupport("refused", "; ".join(obstacles))
+    return MLASupport("approximate", f"{rotary_layout_note(attn)}; {APPROXIMATE_NOTE}")
 
 
 _SMALL = dict(

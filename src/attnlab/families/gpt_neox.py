@@ -220,10 +220,13 @@ def mla(cfg: ModelConfig) -> MLASupport:
     ]
     if cfg.parallel_residual:
         reasons.append("parallel residuals (DeepSeek-V3's block is sequential)")
-    if isinstance(attn, AttentionConfig) and attn.rope and attn.rotary_dim < attn.head_dim:
+    if isinstance(attn, AttentionConfig) and attn.bias:
         reasons.append(
-            f"RoPE on {attn.rotary_dim} of {attn.head_dim} head dims (the MLA converter takes full rotary only)"
+            "a query bias (attention_bias, on query_key_value): DeepSeek-V3's q_proj has none, and the per-key "
+            "logit it adds cannot be folded into MLA's weights"
         )
+    # Its partial rotary is no obstacle (the converter keeps the dims RoPE never turns as DeepSeek's no-RoPE
+    # part), nor is the per-head fused QKV (split on load): the block and the query bias are.
     return MLASupport("refused", "; ".join(reasons))
 
 

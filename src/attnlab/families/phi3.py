@@ -30,9 +30,9 @@ Tensor names (N = layer index):
     model.norm / lm_head                       norm / output   (lm_head absent when embeddings are tied: Phi-4-mini)
 
 Fewer KV heads are native (``num_key_value_heads``): ``convert --kv-heads`` rewrites ``qkv_proj`` at its new
-width. MLA: the converter keeps full rotary in half-split pairs at plain RoPE frequencies over the whole context,
-so partial rotary, longrope and a window shorter than the positions are refused (each one named); a Phi-3 with
-none of them converts as a Llama does (the fused layout is split on load and is no obstacle).
+width. MLA: a DeepSeek export turns by plain RoPE over the whole context, so longrope and a window shorter than the
+positions are refused (each one named); otherwise a Phi-3 converts as a Llama does: the fused layout is split on
+load, and under partial rotary the dims RoPE never turns become DeepSeek's no-RoPE part, exactly.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .base import (
     freeze,
     put,
     rope_parameters,
+    rotary_layout_note,
 )
 from .llama import decoder_rules
 
@@ -246,31 +247,28 @@ def _architecture(cfg: ModelConfig) -> tuple:
 
 
 def mla(cfg: ModelConfig) -> MLASupport:
-    """What ``convert --to mla`` makes of a Phi-3 model; every obstacle is named."""
+    """What ``convert --to mla`` makes of a Phi-3 model; every obstacle is named. Partial rotary (Phi-4-mini) is
+    none: the dims RoPE never turns are DeepSeek's no-RoPE part."""
     attn = cfg.attention
     obstacles = []
-    if attn.rotary_dim != attn.head_dim:
-        obstacles.append(f"partial rotary ({attn.rotary_dim} of {attn.head_dim} head dims turn)")
     if attn.rope_scaling:
         obstacles.append(
             f"rope_type {dict(attn.rope_scaling).get('rope_type')!r} (its frequencies switch with the sequence "
-            "length)"
+            "length; a DeepSeek export turns every position by fixed ones)"
         )
     if cfg.sliding is not None and cfg.sliding.window < cfg.max_seq_len:
         obstacles.append(
-            f"a sliding window of {cfg.sliding.window} tokens, shorter than its {cfg.max_seq_len} positions"
+            f"a sliding window of {cfg.sliding.window} tokens, shorter than its {cfg.max_seq_len} positions "
+            "(DeepSeek-V3 attends to the whole context)"
         )
     if obstacles:
-        return MLASupport(
-            "refused",
-            f"{'; '.join(obstacles)}: the MLA converter keeps RoPE on every head dim at plain frequencies over "
-            "the whole context (DeepSeek-V3's)",
-        )
+        return MLASupport("refused", "; ".join(obstacles))
+    layout = rotary_layout_note(attn)
     return MLASupport(
         "approximate",
-        "as a Llama: the fused qkv_proj is split on load; RoPE-aware, exact without RoPE, or with one KV head "
-        "keeping every rotary plane, at full rank; otherwise the rotary planes kept and the latent rank bound the "
-        "error (docs/mla_conversion.md)",
+        f"as a Llama: the fused qkv_proj is split on load{'; ' + layout if layout else ''}; RoPE-aware, exact with "
+        "one KV head keeping every rotary plane, at full rank; otherwise the rotary planes kept and the latent "
+        "rank bound the error (docs/mla_conversion.md)",
     )
 
 

@@ -1,4 +1,5 @@
-"""On-disk conversion of a Llama / Mistral / Qwen2 checkpoint to a native, dense DeepSeek-V3 (MLA) checkpoint.
+"""On-disk conversion of a checkpoint whose family allows it (Llama, Mistral, Qwen2, Phi-3, GLM, ChatGLM: ``Family.mla``) to a
+native, dense DeepSeek-V3 (MLA) checkpoint.
 
 Steps: load the source (``load_llama``) in float32; convert every attention layer to MLA
 (``convert.convert_model_to_mla``: RoPE kept on the chosen planes after RoRoPE, the rest factored into the
@@ -109,14 +110,14 @@ def convert_checkpoint_to_mla(
         high = stride_limit(attn_cfg, rope_dim, flags["rope_dim"])
         if not 1 <= planes <= high:
             band = ""
-            if plain < attn_cfg.head_dim // 2:  # a scaled RoPE: only its plain planes can keep RoPE exactly
+            if plain < attn_cfg.rotary_dim // 2:  # a scaled RoPE: only its plain planes can keep RoPE exactly
                 band = (
                     f", whose rope_type {attn_cfg.rope_type!r} turns only planes 0..{plain - 1} at plain "
                     "RoPE frequencies (what a DeepSeek export computes)"
                 )
             raise ValueError(
                 f"--planes {planes}: a stride must be in [1, {high}] for --rope-dim {rope_dim} of the "
-                f"source's head_dim {attn_cfg.head_dim}{band}"
+                f"{attn_cfg.rotary_dim} dims the source's RoPE turns{band}"
             )
     model = load_causal_lm(src)
     dtype = model.tok_embeddings.weight.dtype
@@ -154,6 +155,9 @@ def convert_checkpoint_to_mla(
         "n_heads": attn_cfg.n_heads,
         "n_kv_heads_before": attn_cfg.n_kv_heads,
         "head_dim": attn_cfg.head_dim,
+        # the dims RoPE turns (partial rotary: the rest go to the nope part as they are) and how they pair
+        "source_rotary_dim": attn_cfg.rotary_dim if attn_cfg.rope else 0,
+        "source_rope_interleaved": attn_cfg.rope_interleaved if attn_cfg.rope else False,
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
@@ -163,7 +167,7 @@ def convert_checkpoint_to_mla(
         # yarn's factor on cos and sin, folded into q_proj as its square (1: none)
         "source_attention_factor": source_frequencies(attn_cfg)[1] if attn_cfg.rope else 1.0,
         "rope_stride": stride,
-        "rope_planes": rope_planes(attn_cfg.head_dim, rope_dim, stride, planes=plain).tolist()
+        "rope_planes": rope_planes(attn_cfg.rotary_dim, rope_dim, stride, planes=plain).tolist()
         if attn_cfg.rope
         else [],
         "rope_theta": native.cfg.attention.rope_theta,
