@@ -259,3 +259,69 @@ def test_similarity_groups_find_planted_groups(rope):
         mha_to_gqa(attn, 2, "grouped-fit", calib=calib)(held_out), ref, rtol=tol, atol=tol
     )
     assert (mha_to_gqa(attn, 2, "fit", calib=calib)(held_out) - ref).abs().max() > 1e-2
+
+
+# Rotary layouts of the families: (rope_dim, interleaved). Full half-split (Llama), partial half-split (Phi-4-mini,
+# GPT-NeoX), full and partial interleaved (GLM, ChatGLM: the first half of each head in pairs (2i, 2i + 1)).
+LAYOUTS = {"half-split": (None, False), "partial": (4, False), "interleaved": (None, True), "glm": (4, True)}
+
+
+def layout_commuting(cfg: AttentionConfig, g: torch.Generator) -> torch.Tensor:
+    """A random map on one head's rows that commutes with ``cfg``'s RoPE in its own row layout: a scaled rotation
+    of every turned plane (wherever its two rows sit), any matrix on the rows RoPE never turns."""
+    from attnlab.convert.gqa import head_rows
+
+    hd, rotary = cfg.head_dim, cfg.rotary_dim
+    m = torch.zeros(hd, hd, dtype=torch.float64)
+    m[:rotary, :rotary] = rope_commuting(rotary, g)
+    m[rotary:, rotary:] = torch.randn(hd - rotary, hd - rotary, generator=g, dtype=torch.float64)
+    back = torch.argsort(
+        head_rows(cfg)
+    )  # built in head_rows order (half-split planes first), moved to the module's
+    return m[back][:, back]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fit_follows_the_rotary_layout(layout):
+    # Heads differ by maps that commute with RoPE in the family's own layout: the fit folds them exactly, for
+    # plain ("fit") and similarity ("grouped-fit") groups alike. Before the fit read the layout it paired rows
+    # (i, i + head_dim/2) whatever turned, and every layout but the first missed by far more than the tolerance.
+    from attnlab.convert.gqa import similarity_groups
+
+    rope_dim, interleaved = LAYOUTS[layout]
+    cfg = AttentionConfig(d_model=64, n_heads=8, rope_dim=rope_dim, rope_interleaved=interleaved)
+    attn = GroupedQueryAttention(cfg).to(torch.float64)
+    attn.init_weights(std=0.2)
+    planted = [[0, 3, 5, 6], [1, 2, 4, 7]]
+    g = torch.Generator().manual_seed(seeded(13))
+    with torch.no_grad():
+        for lin in (attn.wk, attn.wv):
+            w = heads(lin.weight, 8).clone()
+            for group in planted:
+                for h in group:
+                    keys = lin is attn.wk
+                    m = (
+                        layout_commuting(cfg, g)
+                        if keys
+                        else torch.randn(8, 8, generator=g, dtype=torch.float64)
+                    )
+                    w[h] = m @ w[group[0]]
+            lin.weight.copy_(w.reshape(64, 64))
+    calib, held_out = inputs(n=8, t=32, seed=2), inputs(n=2, t=16, seed=3)
+    ref = attn(held_out)
+    assert (
+        sorted(
+            [
+                sorted(o)
+                for o in (similarity_groups(attn, 2, calib)[:4], similarity_groups(attn, 2, calib)[4:])
+            ]
+        )
+        == planted
+    )
+    grouped = mha_to_gqa(attn, 2, "grouped-fit", calib=calib)
+    torch.testing.assert_close(grouped(held_out), ref, rtol=1e-4, atol=1e-4)  # RoPE in float32
+    ordered = permute_heads(attn, [0, 3, 5, 6, 1, 2, 4, 7])
+    torch.testing.assert_close(
+        mha_to_gqa(ordered, 2, "fit", calib=calib)(held_out), ref, rtol=1e-4, atol=1e-4
+    )
+    assert (mha_to_gqa(ordered, 2, "mean")(held_out) - ref).abs().max() > 1e-1  # the maps are not trivial

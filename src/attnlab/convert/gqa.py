@@ -19,7 +19,9 @@ Methods (Ainslie et al. 2023, "GQA", section 2.1, compare the first three):
               ``A_i^T q`` (``wq`` rows) and the output projection ``Wo_i A_i`` (``wo`` columns). The optimum is a
               truncated eigendecomposition (a weighted joint PCA of the group's projections). With RoPE, ``A_i``
               on K must commute with every rotation, so it is restricted to one complex scalar per frequency
-              pair (a rotation and scale of each 2-D plane); V and rope=False K get a full ``head_dim`` matrix.
+              pair (a rotation and scale of each 2-D plane), the pairs RoPE really turns (``head_rows``: the
+              family's half-split or interleaved layout, partial rotary's unturned dims apart with a full
+              matrix of their own); V and rope=False K get a full ``head_dim`` matrix.
               This generalises Procrustes alignment before averaging (arXiv 2412.20677: ``A_i`` orthogonal).
     "grouped-fit" "fit" after choosing which heads share a KV head by similarity instead of by index (as
               AsymGQA and QCQA do): groups are grown greedily to keep small the fraction of the weighted K
@@ -35,6 +37,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..attention.gqa import GroupedQueryAttention
+from ..attention.rope import interleaved_to_half_split
 from ..config import AttentionConfig
 
 METHODS = ("mean", "first", "random", "fit", "grouped-fit")
@@ -142,15 +145,37 @@ def _sqrt_and_inv_sqrt(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
 
 
+def head_rows(cfg: AttentionConfig) -> torch.Tensor:
+    """The order of one head's q/k rows that the fits work in: the ``rotary_dim`` dims RoPE turns as
+    half-split pairs (plane f at rows f and f + rotary_dim/2), then the dims it never turns. ``w[head_rows(cfg)]``
+    of a half-split source is ``w`` itself; of an interleaved one (GLM, ChatGLM: pairs (2i, 2i + 1)) it is the
+    named permutation ``interleaved_to_half_split``. A fixed order of rows changes no score, so the source's
+    scores are unchanged."""
+    if not cfg.rope:
+        return torch.arange(cfg.head_dim)
+    rotary = cfg.rotary_dim
+    turned = interleaved_to_half_split(rotary) if cfg.rope_interleaved else torch.arange(rotary)
+    return torch.cat((turned, torch.arange(rotary, cfg.head_dim)))
+
+
 def joint_fit(
-    p: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rope: bool
+    p: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rope: bool, rotary: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared ``B`` (head_dim, d) and maps ``A`` (r, head_dim, head_dim) with ``P_i ~ A_i B``; see module doc.
 
     ``p`` (r, head_dim, d): the projections to merge; ``s`` (r, head_dim, head_dim): PSD error weights;
-    ``c`` (d, d): second moment of the inputs. ``rope``: restrict each ``A_i`` to commute with RoPE.
+    ``c`` (d, d): second moment of the inputs. ``rope``: restrict each ``A_i`` to commute with RoPE, whose
+    ``rotary`` (default all) leading rows are half-split planes (``head_rows`` order); the rows after them never
+    turn, so their block of ``A_i`` is a full matrix (fitted apart: no map between turned and unturned rows
+    commutes with every rotation).
     """
     r, hd, _ = p.shape
+    rotary = hd if rotary is None else rotary
+    if rope and rotary < hd:
+        b, a = torch.zeros_like(p[0]), p.new_zeros(r, hd, hd)
+        b[:rotary], a[:, :rotary, :rotary] = _joint_fit_rope(p[:, :rotary], s[:, :rotary, :rotary], c)
+        b[rotary:], a[:, rotary:, rotary:] = joint_fit(p[:, rotary:], s[:, rotary:, rotary:], c, rope=False)
+        return b, a
     if rope:
         return _joint_fit_rope(p, s, c)
     roots = [_sqrt_and_inv_sqrt(s[i]) for i in range(r)]
@@ -187,44 +212,57 @@ def _joint_fit_rope(p: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> tuple[
 
 def _fit_inputs(attn: GroupedQueryAttention, c: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-head projections and error weights (per source KV head, summed over the query heads reading it);
-    ``c``: second moment of the calibration inputs (``input_moment``)."""
+    ``c``: second moment of the calibration inputs (``input_moment``). Query and key rows in ``head_rows``
+    order (the same order for both: no score changes)."""
     cfg, hd, n_kv = attn.cfg, attn.head_dim, attn.n_kv_heads
-    wq = _augmented(attn.wq, cfg.n_heads, hd)
+    rows = head_rows(cfg)
+    wq = _augmented(attn.wq, cfg.n_heads, hd)[:, rows]
     wo = attn.wo.weight.detach().double().view(cfg.d_model, cfg.n_heads, hd).permute(1, 0, 2)  # (H, d, hd)
     return {
         "c": c,
         "wq": wq,
         "wo": wo,
-        "wk": _augmented(attn.wk, n_kv, hd),
+        "wk": _augmented(attn.wk, n_kv, hd)[:, rows],
         "wv": _augmented(attn.wv, n_kv, hd),
         "sq": torch.einsum("hid,de,hje->hij", wq, c, wq).view(n_kv, cfg.n_rep, hd, hd).sum(1),
         "so": torch.einsum("hdi,hdj->hij", wo, wo).view(n_kv, cfg.n_rep, hd, hd).sum(1),
     }
 
 
-def _gram(p: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rope: bool) -> torch.Tensor:
-    """Gram matrix of all heads' weighted projections: what ``joint_fit`` decomposes, for every head at once.
+def _gram(
+    p: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rotary: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gram matrices of all heads' weighted projections: what ``joint_fit`` decomposes, for every head at once.
 
-    (n * hd, n * hd) real, or with RoPE (hd/2, n, n) complex (one per frequency plane).
+    ``rotary`` leading rows turn (0: none): (rotary/2, n, n) complex, one per frequency plane; the other rows:
+    (n * rows, n * rows) real.
     """
     n, hd, _ = p.shape
-    if not rope:
-        m = torch.cat([_sqrt_and_inv_sqrt(s[i])[0] @ p[i] for i in range(n)])
-        return m @ c @ m.T
-    half = hd // 2
-    diag = s.diagonal(dim1=1, dim2=2)  # (n, hd)
+    half = rotary // 2
+    diag = s.diagonal(dim1=1, dim2=2)[:, :rotary]  # (n, rotary)
     weight = (diag[:, :half] + diag[:, half:]).clamp_min(0).sqrt() + 1e-12  # as in _joint_fit_rope
-    z = (torch.complex(p[:, :half], p[:, half:]) * weight[..., None]).transpose(0, 1)  # (half, n, d)
-    return z @ c.to(torch.complex128) @ z.conj().transpose(1, 2)
+    z = (torch.complex(p[:, :half], p[:, half:rotary]) * weight[..., None]).transpose(0, 1)  # (half, n, d)
+    planes = z @ c.to(torch.complex128) @ z.conj().transpose(1, 2)
+    if rotary == hd:
+        return planes, p.new_zeros(0, 0)
+    m = torch.cat([_sqrt_and_inv_sqrt(s[i, rotary:, rotary:])[0] @ p[i, rotary:] for i in range(n)])
+    return planes, m @ c @ m.T
 
 
-def _residual(gram: torch.Tensor, group: list[int], hd: int, rope: bool) -> float:
-    """Weighted energy of the heads in ``group`` that one shared head cannot carry."""
-    if rope:
-        sub = gram[:, group][:, :, group]
-        return (sub.diagonal(dim1=1, dim2=2).real.sum() - torch.linalg.eigvalsh(sub)[:, -1].sum()).item()
-    rows = torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in group])
-    return torch.linalg.eigvalsh(gram[rows][:, rows])[:-hd].sum().item()
+def _residual(gram: tuple[torch.Tensor, torch.Tensor], group: list[int], hd: int) -> float:
+    """Weighted energy of the heads in ``group`` that one shared head cannot carry (``hd`` rows per head)."""
+    planes, flat = gram
+    sub = planes[:, group][:, :, group]
+    turned = (sub.diagonal(dim1=1, dim2=2).real.sum() - torch.linalg.eigvalsh(sub)[:, -1].sum()).item()
+    pd = hd - 2 * planes.shape[0]  # the rows that never turn
+    if pd == 0:
+        return turned
+    rows = torch.cat([torch.arange(h * pd, (h + 1) * pd) for h in group])
+    return turned + torch.linalg.eigvalsh(flat[rows][:, rows])[:-pd].sum().item()
+
+
+def _total(gram: tuple[torch.Tensor, torch.Tensor]) -> float:
+    return gram[0].diagonal(dim1=-2, dim2=-1).real.sum().item() + gram[1].diagonal().sum().item()
 
 
 def similarity_groups(
@@ -236,13 +274,13 @@ def similarity_groups(
 
 
 def _similarity_order(attn: GroupedQueryAttention, r: int, c: torch.Tensor) -> list[int]:
-    st, hd, rope = _fit_inputs(attn, c), attn.head_dim, attn.cfg.rope
-    gk, gv = _gram(st["wk"], st["sq"], st["c"], rope), _gram(st["wv"], st["so"], st["c"], False)
-    total_k = gk.diagonal(dim1=-2, dim2=-1).real.sum().item()
-    total_v = gv.diagonal().sum().item()
+    st, hd = _fit_inputs(attn, c), attn.head_dim
+    rotary = attn.cfg.rotary_dim if attn.cfg.rope else 0
+    gk, gv = _gram(st["wk"], st["sq"], st["c"], rotary), _gram(st["wv"], st["so"], st["c"], 0)
+    total_k, total_v = _total(gk), _total(gv)
 
     def cost(group: list[int]) -> float:  # K and V losses, each as a fraction of the layer's total
-        return _residual(gk, group, hd, rope) / total_k + _residual(gv, group, hd, False) / total_v
+        return _residual(gk, group, hd) / total_k + _residual(gv, group, hd) / total_v
 
     left, order = list(range(attn.n_kv_heads)), []
     while left:
@@ -328,14 +366,15 @@ def _fit(attn: GroupedQueryAttention, new: GroupedQueryAttention, r: int, c: tor
     new_v = torch.empty(new.n_kv_heads, hd, wv.shape[-1], dtype=wv.dtype)
     for g in range(new.n_kv_heads):
         src = slice(g * r, (g + 1) * r)
-        new_k[g], a_k = joint_fit(wk[src], sq[src], c, rope=cfg.rope)
+        new_k[g], a_k = joint_fit(wk[src], sq[src], c, rope=cfg.rope, rotary=cfg.rotary_dim)
         new_v[g], a_v = joint_fit(wv[src], so[src], c, rope=False)
         for i, j in enumerate(range(g * r, (g + 1) * r)):
             for h in range(j * rep, (j + 1) * rep):
                 new_q[h] = a_k[i].T @ wq[h]  # q' = A^T q keeps q' . (B x) = q . (A B x)
                 new_o[h] = wo[h] @ a_v[i]  # Wo' = Wo A keeps Wo' (B x) = Wo (A B x)
-    _store(new.wq, new_q)
-    _store(new.wk, new_k)
+    back = torch.argsort(head_rows(cfg))  # q/k rows from head_rows order to the module's
+    _store(new.wq, new_q[:, back])
+    _store(new.wk, new_k[:, back])
     _store(new.wv, new_v)
     with torch.no_grad():
         new.wo.weight.copy_(new_o.permute(1, 0, 2).reshape(cfg.d_model, -1))

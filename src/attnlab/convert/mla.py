@@ -67,9 +67,9 @@ import torch
 
 from ..attention.gqa import GroupedQueryAttention
 from ..attention.mla import MultiHeadLatentAttention
-from ..attention.rope import interleaved_to_half_split, inverse_frequencies, plain_pairs
+from ..attention.rope import inverse_frequencies, plain_pairs
 from ..config import ROPE_KEEPING_FAST_PLANES, ROPE_WITHOUT_PLAIN_PLANES, AttentionConfig, MLAConfig
-from .gqa import _augmented, _sqrt_and_inv_sqrt, input_moment, joint_fit
+from .gqa import _augmented, _sqrt_and_inv_sqrt, head_rows, input_moment, joint_fit
 
 WEIGHTINGS = ("readers", "inputs")
 
@@ -174,19 +174,6 @@ def plane_rows(planes: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """Rows of a head in the converter's order (``head_rows``) holding ``planes``: all first halves, then all
     second halves."""
     return torch.cat((planes, planes + rotary_dim // 2))
-
-
-def head_rows(cfg: AttentionConfig) -> torch.Tensor:
-    """The order of one head's q/k rows that the conversion works in: the ``rotary_dim`` dims RoPE turns as
-    half-split pairs (plane f at rows f and f + rotary_dim/2), then the dims it never turns. ``w[head_rows(cfg)]``
-    of a half-split source is ``w`` itself; of an interleaved one (GLM, ChatGLM: pairs (2i, 2i + 1)) it is the
-    named permutation ``interleaved_to_half_split``. A fixed order of rows changes no score, so the source's
-    scores are unchanged."""
-    if not cfg.rope:
-        return torch.arange(cfg.head_dim)
-    rotary = cfg.rotary_dim
-    turned = interleaved_to_half_split(rotary) if cfg.rope_interleaved else torch.arange(rotary)
-    return torch.cat((turned, torch.arange(rotary, cfg.head_dim)))
 
 
 def mla_rope_theta(theta: float, rotary_dim: int, rope_dim: int, stride: int) -> float:
