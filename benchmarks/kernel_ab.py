@@ -1,7 +1,7 @@
-"""A/B of two versions of the fused decode kernel (``fused.cpp``) in one process, warm and cold.
+"""A/B of two versions of the fused decode kernel (``attention/csrc/``) in one process, warm and cold.
 
     python benchmarks/kernel_ab.py --base 7654ed3            # this checkout's kernel against a commit's
-    python benchmarks/kernel_ab.py --base old.cpp --contexts 4096 --dtypes fp32
+    python benchmarks/kernel_ab.py --base old/csrc --contexts 4096 --dtypes fp32   # a directory of sources
 
 Both sources are built (cached like the package's own build) and called through the same Python entry
 (``attnlab.attention.fused.decode``), alternating which goes first in every round so neither is favoured by the
@@ -39,33 +39,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside
 from locations import at_defaults, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL = ROOT / "src" / "attnlab" / "attention" / "fused.cpp"
+KERNEL = ROOT / "src" / "attnlab" / "attention" / "csrc"
+OLD_KERNEL = KERNEL.with_name("fused.cpp")  # one file, before the kernel was split into headers
 RESULTS = ROOT / "benchmarks" / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STATES = ("warm", "cold", "layers")
 TOL = {"fp32": 1e-5, "bf16": 2e-2}  # max |new - base|: float32 sums in another order, bf16 output rounding
 
 
-def _source(spec: str, tmp: Path, role: str) -> Path:
-    """A kernel source (a file, or a git revision of this checkout's kernel), copied into ``tmp`` with its C++
-    namespace renamed for ``role``. Two builds loaded into one process share their unique symbols (a template's
-    static thread-local scratch, for one) unless their namespaces differ: the second library then uses the first's
-    objects, which crashes or computes garbage once the two versions lay them out differently."""
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+def _files(spec: str, role: str) -> dict[str, str]:
+    """The kernel's files by name: a directory's ``.cpp``/``.h`` files, a single ``.cpp`` file, or a git revision's
+    ``csrc/`` directory (or, before the kernel was split into headers, its one ``fused.cpp``)."""
+    path = Path(spec)
+    if path.is_dir():
+        return {p.name: p.read_text() for p in sorted(path.iterdir()) if p.suffix in (".cpp", ".h")}
+    if path.is_file():
+        return {"fused.cpp": path.read_text()}
     rel = KERNEL.relative_to(ROOT).as_posix()
-    if Path(spec).is_file():
-        text = Path(spec).read_text()
-    else:
-        try:
-            text = subprocess.run(
-                ["git", "-C", str(ROOT), "show", f"{spec}:{rel}"], capture_output=True, text=True, check=True
-            ).stdout
-        except subprocess.CalledProcessError as err:
-            raise SystemExit(
-                f"--{role} {spec!r}: neither a file nor a revision holding {rel} ({err.stderr.strip()})"
-            ) from None
-    path = tmp / f"fused_{role}.cpp"
-    path.write_text(text.replace("attnlab_fused", f"attnlab_fused_{role}"))
-    return path
+    listing = _git("ls-tree", "--name-only", f"{spec}:{rel}")
+    if listing.returncode == 0:
+        return {name: _git("show", f"{spec}:{rel}/{name}").stdout for name in listing.stdout.split()}
+    old = _git("show", f"{spec}:{OLD_KERNEL.relative_to(ROOT).as_posix()}")
+    if old.returncode == 0:
+        return {"fused.cpp": old.stdout}
+    raise SystemExit(
+        f"--{role} {spec!r}: neither a directory, a file nor a revision holding {rel} ({old.stderr.strip()})"
+    )
+
+
+def _source(spec: str, tmp: Path, role: str) -> Path:
+    """A kernel's sources (see ``_files``) copied into the directory ``tmp/role`` with their C++ namespace renamed
+    for ``role``. Two builds loaded into one process share their unique symbols (a template's static thread-local
+    scratch, for one) unless their namespaces differ: the second library then uses the first's objects, which
+    crashes or computes garbage once the two versions lay them out differently."""
+    directory = tmp / role
+    directory.mkdir()
+    for name, text in _files(spec, role).items():
+        (directory / name).write_text(text.replace("attnlab_fused", f"attnlab_fused_{role}"))
+    return directory
 
 
 def _build(source: Path):
@@ -138,7 +153,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked, with ``--json`` filled in: the committed file when every shape option has its
     default (rounds and threads change how they are timed, not which), else its place under .cache/quick/."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the other kernel: a .cpp file or a git revision")
+    parser.add_argument(
+        "--base",
+        required=True,
+        help="the other kernel: a directory of sources, a .cpp file or a git revision",
+    )
     parser.add_argument("--new", default=str(KERNEL), help="the kernel under test (default: this checkout's)")
     parser.add_argument("--contexts", default="4096,16384", help="comma list of cached tokens")
     parser.add_argument("--kv-heads", default="8,4,2,1", help="comma list of KV heads")

@@ -1,23 +1,23 @@
-"""The fused CPU decode kernel (``fused.cpp``): built at first use, with the PyTorch kernels as the fallback.
+"""The fused CPU decode kernel (``csrc/``): built at first use, with the PyTorch kernels as the fallback.
 
 One query per head over a contiguous or paged cache in a single pass: per (batch row, KV head), the group's
 queries are scored against each block of cached keys, an online softmax updates a running maximum and exp-sum,
 and the block's values are accumulated, so every cached byte is read once (GQA, MQA and MLA's absorbed form,
 whose values are the first columns of its key rows). Paged batches are attended together, in one call. See the
-C++ file for the algorithm. The same library holds the few-row matrix-vector product of decode-time linear layers
+C++ sources (``csrc/decode.h``) for the algorithm. The same library holds the few-row matrix-vector product of decode-time linear layers
 (``linear``) and a decoder block's whole decode step (``BlockStep``, used by ``attnlab.model.Block``).
 
-Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP,
-``-O3 -march=native``) into PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``, else
+Building: the first call compiles ``csrc/fused.cpp`` (one compiled unit that includes the headers of ``csrc/``,
+one per concern) with ``torch.utils.cpp_extension.load`` (g++ with OpenMP, ``-O3 -march=native``) into PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``, else
 ``~/.cache/torch_extensions``) under a name that hashes everything the generated build file depends on
-(``build_inputs``): the source and its path, the flags, the compiler, the Python environment and the PyTorch
+(``build_inputs``): the sources and their directory, the flags, the compiler, the Python environment and the PyTorch
 installation whose headers it names, and the CPU model. So a build is reused by later processes of the same
 environment on the same machine, and two environments (two virtual environments, two checkouts) keep one build
-each rather than rebuilding each other's in turn. The source includes no PyTorch header (it is one C function
-called through ``ctypes``), so the build takes seconds, not a minute; a build (not a load from the cache) says so
+each rather than rebuilding each other's in turn. The sources include no PyTorch header (C functions called
+through ``ctypes``), so the build takes seconds, not a minute; a build (not a load from the cache) says so
 on stderr before it starts, once. Commands that time something call ``ensure_built`` before starting a clock.
 On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups have 8 or more queries run on
-the tile unit (the C++ file says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends
+the tile unit (``csrc/amx.h`` says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends
 them to the float32 tiles instead.
 
 When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("fused.cpp")
+_SOURCE = Path(__file__).with_name("csrc")  # fused.cpp and the headers it includes
 # -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,15 +84,20 @@ def _compiler_version(cxx: str) -> str | None:
     return " ".join([os.path.realpath(path), *out.splitlines()[:1]])
 
 
+def _source_files(source: Path) -> list[Path]:
+    """The files of the kernel in the directory ``source``: the compiled unit and the headers it includes."""
+    return sorted(p for p in source.iterdir() if p.suffix in (".cpp", ".h"))
+
+
 def build_inputs(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> dict[str, str]:
     """Everything the build file that ``torch.utils.cpp_extension.load`` writes (build.ninja) is made from, and
-    so everything a cached build must match: the source's text and path, the flags, the compiler (``$CXX``, else
-    ``c++``), the Python environment (its prefix; the Python headers' directory, which the build includes), the
+    so everything a cached build must match: the sources' names and texts and their directory, the flags, the
+    compiler (``$CXX``, else ``c++``), the Python environment (its prefix; the Python headers' directory, which the build includes), the
     PyTorch installation (its version; its directory, whose headers and libraries the build names) and the CPU
     (``-march=native``)."""
     cxx = _compiler()
     return {
-        "source": source.read_text(),
+        "source": "".join(f"// {p.name}\n{p.read_text()}" for p in _source_files(source)),
         "source_path": str(source.resolve()),
         "flags": " ".join([*_FLAGS, *flags]),
         "compiler": f"{cxx}: {_compiler_version(cxx)}",
@@ -134,7 +139,7 @@ def _announce_build(root: Path) -> None:
 def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     """Compile (or find the cached build of) the kernel; the path of the shared library.
 
-    A compile is needed when the library is missing or older than the source (ninja's own rule, the build's
+    A compile is needed when the library is missing or older than a source (ninja's own rule, the build's
     command being fixed by the name); it is announced on stderr first, unless there is no compiler to run.
     """
     from torch.utils.cpp_extension import load
@@ -143,14 +148,15 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     root = _build_root()
     directory = root / name
     library = directory / f"{name}.so"
-    compiles = not library.is_file() or library.stat().st_mtime < source.stat().st_mtime
+    newest = max(p.stat().st_mtime for p in _source_files(source))
+    compiles = not library.is_file() or library.stat().st_mtime < newest
     if compiles and _compiler_version(_compiler()) is not None:
         _announce_build(root)
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = load(
         name=name,
-        sources=[str(source)],
+        sources=[str(source / "fused.cpp")],
         extra_cflags=[*_FLAGS, *flags],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -167,8 +173,8 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
 
 
 def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The kernel library compiled from ``source`` with ``flags`` after the usual ones (built, or found in the
-    extension cache), its C entry points typed; raises when it cannot be built or loaded. ``_library`` keeps this
+    """The kernel library compiled from the directory ``source`` (its ``fused.cpp``) with ``flags`` after the usual
+    ones (built, or found in the extension cache), its C entry points typed; raises when it cannot be built or loaded. ``_library`` keeps this
     process's one copy of the package's kernel; benchmarks/kernel_ab.py loads two sources side by side, and the
     tests build the kernel as CPUs without AVX-512 get it (``flags=("-mno-avx512f",)``)."""
     lib = ctypes.CDLL(_build(source, flags))
