@@ -155,12 +155,15 @@ class _FusedPlan:
         ):
             return
         self.rope_spec = attn.rope_spec
+        by_name = dict(zip(("q", "k", "v", "o", "1", "3", "2"), linears, strict=True))  # wq .. w2, bq .. b2
+        weights = fused.BlockWeights(
+            attn_norm=block.attention_norm.weight,
+            ffn_norm=block.ffn_norm.weight,
+            **{f"w{name}": m.weight for name, m in by_name.items()},
+            **{f"b{name}": m.bias for name, m in by_name.items()},
+        )
         self.step = fused.BlockStep(
-            block.attention_norm.weight,
-            (*(m.weight for m in linears[:3]), *(m.bias for m in linears[:3])),
-            (attn.wo.weight, attn.wo.bias),
-            block.ffn_norm.weight,
-            (*(m.weight for m in linears[4:]), *(m.bias for m in linears[4:])),
+            weights,
             head_dim=attn.head_dim,
             eps=block.attention_norm.eps,
             scale=attn.cfg.softmax_scale,
@@ -174,6 +177,8 @@ class _FusedPlan:
     @staticmethod
     def of(block: Block, x: torch.Tensor, cache: KVCache) -> _FusedPlan | None:
         """The block's plan if its fused step can take this call, else None."""
+        if torch.compiler.is_compiling():  # the plan's checks read data pointers, which tracing does not have
+            return None
         if type(x) is not torch.Tensor or not x.is_cpu or x.ndim != 3 or x.shape[1] != 1:
             return None
         plan = _PLANS.get(block)
@@ -192,8 +197,6 @@ class _FusedPlan:
         if any(m._forward_hooks or m._forward_pre_hooks for m in plan.modules) or _global_hooks():
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in plan.params)):
-            return None
-        if torch.compiler.is_compiling():
             return None
         return plan
 

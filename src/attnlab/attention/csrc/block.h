@@ -2,6 +2,7 @@
 #pragma once
 
 #include "decode.h"
+#include "kernels.h"
 #include "linear.h"
 #include "rows.h"
 #include "vectors.h"
@@ -21,14 +22,7 @@ namespace attnlab_fused {
 // with the module-by-module forward up to the order of the sums. The point is the per-op overhead: a step of a
 // small model is ~25 PyTorch ops per block, each a dispatch and an allocation; here it is one call.
 
-struct BlockDims {
-  int64_t M, D, H, n_kv, hd, F, pos;  // rows, model width, query/KV heads, head dim, MLP width, cache position
-  int64_t k_strides[3], v_strides[3];  // cache strides (row, head, token) in elements
-  int64_t rope_stride;                 // between the rows' cos/sin (0: shared); cos == nullptr: no RoPE
-  float eps, scale;
-};
-
-// The block's tensors, in the order of attnlab_block's pointer array.
+// The block's tensors (BlockArgs' pointers) typed.
 template <typename T>
 struct BlockTensors {
   const T* x;
@@ -62,7 +56,7 @@ void rope(const T* x, const float* cos, const float* sin, int64_t hd, T* y) {
 }
 
 template <typename T>
-void block(const BlockDims& d, const BlockTensors<T>& t, int threads) {
+void block(const BlockArgs& d, const BlockTensors<T>& t, int threads) {
   const int64_t M = d.M, D = d.D, hd = d.hd, qw = d.H * hd, kw = d.n_kv * hd, F = d.F;
   std::vector<T> xn(M * D), qkv(M * (qw + 2 * kw)), q(M * qw), att(M * qw), h(M * D), gu(M * 2 * F), act(M * F);
   // attention: norm, projections, RoPE, the cache write, attention over the cache, output projection
@@ -79,8 +73,8 @@ void block(const BlockDims& d, const BlockTensors<T>& t, int threads) {
     const T* km = qm + qw;
     const T* vm = km + kw;
     for (int64_t head = 0; head < d.n_kv; ++head) {
-      T* kd = t.cache_k + m * d.k_strides[0] + head * d.k_strides[1] + d.pos * d.k_strides[2];
-      T* vd = t.cache_v + m * d.v_strides[0] + head * d.v_strides[1] + d.pos * d.v_strides[2];
+      T* kd = t.cache_k + m * d.k_strides.row + head * d.k_strides.head + d.pos * d.k_strides.token;
+      T* vd = t.cache_v + m * d.v_strides.row + head * d.v_strides.head + d.pos * d.v_strides.token;
       if (t.cos != nullptr)
         rope(km + head * hd, t.cos + m * d.rope_stride, t.sin + m * d.rope_stride, hd, kd);
       else
@@ -95,8 +89,8 @@ void block(const BlockDims& d, const BlockTensors<T>& t, int threads) {
     }
   }
   {
-    const Rows<T> keys{t.cache_k, d.k_strides[0], d.k_strides[1], d.k_strides[2]};
-    const Rows<T> values{t.cache_v, d.v_strides[0], d.v_strides[1], d.v_strides[2]};
+    const Rows<T> keys{t.cache_k, d.k_strides.row, d.k_strides.head, d.k_strides.token};
+    const Rows<T> values{t.cache_v, d.v_strides.row, d.v_strides.head, d.v_strides.token};
     const std::vector<int64_t> lo(M, 0), hi(M, d.pos + 1);
     decode(q.data(), M, d.H, d.n_kv, hd, hd, keys, values, lo.data(), hi.data(), d.scale, att.data(), threads);
   }
