@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from attnlab import AttentionConfig, MLAConfig, ModelConfig, MultiHeadLatentAttention, PagedKVCache
 from attnlab.attention import fused
-from attnlab.attention.kernels import attend, choose_backend
+from attnlab.attention.backends import Call, choose
+from attnlab.attention.kernels import attend
 from attnlab.model import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -33,8 +34,8 @@ def test_the_extension_is_built_and_auto_takes_it_for_cpu_decode():
         pytest.skip("ATTNLAB_FUSED=0 turns the kernel off")
     assert fused.available(), fused.status()
     assert fused.status().startswith("fused C++ kernel")
-    for phase in ("decode", "paged"):
-        assert choose_backend("cpu", torch.float32, phase) == "fused"
+    for paged in (False, True):
+        assert choose(Call("cpu", torch.float32, "decode", paged=paged)).backend.name == "fused"
 
 
 def _inputs(draw, dtype: torch.dtype):

@@ -449,18 +449,10 @@ def _plain_operands(tensors, dtypes) -> bool:
     return True
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> bool:
-    """Whether the kernel can take these operands: one CPU query per head, float32 or bfloat16, no gradient,
-    no dropout, no tensor subclass; and the kernel built."""
-    if q.shape[2] != 1 or dropout_p > 0.0:
-        return False
-    return _plain_operands((q, k, v), _DTYPES) and available()
-
-
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
     """q (B, H, 1, Dk) over k (B, n_kv, S, Dk), v (B, n_kv, S, Dv) (any strides but the last) -> (B, H, 1, Dv);
-    ``mla_decode`` when v is the first Dv columns of k's rows (MLA's absorbed values). Call only when
-    ``supports(q, k, v)``."""
+    ``mla_decode`` when v is the first Dv columns of k's rows (MLA's absorbed values). Call only where the "fused"
+    backend takes the call (attention/kernels.py declares what it takes)."""
     ops: Ops = _state["ops"]  # type: ignore[assignment]
     if _first_columns(v, k):
         return ops.mla_decode(q, k, v.shape[-1], scale)
@@ -531,15 +523,6 @@ def linear(
     return ops.linear(x, weights, biases or [None] * len(weights))
 
 
-def block_supports(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    """Whether ``BlockStep`` takes a decode step of ``x`` (B, 1, D): 1 to ``LINEAR_MAX_ROWS`` rows of one token,
-    CPU float32/bfloat16, every tensor (weights, biases, the cache) plain and of x's dtype, no gradient; and the
-    kernel built."""
-    if x.dtype not in _DTYPES or x.ndim != 3 or x.shape[1] != 1 or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS:
-        return False
-    return _plain_operands((x, *tensors), (x.dtype,)) and available()
-
-
 class BlockStep:
     """One pre-norm decoder block's decode step in one operator call (``block_step``; ``attnlab.model.Block``; see
     csrc/block.h): RMSNorm, q/k/v projections, RoPE, the cache write, attention over the cache, output projection
@@ -547,7 +530,8 @@ class BlockStep:
 
     Built once from the block's tensors (``BlockWeights``; their shapes are checked by the operator at every call),
     then called for every token: a layer's ~25 PyTorch ops and ~20 module attribute lookups become one call. Use
-    only while ``block_supports`` them; the caller rebuilds the step when a tensor is replaced.
+    only where the "fused" backend takes the block's step (``attnlab.model._FusedPlan`` asks the backend table);
+    the caller rebuilds the step when a tensor is replaced.
     """
 
     def __init__(self, weights: BlockWeights, *, head_dim: int, eps: float, scale: float) -> None:
