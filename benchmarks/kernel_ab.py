@@ -49,7 +49,6 @@ from locations import at_defaults, output, own_path
 ROOT = Path(__file__).resolve().parents[1]
 ATTENTION = ROOT / "src" / "attnlab" / "attention"
 KERNEL = ATTENTION / "csrc"
-OLD_KERNEL = ATTENTION / "fused.cpp"  # one file, before the kernel was split into headers
 COPIES = ROOT / "benchmarks" / ".cache" / "kernel_ab"
 RESULTS = ROOT / "benchmarks" / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -277,6 +277,25 @@ def test_a_compiled_decode_step_has_the_operators_in_its_graph_and_equals_eager(
     assert torch.equal(compiled, eager)
 
 
+def test_tracing_never_builds_the_kernels(monkeypatch):
+    """Compiling before the first eager call: tracing does not run a build (seconds, a lock, a subprocess) but takes
+    the PyTorch kernels, without a graph break; the eager call after it builds (here: loads) the kernels."""
+    for key, value in fused._state.items():  # restored after the test: the loaded kernels stay in use
+        monkeypatch.setitem(fused._state, key, value)
+    fused.reset()
+    module = _module(LAYERS["gqa"])
+    cache = module.new_cache(2, 16)
+    x = torch.randn(2, 1, 160)
+    with torch.no_grad():
+        module(torch.randn(2, 5, 160), cache=cache)  # a prefill: SDPA, the kernels not asked for
+        assert fused.status() == "not built yet"
+        _, targets = _compiled(lambda x: module(x, cache=cache), x)
+        assert fused.status() == "not built yet"
+        assert not any(str(t).startswith("attnlab.") for t in targets), targets
+        module(x, cache=cache)
+    assert fused.status().startswith("fused C++ kernel")
+
+
 def test_a_compiled_model_decode_step_equals_eager():
     """The whole model's step: its blocks run module by module under compile (the block plan reads data pointers),
     through the decode and linear operators, in one graph."""

@@ -382,10 +382,12 @@ def _library() -> Ops | None:
         return ops
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the fused kernels run (builds them on the first call). Under ``torch.compile`` the answer is taken at
-    tracing time, as a constant of the graph."""
+    """Whether the fused kernels run (builds them on the first call). Tracing for ``torch.compile`` never builds:
+    there, kernels not built yet answer False and the graph takes the PyTorch kernels (``ensure_built`` first puts
+    the operators in the graph)."""
+    if not _state["tried"] and torch.compiler.is_compiling():
+        return False
     return _library() is not None
 
 
