@@ -22,7 +22,7 @@ which goes first in every round so neither is favoured by the order. Three state
 Prints one row per shape (median ms of each version and state, and base / new) and writes the JSON result:
 benchmarks/results/kernel_ab.json for the default shapes, else the same name under benchmarks/.cache/quick/.
 ``--overhead`` instead times calls whose work is a few hundred FLOPs (decode, paged decode, MLA decode, a
-two-weight few-row linear, a decoder block step), median microseconds per call of each version.
+two-weight few-row linear, a decoder block step), microseconds per call of each version (the fastest round).
 Absolute times on a shared machine drift by tens of percent within an hour; compare versions only within a run.
 """
 
@@ -186,9 +186,9 @@ def _block_step(module, d: int, n_heads: int, n_kv: int, head_dim: int, ffn: int
 
 
 def overhead(versions: dict, repeats: int) -> dict[str, dict[str, float]]:
-    """Median microseconds per call of each entry point where the call, not the work, is the time: attention over
-    an empty cache (its setup and merge only), a linear layer of 24 x 32 weights, a block step of width 32 attending
-    to one token."""
+    """Microseconds per call (the fastest of ``repeats`` rounds of 200 calls) of each entry point, at sizes where the
+    call, not the work, is the time: attention over an empty cache (its setup and merge only), a linear layer of
+    24 x 32 weights, a block step of width 32 attending to one token."""
     gen = torch.Generator().manual_seed(0)
     q, qm = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 24, generator=gen)
     k, v, rows = torch.zeros(1, 1, 0, 16), torch.zeros(1, 1, 0, 16), torch.zeros(1, 1, 0, 24)
@@ -219,7 +219,8 @@ def overhead(versions: dict, repeats: int) -> dict[str, dict[str, float]]:
                 for _ in range(n):
                     fn(m, name)
                 times[name].append((time.perf_counter() - start) / n * 1e6)
-        result[what] = {name: round(statistics.median(t), 2) for name, t in times.items()}
+        # the fastest round: on a shared machine a round is only ever slowed down (preempted), never sped up
+        result[what] = {name: round(min(t), 2) for name, t in times.items()}
     return result
 
 

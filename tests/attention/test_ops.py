@@ -238,6 +238,24 @@ def test_bad_operands_are_refused_by_name():
         OPS.paged_decode(*paged)
 
 
+def test_the_kernels_read_the_arguments_the_schemas_pass(monkeypatch):
+    """csrc/ops.cpp reads each argument by a name; fused.py's schemas are the one definition of those names and
+    their order. The loaded library agrees (checked at every load), and a disagreement refuses the library."""
+    ops = fused._library()
+    fused.check_signatures(ops)
+    assert (
+        fused._argument_names(
+            "block_step(Tensor x, Tensor? bq, Tensor(a!) cache_k, int[] table, int pos) -> Tensor"
+        )
+        == "block_step(x, bq, cache_k, table, pos)"
+    )
+    schemas = fused._schemas()
+    swapped = dict(schemas, decode="decode(Tensor q, Tensor v, Tensor k, float scale) -> Tensor")
+    monkeypatch.setattr(fused, "_schemas", lambda: swapped)
+    with pytest.raises(RuntimeError, match=r"the kernels read arguments .*decode\(q, k, v, scale\)"):
+        fused.check_signatures(ops)
+
+
 class _Graphs:
     """A torch.compile backend that keeps the call targets of each graph and runs it as it is."""
 

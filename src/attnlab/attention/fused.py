@@ -5,30 +5,33 @@ the group's queries are scored against each block of cached keys, an online soft
 exp-sum, and the block's values are accumulated, so every cached byte is read once (GQA, MQA and MLA's absorbed
 form, whose values are the first columns of its key rows). Paged batches are attended together, in one call. See
 ``csrc/decode.h`` for the algorithm. The same library holds the few-row matrix-vector product of decode-time
-linear layers (``linear``) and a decoder block's whole decode step (``BlockStep``, used by ``attnlab.model.Block``).
+linear layers (``linear``) and a decoder block's whole decode step (``BlockStep``, used by
+``attnlab.model.Block``).
 
 Operators. Each kernel is a PyTorch operator, ``torch.ops.attnlab.<name>``: ``decode``, ``mla_decode``,
 ``paged_decode``, ``linear``, ``block_step`` (and ``amx``, the AMX switch). Their schemas, fake implementations
 (shapes and dtypes, for ``torch.compile`` and meta tensors) and FLOP formulas (``torch.utils.flop_counter``) are
 defined below when this module is imported, whether or not the kernels can be built, so that a ``FlopCounterMode``
 opened before the first call counts them too; the build adds their CPU implementations (``csrc/ops.cpp``), which
-read each argument by its name in the schema. So the flop counter, ``torch.profiler`` (each op by name) and
-``torch.compile`` (the ops in the graph) see them as any PyTorch op. They are registered in C++ and called through
-their ``OpOverload``s: a call costs one pass through the dispatcher, where a ``torch.library.custom_op`` around a
-Python function would add a Python-level wrapper and a second trip into Python per call.
+read each argument by its name (their list of names is checked against these schemas when the library loads). So
+the flop counter, ``torch.profiler`` (each op by name) and ``torch.compile`` (the ops in the graph) see them as
+any PyTorch op. They are registered in C++, through LibTorch's stable ABI (its headers compile in about a second,
+``torch/library.h``'s in five), and called through their ``OpOverload``s: a call costs one pass through the
+dispatcher, where a ``torch.library.custom_op`` around a Python function would add a Python-level wrapper and a
+second trip into Python per call.
 
 Building: the first call compiles ``csrc/`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP, ``-O3
 -march=native``) in two units built in parallel: ``kernels.cpp`` (the kernels, one header per concern, no PyTorch
-header) and ``ops.cpp`` (the operators). The build lands in PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``,
-else ``~/.cache/torch_extensions``) under a name that hashes everything the generated build file depends on
-(``build_inputs``): the sources and their directory, the flags, the compiler, the Python environment and the
-PyTorch installation whose headers it names, and the CPU model. So a build is reused by later processes of the same
-environment on the same machine, and two environments (two virtual environments, two checkouts) keep one build
-each rather than rebuilding each other's in turn. A build (not a load from the cache) says so on stderr before it
-starts, once. Commands that time something call ``ensure_built`` before starting a clock. On CPUs with AMX tiles
-(Intel Sapphire Rapids and later), bfloat16 steps whose groups have 8 or more queries run on the tile unit
-(``csrc/amx.h`` says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends them to
-the float32 tiles instead.
+header) and ``ops.cpp`` (the operators, on the stable ABI: PyTorch 2.10 or later). The build lands in PyTorch's
+extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) under a name that hashes
+everything the generated build file depends on (``build_inputs``): the sources and their directory, the flags, the
+compiler, the Python environment and the PyTorch installation whose headers it names, and the CPU model. So a
+build is reused by later processes of the same environment on the same machine, and two environments (two virtual
+environments, two checkouts) keep one build each rather than rebuilding each other's in turn. A build (not a load
+from the cache) says so on stderr before it starts, once. Commands that time something call ``ensure_built``
+before starting a clock. On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups
+have 8 or more queries run on the tile unit (``csrc/amx.h`` says how); ``amx()`` says whether they do,
+``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends them to the float32 tiles instead.
 
 When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
 takes the PyTorch kernels of ``decode`` instead; the reason is reported once (a ``RuntimeWarning``) and stays
@@ -60,7 +63,8 @@ from torch.utils.flop_counter import register_flop_formula
 _SOURCE = Path(__file__).with_name("csrc")  # kernels.cpp, ops.cpp and the headers they include
 # -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes). -fvisibility=hidden: a second
 # build loaded beside the first (kernel_ab, the tests' AVX2 build) keeps its own functions and template statics.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden"]
+# -std=c++17 (after torch's -std=c++20): the kernel unit's standard headers parse ~1 s faster.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden", "-std=c++17"]
 _NAMESPACE = "attnlab"  # the operators' (torch.ops.attnlab); benchmarks/kernel_ab.py renames it in its copies
 _DTYPES = (torch.float32, torch.bfloat16)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # a parameter is a plain tensor to the kernels
@@ -223,7 +227,15 @@ def _schemas() -> dict[str, str]:
         "block_step": f"block_step(Tensor x, {weights}, Tensor? cos, Tensor? sin, Tensor(a!) cache_k, "
         "Tensor(b!) cache_v, int pos, float eps, float scale) -> Tensor",
         "amx": "amx(int on) -> int",
+        "signatures": "signatures() -> str[]",
     }
+
+
+def _argument_names(schema: str) -> str:
+    """ "decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor" -> "decode(q, k, v, scale)"."""
+    name, rest = schema.split("(", 1)
+    arguments = rest.rsplit(") ->", 1)[0]
+    return f"{name}({', '.join(a.split()[-1] for a in arguments.split(', ') if a)})"
 
 
 # Fake implementations: the output's shape and dtype (a new contiguous tensor, as the kernels allocate), from the
@@ -338,6 +350,7 @@ class Ops:
         self.linear = ops.linear.default
         self.block_step = ops.block_step.default
         self.amx = ops.amx.default
+        self.signatures = ops.signatures.default
 
 
 def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = (), namespace: str = _NAMESPACE) -> Ops:
@@ -347,7 +360,18 @@ def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = (), namespace:
     its own (the tests build the kernels as CPUs without AVX-512 get them: ``flags=("-mno-avx512f",)``)."""
     define(namespace)
     _build(source, (*flags, f"-DATTNLAB_OPS={namespace}"))
-    return Ops(namespace)
+    ops = Ops(namespace)
+    check_signatures(ops)
+    return ops
+
+
+def check_signatures(ops: Ops) -> None:
+    """The kernels read their arguments by the names in csrc/ops.cpp: those must be the schemas' names, in the
+    schemas' order (a kernel that read another argument than the one passed would compute garbage)."""
+    want = [_argument_names(s) for name, s in _schemas().items() if name != "signatures"]
+    got = list(ops.signatures())
+    if got != want:
+        raise RuntimeError(f"the kernels read arguments {got}, but fused.py's schemas pass {want}")
 
 
 def _library() -> Ops | None:
