@@ -107,7 +107,7 @@ def test_sharded_transformer_generates_the_one_process_greedy_tokens(record, nam
     assert max(got["local_params"]) == model_param_count(
         rank_config(cfg, tp)
     )  # rank 0: the larger vocab share
-    assert got["cache_bytes"] == [kv_cache_bytes(rank_config(cfg, tp), 2, 16, "fp32")] * tp
+    assert got["cache_bytes"] == [kv_cache_bytes(rank_config(cfg, tp), 2, 16, "fp64")] * tp  # float64 models
 
 
 def test_bad_tp_and_head_combinations_raise_before_any_collective(record):
