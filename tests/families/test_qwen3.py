@@ -186,6 +186,10 @@ def test_fields_left_out_mean_what_qwen3config_says():
             {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 2},
             "layer_types names sliding",
         ),
+        (  # Llama 4's chunked attention: another model, refused by the field's name
+            {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
+            "qwen3 config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
+        ),
     ],
 )
 def test_a_field_attnlab_does_not_model_is_refused_in_one_line(tmp_path, change, named):

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config import AttentionConfig, ModelConfig
+from ..config import LAYER_TYPES, AttentionConfig, ModelConfig
 
 _MISSING = object()
 # No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is a
@@ -156,6 +156,16 @@ def check_heads(f: Fields, d_model: int, n_heads: int, n_kv_heads: int, head_dim
         f.fail(
             f"hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and {head_dim_key} is not given"
         )
+
+
+def check_layer_types(f: Fields, types: Any, n_layers: int) -> list[str]:
+    """A config.json's ``layer_types``: one of transformers' ``full_attention`` / ``sliding_attention`` per layer
+    (attnlab models no other kind: Llama 4's ``chunked_attention``, ... are refused naming the field)."""
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+        f.fail(
+            f"layer_types must list num_hidden_layers={n_layers} of {', '.join(LAYER_TYPES)}, got {types!r}"
+        )
+    return types
 
 
 # ---- tensors -------------------------------------------------------------------------------------------------
