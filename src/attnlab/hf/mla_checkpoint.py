@@ -1,7 +1,8 @@
-"""On-disk conversion of a checkpoint whose family allows it (Llama, Mistral, Qwen2, Phi-3, GLM, ChatGLM: ``Family.mla``) to a
-native, dense DeepSeek-V3 (MLA) checkpoint.
+"""On-disk conversion of a checkpoint whose family allows it (its ``Family.mla`` verdict is not "refused": Llama,
+Mistral, Qwen2, Phi-3, GLM, ChatGLM, each on the config's terms, docs/families.md) to a native, dense DeepSeek-V3
+(MLA) checkpoint.
 
-Steps: load the source (``load_llama``) in float32; convert every attention layer to MLA
+Steps: load the source (``load_causal_lm``) in float32; convert every attention layer to MLA
 (``convert.convert_model_to_mla``: RoPE kept on the chosen planes after RoRoPE, the rest factored into the
 latent); add DeepSeek's latent norm (``convert.fold_latent_norms``); write ``DeepseekV3ForCausalLM`` weights
 (``hf.deepseek``, in the source's dtype) atomically, with every other file of the source (tokenizer,
@@ -79,10 +80,10 @@ def convert_checkpoint_to_mla(
     seed: int = 0,
     progress: StageProgress | None = None,
 ) -> dict:
-    """Convert the Llama-family checkpoint in ``src`` to a DeepSeek-V3 MLA checkpoint in ``dst``; returns a
-    summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors, logit distances).
-    ``planes``, ``rorope``, ``weighting``, ``mean_phase``: as ``convert.convert_model_to_mla``; ``balance``: as
-    ``convert.fold_latent_norms``. ``progress(stage, done, total)`` is called after each layer of each pass
+    """Convert the checkpoint in ``src`` (a family whose MLA verdict allows it) to a DeepSeek-V3 MLA checkpoint in
+    ``dst``; returns a summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors,
+    logit distances). ``planes``, ``rorope``, ``weighting``, ``mean_phase``: as ``convert.convert_model_to_mla``;
+    ``balance``: as ``convert.fold_latent_norms``. ``progress(stage, done, total)`` is called after each layer of each pass
     (``STAGES``).
 
     Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim, a
