@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -185,6 +186,21 @@ def test_an_out_directory_of_the_user_is_refused(tiny):
     result = sweep(tiny, "--out", mine)
     assert result.exit_code == 2 and "--out" in result.stderr and "marker" in result.stderr, result.stderr
     assert os.listdir(mine) == ["notes.txt"]
+
+
+def test_an_out_directory_holding_the_teacher_is_refused(tiny):
+    # Issue 29's write rule: --out may not contain any input, --teacher included (here an earlier sweep's directory,
+    # whose --keep could delete a checkpoint the user now distils from).
+    from attnlab.atomic import claim_dir
+
+    out = claim_dir(tiny["root"] / "earlier", "sweep")
+    shutil.copytree(tiny["src"], out / "teacher")
+    before = snapshot(tiny["root"], skip=tiny["root"] / "nothing")
+    result = sweep(tiny, "--out", out, "--teacher", out / "teacher", "--keep", "best")
+    assert result.exit_code == 2 and "--out" in result.stderr and "contains the source" in result.stderr, (
+        result.output
+    )
+    assert snapshot(tiny["root"], skip=tiny["root"] / "nothing") == before
 
 
 def test_auto_variants_compare_at_equal_cache():

@@ -108,7 +108,7 @@ def convert_checkpoint(
     if method in DATA_AWARE and calib is None:
         raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
     # Checked again when writing; here so that a refused destination costs no loading.
-    check_destination(dst, (src,), overwrite=overwrite)
+    check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
     model_type = hf["model_type"]
     fam = family(model_type, f"{src / 'config.json'}")
@@ -153,7 +153,7 @@ def convert_checkpoint(
             tensors[key] = new[tensor_map.bare(key)].to(value.dtype).contiguous()
             rewritten.append(key)
     weight_names = set(files.values()) | {io.INDEX, "config.json"}
-    with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:
         io.write_tensors(tmp, tensors, files)
         io.write_config(tmp, new_hf)
         left_out = io.copy_other_files(src, tmp, skip=weight_names)

@@ -92,7 +92,7 @@ def convert_checkpoint_to_mla(
     """
     src, dst = Path(src), Path(dst)
     # Checked again when writing; here so that a refused destination costs no loading.
-    check_destination(dst, (src,), overwrite=overwrite)
+    check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
     cfg = model_config(src, hf)  # a causal-LM family attnlab loads, with its checks
     support = family(hf["model_type"]).mla(cfg)
@@ -187,7 +187,7 @@ def convert_checkpoint_to_mla(
     native = native.to(dtype)
     tensors = deepseek.state_to_hf(native)
     files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
-    with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:
         io.write_tensors(tmp, tensors)
         io.write_config(tmp, deepseek.hf_config_from_model(native.cfg, hf))
         # weight files of the source (other formats, other safetensors) that would contradict the new weights

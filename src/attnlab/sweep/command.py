@@ -41,7 +41,8 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
     variants = plan.variants(cfg, opts.variants, opts.quick)
-    sources = [opts.src, opts.data, opts.eval_data]
+    teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too
+    sources = [opts.src, opts.data, opts.eval_data, teacher]
     with contextlib.ExitStack() as held:
         if opts.out is not None:
             out = claim_dir(opts.out, "sweep", sources=sources, what="--out")
