@@ -143,7 +143,62 @@ def section(result: dict, png: str = "conversion_mla.png") -> str:
     lines += findings(result)
     lines += plane_lines(result)
     lines += decode_lines(result)
+    lines += against_previous(result)
     return "\n".join(lines) + "\n"
+
+
+def quality_figures(r: dict) -> dict[str, float]:
+    """Every held-out perplexity of a study JSON by a readable name (old and new JSONs share this layout)."""
+    out = {"MHA source": r["source"]["eval"]["perplexity"]}
+    hd = r["source"]["model"]["head_dim"]
+    for run in r["runs"]:
+        for row in run["rows"]:
+            out[f"{2 * run['kv_heads'] * hd} values {run['method']}, alpha {row['alpha']:g}"] = row["eval"][
+                "perplexity"
+            ]
+    for row in r["planes"]:
+        out[f"planes {row['kv_heads']} KV rope {row['rope_dim']} stride {row['stride']}"] = row["loss"][
+            "perplexity"
+        ]
+    for name, loss in r["exact"]["loss"].items():
+        out[f"exact case {name}"] = math.exp(loss)
+    return out
+
+
+WHAT = {
+    False: "the study before it ran as a configuration of `attnlab sweep`, with job runners of its own",
+    True: "an earlier run of this configuration",
+}
+
+
+def against_previous(result: dict) -> list[str]:
+    """What moved against the JSON this run replaced (``previous``): the perplexities and the decode ratios."""
+    prev = result.get("previous")
+    if not prev:
+        return []
+    old, new = quality_figures(prev), quality_figures(result)
+    common = [k for k in new if k in old]
+    same = [k for k in common if f"{old[k]:.2f}" == f"{new[k]:.2f}"]
+    change, worst = max(((abs(new[k] - old[k]), k) for k in common), default=(0.0, None))
+    text = f"- Against the JSON this run replaced ({WHAT[bool(prev.get('as_sweep'))]}, same seeds, same data): {len(same)} of its {len(common)} perplexities are the same to the 2 decimals shown"
+    if worst is None or change == 0:
+        text += ", all of them bit for bit."
+    else:
+        text += (
+            f"; the largest change is {change:.2g} ({worst}: {old[worst]:.2f} before, {new[worst]:.2f} now), "
+            "run-to-run noise of floating-point summation order, not a change of recipe."
+        )
+    ratios = [
+        f"{g} KV {prev['decode'][f'mla-kv{g}']['tokens_per_s'] / prev['decode'][f'gqa-kv{g}']['tokens_per_s']:.2f}x -> "
+        f"{result['decode'][f'mla-kv{g}']['tokens_per_s'] / result['decode'][f'gqa-kv{g}']['tokens_per_s']:.2f}x"
+        for g in result["kv_heads"]
+    ]
+    text += (
+        " MLA's decode tokens/s relative to GQA's at the same cache, previous run -> this one: "
+        + ", ".join(ratios)
+        + " (timings move with the load of the shared machine; the perplexities do not depend on it)."
+    )
+    return ["", text]
 
 
 def findings(result: dict) -> list[str]:
@@ -251,7 +306,7 @@ def decode_lines(result: dict) -> list[str]:
     lines = [
         "",
         f"Decode with a filled cache (batch {recipe['decode_batch']}, context {recipe['decode_context']}, "
-        f"{recipe['decode_steps']} steps, one thread, median of {recipe['decode_repeats']} runs taken in turn; MLA "
+        f"{recipe['decode_steps']} steps, one thread, {recipe.get('decode_estimate', 'median')} of {recipe['decode_repeats']} runs taken in turn; MLA "
         "absorbed: the query moves into latent space and attention runs over the cached rows). KV bytes per token",
         "are measured from the caches (float32, all layers):",
         "",
