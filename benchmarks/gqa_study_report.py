@@ -339,42 +339,84 @@ WHAT = {
 }
 
 
+def compare(
+    old: dict[str, float], new: dict[str, float], shown
+) -> tuple[list[str], list[str], float, str | None]:
+    """The figures both runs have, those equal as ``shown`` prints them, and the largest change and its name."""
+    common = [k for k in new if k in old]
+    same = [k for k in common if shown(old[k]) == shown(new[k])]
+    change, worst = max(((abs(new[k] - old[k]), k) for k in common), default=(0.0, None))
+    return common, same, change, worst
+
+
+def head(prev: dict) -> str:
+    return f"Against the JSON this run replaced ({WHAT[bool(prev.get('as_sweep'))]}; same seeds, same data)"
+
+
+def verdicts(s: Study) -> list[str]:
+    """The bold verdict of each quality target (the study's time aside)."""
+    return [line.split("**")[1] for line in targets(s)[:-1]]
+
+
 def against_previous(s: Study) -> list[str]:
-    """What moved against the JSON this run replaced (``previous``): the quality figures and the decode ratios."""
+    """What moved against the JSON this run replaced (``previous``): whether the pretrained models start from the
+    same weights, the quality figures, the verdicts, the decode ratios."""
     prev = s.r.get("previous")
     if not prev:
         return []
     old, new = quality_figures(prev), quality_figures(s.r)
-    common = [k for k in new if k in old]
-    same = [k for k in common if fmt(old[k]) == fmt(new[k])]
-    change, worst = max(((abs(new[k] - old[k]), k) for k in common), default=(0.0, None))
-    text = (
-        f"This run against the JSON it replaced ({WHAT[bool(prev.get('as_sweep'))]}, same seeds, same data): {len(same)} of its {len(common)} quality figures (losses, MiniLM cosines) are "
-        "the same to the 4 decimals shown"
-    )
+    common, same, change, worst = compare(old, new, fmt)
+    first = {
+        "before": prev["pretrain"]["pretrain-mha"]["curve"][0][1],
+        "now": s.r["pretrain"]["pretrain-mha"]["curve"][0][1],
+    }
+    text = f"{head(prev)}. "
+    if first["before"] != first["now"]:
+        text += (
+            f"The pretrained models differ: the MHA model's first training step had loss {first['before']:.4f} "
+            f"before and {first['now']:.4f} now, so it started from other random weights (same seed: attnlab's "
+            "`init_weights` has since drawn the MLP's up and down projections in another order), and its held-out "
+            f"loss is {fmt(old['pretrain-mha loss'])} before, {fmt(new['pretrain-mha loss'])} now. Every figure "
+            "downstream moves with it, by as much as another draw of the initial weights moves it: "
+        )
+    text += f"{len(same)} of the {len(common)} quality figures (losses, MiniLM cosines) are the same to 4 decimals"
     if worst is None or change == 0:
         text += ", all of them bit for bit."
     else:
-        text += (
-            f"; the largest change is {change:.2g} ({worst}: {fmt(old[worst])} before, {fmt(new[worst])} now), "
-            "run-to-run noise of floating-point summation order, not a change of recipe."
-        )
+        text += f"; the largest change is {change:.2g} ({worst}: {fmt(old[worst])} before, {fmt(new[worst])} now)."
+    before_v, now_v = verdicts(Study(s.r | prev)), verdicts(s)
+    moved = [f'"{b}" is now "{n}"' for b, n in zip(before_v, now_v, strict=True) if b != n]
+    text += f" Of the {len(now_v)} quality verdicts above, " + (
+        f"{len(moved)} changed: {'; '.join(moved)}." if moved else "none changed."
+    )
     ratios = []
     for g in s.r["kv_heads"]:
         before = prev["decode"][str(g)]["tokens_per_s"] / prev["decode"][str(s.n_heads)]["tokens_per_s"]
         ratios.append(
             f"{g} KV {before:.2f}x -> {s.decode[g]['tokens_per_s'] / s.decode[s.n_heads]['tokens_per_s']:.2f}x"
         )
-    return [
-        "## Against the previous run",
-        "",
-        text
-        + " Decode tokens/s relative to MHA, previous run -> this one: "
+    text += (
+        " Decode tokens/s relative to MHA, previous run -> this one: "
         + ", ".join(ratios)
-        + " (timings "
-        "move with the load of the shared machine; the losses do not depend on it).",
-        "",
+        + " (timings move with "
+        "the load of the shared machine)."
+    )
+    keys = ["pretrain-mha loss"]
+    for g in s.r["kv_heads"]:
+        keys += [
+            f"{g} KV mean, alpha 0",
+            f"{g} KV mean, alpha 0.05",
+            f"{g} KV fit, alpha 0.05",
+            f"pretrain-kv{g} loss",
+        ]
+    keys += [f"MiniLM {g} KV cosine after" for g in (4, 2)]
+    table = ["| figure | previous JSON | this run | change |", "|---|---:|---:|---:|"]
+    table += [
+        f"| {k} | {fmt(old[k])} | {fmt(new[k])} | {new[k] - old[k]:+.4f} |"
+        for k in keys
+        if k in old and k in new
     ]
+    return ["## Against the previous run", "", text, "", *table, ""]
 
 
 def write_report(result: dict, json_path: Path, page: Path, docs: Path, root: Path) -> Path:
