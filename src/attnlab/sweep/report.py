@@ -78,8 +78,9 @@ def build_rows(plan_rows: list[dict], outcomes: dict, src_hf: dict, opts) -> lis
             errors.append(q.error)
         t = outcomes[planned["speed"]]
         if t.result is not None:
-            row |= {"tokens_per_s": t.result["tokens_per_s"], "measured_context": t.result["context"],
-                    "cache_nbytes": t.result["cache_nbytes"]}  # fmt: skip
+            timed = t.result["models"][planned["speed_of"]] if planned.get("speed_of") else t.result
+            row |= {"tokens_per_s": timed["tokens_per_s"], "measured_context": timed["context"],
+                    "cache_nbytes": timed["cache_nbytes"]}  # fmt: skip
         elif t.error and not t.error.startswith("needs "):
             errors.append(f"speed: {t.error}")
         job = planned["checkpoint_job"]
