@@ -359,7 +359,8 @@ def markdown(result: dict, json_path: Path) -> str:
         f"`attnlab eval --seq-len {result['window'] - 1}` and `llama-perplexity --ppl-stride {result['window'] - 1}` "
         "(with `-c` set so that its window is the same) score the same predictions: every token after the first "
         "of each window, windows overlapping by one token. (llama-perplexity's default mode scores only the second "
-        "half of each window: another number.) llama.cpp runs three ways: f32 weights computing in float32 (f32 KV "
+        "half of each window: another number; it prints 4 decimals, so a relative difference of a few 1e-6 is its "
+        "rounding.) llama.cpp runs three ways: f32 weights computing in float32 (f32 KV "
         "cache, no flash attention: `llamacpp.FLOAT32`), f32 weights with its defaults (f16 cache, flash "
         "attention, which multiplies queries and keys in f16 on the CPU), and f16 weights with its defaults.",
         "",
@@ -402,7 +403,7 @@ def markdown(result: dict, json_path: Path) -> str:
         shape = (
             f"MLA, latent {a['kv_lora_rank']} + rope {a['qk_rope_head_dim']}"
             if a.get("kv_lora_rank")
-            else f"{a['n_heads']} heads, {a['n_kv_heads']} KV heads"
+            else f"{a['n_heads']} heads, {a['n_kv_heads']} KV head{'s' if a['n_kv_heads'] > 1 else ''}"
         )
         f16, f32 = (r["llamacpp"][k]["generate"]["kv_cache"] for k in ("f32_defaults", "f32"))
         lines.append(
@@ -463,7 +464,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run(args)
         write_atomic(args.json, json.dumps(result, indent=1) + "\n", ours=own_path(args.json))
     write_atomic(args.doc, markdown(result, args.json), ours=own_path(args.doc))
-    print(f"wrote {_rel(args.json)} and {_rel(args.doc)}: {verdicts(result)}")
+    wrote = _rel(args.doc) if args.from_json else f"{_rel(args.json)} and {_rel(args.doc)}"
+    print(f"wrote {wrote}: {verdicts(result)}")
 
 
 if __name__ == "__main__":
