@@ -41,6 +41,7 @@ from ..convert.mla_model import (
     fold_latent_norms,
     layer_errors,
     logit_distance,
+    with_nope_dim,
 )
 from ..families import family
 from . import deepseek, io
@@ -184,6 +185,10 @@ def convert_checkpoint_to_mla(
         "logits_mla_vs_native": logit_distance(mla, native, batches),
         "logits_source_vs_native": logit_distance(model, native, batches),
     }
+    # llama.cpp loads no DeepSeek model without a no-RoPE dim: a one-KV-head source keeping every dim rotary gets a
+    # zero one (the same model; its distances above are those of the model without it)
+    native = with_nope_dim(native)
+    summary["qk_nope_head_dim"] = native.cfg.attention.qk_nope_head_dim
     native = native.to(dtype)
     tensors = deepseek.state_to_hf(native)
     files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
