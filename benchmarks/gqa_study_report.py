@@ -317,6 +317,108 @@ def study_time(s: Study) -> str:
     return text + "."
 
 
+def quality_figures(r: dict) -> dict[str, float]:
+    """Every quality figure of a study JSON by a readable name (old and new JSONs share this layout)."""
+    out = {"unigram loss": r["unigram"]["loss"]} if "unigram" in r else {}
+    for name, p in r["pretrain"].items():
+        out[f"{name} loss"] = p["eval"]["loss"]
+    for c in r["cells"]:
+        for row in c["rows"]:
+            out[f"{c['kv_heads']} KV {label(c)}, alpha {row['alpha']:g}"] = row["eval"]["loss"]
+    for c in r["fit_half"]:
+        out[f"{c['kv_heads']} KV fit after {c['rows'][0]['steps']} steps"] = c["rows"][0]["eval"]["loss"]
+    for m in r["minilm"]:
+        for when in ("before", "after"):
+            out[f"MiniLM {m['kv_heads']} KV cosine {when}"] = m[when]["mean_cosine"]
+    return out
+
+
+WHAT = {
+    False: "the study before it ran as a configuration of `attnlab sweep`, with job runners of its own",
+    True: "an earlier run of this configuration",
+}
+
+
+def compare(
+    old: dict[str, float], new: dict[str, float], shown
+) -> tuple[list[str], list[str], float, str | None]:
+    """The figures both runs have, those equal as ``shown`` prints them, and the largest change and its name."""
+    common = [k for k in new if k in old]
+    same = [k for k in common if shown(old[k]) == shown(new[k])]
+    change, worst = max(((abs(new[k] - old[k]), k) for k in common), default=(0.0, None))
+    return common, same, change, worst
+
+
+def head(prev: dict) -> str:
+    return f"Against the JSON this run replaced ({WHAT[bool(prev.get('as_sweep'))]}; same seeds, same data)"
+
+
+def verdicts(s: Study) -> list[str]:
+    """The bold verdict of each quality target (the study's time aside)."""
+    return [line.split("**")[1] for line in targets(s)[:-1]]
+
+
+def against_previous(s: Study) -> list[str]:
+    """What moved against the JSON this run replaced (``previous``): whether the pretrained models start from the
+    same weights, the quality figures, the verdicts, the decode ratios."""
+    prev = s.r.get("previous")
+    if not prev:
+        return []
+    old, new = quality_figures(prev), quality_figures(s.r)
+    common, same, change, worst = compare(old, new, fmt)
+    first = {
+        "before": prev["pretrain"]["pretrain-mha"]["curve"][0][1],
+        "now": s.r["pretrain"]["pretrain-mha"]["curve"][0][1],
+    }
+    text = f"{head(prev)}. "
+    if first["before"] != first["now"]:
+        text += (
+            f"The pretrained models differ: the MHA model's first training step had loss {first['before']:.4f} "
+            f"before and {first['now']:.4f} now, so it started from other random weights (same seed: attnlab's "
+            "`init_weights` has since drawn the MLP's up and down projections in another order), and its held-out "
+            f"loss is {fmt(old['pretrain-mha loss'])} before, {fmt(new['pretrain-mha loss'])} now. Every figure "
+            "downstream moves with it, by as much as another draw of the initial weights moves it: "
+        )
+    text += f"{len(same)} of the {len(common)} quality figures (losses, MiniLM cosines) are the same to 4 decimals"
+    if worst is None or change == 0:
+        text += ", all of them bit for bit."
+    else:
+        text += f"; the largest change is {change:.2g} ({worst}: {fmt(old[worst])} before, {fmt(new[worst])} now)."
+    before_v, now_v = verdicts(Study(s.r | prev)), verdicts(s)
+    moved = [f'"{b}" is now "{n}"' for b, n in zip(before_v, now_v, strict=True) if b != n]
+    text += f" Of the {len(now_v)} quality verdicts above, " + (
+        f"{len(moved)} changed: {'; '.join(moved)}." if moved else "none changed."
+    )
+    ratios = []
+    for g in s.r["kv_heads"]:
+        before = prev["decode"][str(g)]["tokens_per_s"] / prev["decode"][str(s.n_heads)]["tokens_per_s"]
+        ratios.append(
+            f"{g} KV {before:.2f}x -> {s.decode[g]['tokens_per_s'] / s.decode[s.n_heads]['tokens_per_s']:.2f}x"
+        )
+    text += (
+        " Decode tokens/s relative to MHA, previous run -> this one: "
+        + ", ".join(ratios)
+        + " (timings move with "
+        "the load of the shared machine)."
+    )
+    keys = ["pretrain-mha loss"]
+    for g in s.r["kv_heads"]:
+        keys += [
+            f"{g} KV mean, alpha 0",
+            f"{g} KV mean, alpha 0.05",
+            f"{g} KV fit, alpha 0.05",
+            f"pretrain-kv{g} loss",
+        ]
+    keys += [f"MiniLM {g} KV cosine after" for g in (4, 2)]
+    table = ["| figure | previous JSON | this run | change |", "|---|---:|---:|---:|"]
+    table += [
+        f"| {k} | {fmt(old[k])} | {fmt(new[k])} | {new[k] - old[k]:+.4f} |"
+        for k in keys
+        if k in old and k in new
+    ]
+    return ["## Against the previous run", "", text, "", *table, ""]
+
+
 def write_report(result: dict, json_path: Path, page: Path, docs: Path, root: Path) -> Path:
     s = Study(result)
     sc = s.scale
@@ -336,7 +438,14 @@ def write_report(result: dict, json_path: Path, page: Path, docs: Path, root: Pa
         "",
         "The GQA paper (Ainslie et al. 2023, arXiv 2305.13245) converts an MHA checkpoint to fewer KV heads and",
         "uptrains it for a fraction alpha of the pretraining steps. This page repeats that study at small scale,",
-        "through the same functions as `attnlab convert` -> `attnlab uptrain` -> `attnlab eval`.",
+        *(
+            [
+                "as a configuration of `attnlab sweep` (its jobs: the functions behind `attnlab convert` -> `attnlab",
+                "uptrain` -> `attnlab eval`, and its decode timing) plus the controls a sweep does not run.",
+            ]
+            if "sweep" in result  # an older JSON: the study ran its own jobs
+            else ["through the same functions as `attnlab convert` -> `attnlab uptrain` -> `attnlab eval`."]
+        ),
         "",
         f"- Model: Llama architecture, {sc['n_layers']} layers, d_model {sc['d_model']}, {sc['n_heads']} query heads "
         f"of head_dim {head_dim}, SwiGLU width {sc['ffn_dim']}, {result['parameters']:,} parameters; byte-level BPE "
@@ -413,6 +522,7 @@ def write_report(result: dict, json_path: Path, page: Path, docs: Path, root: Pa
         "",
         *targets(s),
         "",
+        *against_previous(s),
         "## MiniLM: distillation after conversion",
         "",
         "all-MiniLM-L6-v2 (BERT, 12 heads) converted with `convert_model` and distilled towards the original",

@@ -24,18 +24,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from attnlab.cost import get_preset
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
 from locations import at_defaults, output, own_path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, out_features, in_features): SmolLM-135M's projections (q and wq+wk+wv of GQA-3 in one pass, the MLP's
-# gate+up in one pass, down) and its output head (vocabulary 49152).
+# gate+up in one pass, down) and its output head (vocabulary 49152), from attnlab's preset.
+_SMOLLM = get_preset("smollm-135m")
+_D, _HD = _SMOLLM.attention.d_model, _SMOLLM.attention.head_dim
 SHAPES = [
-    ("wq", 576, 576),
-    ("wq+wk+wv", 960, 576),
-    ("w1+w3", 3072, 576),
-    ("w2", 576, 1536),
-    ("output", 49152, 576),
+    ("wq", _SMOLLM.attention.n_heads * _HD, _D),
+    ("wq+wk+wv", (_SMOLLM.attention.n_heads + 2 * _SMOLLM.attention.n_kv_heads) * _HD, _D),
+    ("w1+w3", 2 * _SMOLLM.ffn_dim, _D),
+    ("w2", _D, _SMOLLM.ffn_dim),
+    ("output", _SMOLLM.vocab_size, _D),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

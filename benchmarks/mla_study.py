@@ -1,23 +1,25 @@
-"""MLA against GQA at the same KV cache, on the GQA study's small pretrained MHA model, through attnlab's own path.
+"""MLA against GQA at the same KV cache, on the GQA study's small pretrained MHA model: a configuration of
+``attnlab sweep``, plus the measurements a sweep has no business with.
 
 The source is the GQA study's pretrained model (``benchmarks/gqa_study.py``: a Llama checkpoint, 8 heads of 16,
 its own byte-level BPE tokenizer, trained on Shakespeare with whole works held out). For each cache size of GQA
 with G = 4, 2 and 1 KV heads (``2 G head_dim`` values per token and layer):
 
-1. GQA: ``attnlab convert --kv-heads G`` with ``mean`` and ``fit`` (``hf.convert_checkpoint``).
-2. MLA: ``attnlab convert --to mla`` (``hf.convert_checkpoint_to_mla``) with ``kv_lora_rank + rope_dim`` equal to
-   that cache. ``rope_dim`` is chosen among 4, 8 and 16 by the loss on *training* text (no held-out text).
-3. Every converted checkpoint is scored (``attnlab eval``'s function) and uptrained with ``attnlab uptrain``'s
-   function for alpha x P steps, alpha = 0.02 and 0.05 (P = the source's pretraining steps), with the GQA study's
-   recipe: distillation from the MHA model, the same data order, learning rate and seed for every conversion.
-4. Before training: which rotary planes keep RoPE ("norm" = RoPE-aware, "first" = stride 1, "uniform" = the
-   largest stride: the slowest planes DeepSeek's layout can reach), and for every MLA conversion the distance
-   of the native DeepSeek export (with its latent norm) from attnlab's MLA model (without it).
-5. The exact case: the GQA-1 ``fit`` checkpoint (one KV head) converted to MLA at full rank with every plane kept.
-6. Decode tokens/s with a filled cache: the source, the GQA checkpoints and the MLA ones (absorbed attention).
+1. Before training, which rotary planes keep RoPE ("norm" = RoPE-aware, "first" = stride 1, "uniform" = the
+   largest stride: the slowest planes DeepSeek's layout can reach): MLA conversions in memory, scored on held-out
+   text; ``rope_dim`` is chosen among 4, 8 and 16 by the loss on *training* text (no held-out text).
+2. The sweep: ``attnlab sweep SRC --variants gqa:4,2,1/mean,fit mla:R+D,.../fit --uptrain-steps 0,20,50 --timing
+   together`` with ``R + D`` equal to each GQA cache and the chosen ``D``: every conversion scored and uptrained for
+   alpha x P steps, alpha = 0.02 and 0.05 (P = the source's pretraining steps), with the GQA study's recipe
+   (distillation from the MHA model, the same data order, learning rate and seed for every conversion), and the
+   decode tokens/s of the source and every shape timed in turn in one job (MLA absorbed).
+3. For every MLA conversion, the distance of the native DeepSeek export (with its latent norm) from attnlab's MLA
+   model (without it); the exact case: the GQA-1 ``fit`` checkpoint (one KV head) converted to MLA at full rank
+   with every plane kept.
 
-Independent conversions run in a pool of single-threaded worker processes; finished jobs are cached in
-benchmarks/.cache/mla_study/, so an interrupted study continues where it stopped.
+The jobs run through ``attnlab.jobs.run_jobs`` in the GQA study's job cache (benchmarks/.cache/studies/), so the
+GQA rows the two studies share (same jobs, same inputs) are computed once, and an interrupted study continues
+where it stopped.
 
 The full study reads the whole corpus beside the checkout, ``../shared/data/shakespeare`` (42 works, as the GQA
 study's model was trained on), and stops (exit 2) without it. ``--quick`` runs the whole path on the GQA study's
@@ -34,38 +36,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import platform
-import random
-import shutil
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 
-from attnlab.atomic import write_atomic
-from attnlab.bench.generate import decode_step_times
+from attnlab.atomic import claim_dir, write_atomic
 from attnlab.convert import convert_model_to_mla, fold_latent_norms, logit_distance
 from attnlab.convert.mla import full_rank, max_stride
 from attnlab.convert.mla_model import choose_stride
-from attnlab.data import load_stream, split_held_out, text_files
-from attnlab.hf import convert_checkpoint, convert_checkpoint_to_mla, load_causal_lm, load_llama
+from attnlab.data import load_stream, text_files
+from attnlab.hf import load_causal_lm, load_llama
+from attnlab.hf.causal_lm import model_config as checkpoint_config
 from attnlab.hf.checkpoint import calibration_batches
-from attnlab.train import UptrainOptions, evaluate, evaluate_checkpoint, uptrain
+from attnlab.hf.io import read_config
+from attnlab.jobs import Job, Outcome, run_jobs
+from attnlab.sweep import SweepOptions, plan
+from attnlab.sweep.report import build_rows
+from attnlab.train import evaluate
 from attnlab.train.evaluate import eval_windows
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report and locations.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the GQA study, the report and locations.py
+import gqa_study
 from locations import corpus, output, own_path
 from mla_study_report import JSON, ROPE_DIMS, plot, section, targets, write_page
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "benchmarks" / ".cache" / "mla_study"
-GQA_STUDY = ROOT / "benchmarks" / ".cache" / "gqa_study"  # its caches: full/ and quick/
 KV_HEADS = (4, 2, 1)
 ALPHAS = (0.02, 0.05)
 
@@ -78,7 +78,7 @@ class Recipe:
     batch: int = 16
     lr: float = 2e-3
     warmup: float = 0.1  # fraction of the uptraining steps
-    min_lr: float = 0.1
+    min_lr: float = 0.1  # attnlab uptrain's default, which the sweep keeps
     distill_weight: float = 1.0
     temperature: float = 1.0
     seed: int = 1
@@ -88,7 +88,10 @@ class Recipe:
     decode_batch: int = 32
     decode_context: int = 448
     decode_steps: int = 32
-    decode_repeats: int = 3
+    decode_repeats: int = 9
+    decode_estimate: str = (
+        "the fastest"  # of the repeats (the sweep's timing; an older study took the median)
+    )
     workers: int = 2
     pretrain_steps: int | None = None  # P; None: the source's (its uptrain.json)
 
@@ -101,188 +104,90 @@ QUICK = Recipe(
 )  # fmt: skip
 
 
+def mqa_or_gqa(g: int) -> str:
+    return gqa_study.variant(g)
+
+
 # ----------------------------------------------------------------------------------------------------- setup
 
 
-def source_model(src: Path | None, quick: bool, data: Path) -> Path:
-    """``--src``, else the GQA study's pretrained MHA model (its ``--quick`` one for ``quick``): from its cache,
-    or pretrained by gqa_study.py on ``data`` (the text of this run, so that the held-out works are the same)."""
-    if src is not None:
-        return src
-    model = GQA_STUDY / ("quick" if quick else "full") / "pretrain-mha"
-    try:
-        import gqa_study
-    except ImportError:
-        if (model / "config.json").is_file():
-            return model
-        raise SystemExit(
-            f"mla_study.py: no pretrained model at {model} and no benchmarks/gqa_study.py to make one; pass "
-            "--src DIR (a Llama checkpoint with its tokenizer.json)"
-        ) from None
-    scale = gqa_study.QUICK if quick else gqa_study.FULL
-    split = gqa_study.open_cache(scale, model.parent, data)  # empties a cache made from other text
-    if not (model / "config.json").is_file():
-        gqa_study.run_pretrain(model.name, scale.n_heads, split, scale, model.parent)
-    return model
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def prepare(src: Path, cache: Path, data: Path) -> dict:
-    """A private copy of the source, the GQA study's split of the works of ``data`` (whole works held out) and
-    its calibration lines (256 lines of >= 7 words from the training works)."""
-    copy = cache / "source"
-    if not (copy / "model.safetensors").is_file() or sha256(copy / "model.safetensors") != sha256(
-        src / "model.safetensors"
-    ):
-        shutil.rmtree(cache, ignore_errors=True)  # another source: nothing cached applies
-        cache.mkdir(parents=True)
-        shutil.copytree(src, cache / ".source.tmp")
-        (cache / ".source.tmp").rename(copy)
-    train, valid = split_held_out(text_files(data), 0.1)
-    for name, files in (("train", train), ("valid", valid)):
-        folder = cache / name
-        if not folder.is_dir():
-            tmp = cache / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            for f in files:
-                (tmp / f.name).symlink_to(f)
-            tmp.rename(folder)
-    lines = sorted({ln.strip() for f in train for ln in f.read_text().splitlines() if len(ln.split()) >= 7})
-    random.Random(0).shuffle(lines)
-    calib = cache / "calib.txt"
-    write_atomic(calib, "\n".join(lines[:256]) + "\n", ours=own_path(calib))
-    pretrained = json.loads((copy / "uptrain.json").read_text()) if (copy / "uptrain.json").is_file() else {}
-    return {
-        "src": copy,
-        "train": cache / "train",
-        "valid": cache / "valid",
-        "calib": calib,
-        "pretrain_steps": pretrained.get("steps"),
-        "train_works": [f.stem for f in train],
-        "valid_works": [f.stem for f in valid],
-    }
+def source_model(src: Path | None, quick: bool, data: Path) -> tuple[dict, Path]:
+    """The study's data (the GQA study's split of ``data`` and calibration lines, in its job cache) and the source:
+    ``--src``, else the GQA study's pretrained MHA model (its ``--quick`` one for ``quick``), pretrained here when
+    it is not cached."""
+    cache = gqa_study.CACHE / ("quick" if quick else "full")
+    if src is None:
+        return gqa_study.pretrained(gqa_study.QUICK if quick else gqa_study.FULL, cache, data)
+    root = claim_dir(cache / "jobs", "cache", what="job cache")
+    split = plan.prepare_data(data, None, root)
+    valid = [f.stem for f in text_files(split["heldout"])]
+    return split | {"root": root, "train_works": [f.stem for f in text_files(split["train"])],
+                    "valid_works": valid}, src  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ jobs (in worker processes)
 
 
-def _worker_init() -> None:
-    torch.set_num_threads(1)
+def _held_out(args: dict):
+    return load_stream(Path(args["src"]), Path(args["heldout"]), args["seq_len"])
 
 
-def _held_out(ctx: dict, recipe: Recipe):
-    return load_stream(ctx["src"], ctx["valid"], recipe.seq_len)
-
-
-def _distance_batches(ctx: dict, recipe: Recipe) -> list[torch.Tensor]:
-    stream = _held_out(ctx, recipe)
-    x, _, _ = stream.windows(eval_windows(stream, recipe.seq_len, recipe.distance_windows), recipe.seq_len)
+def _distance_batches(args: dict) -> list[torch.Tensor]:
+    stream = _held_out(args)
+    x, _, _ = stream.windows(eval_windows(stream, args["seq_len"], args["distance_windows"]), args["seq_len"])
     return list(x.split(8))
 
 
-def job_planes(g: int, rope_dim: int, stride: int, ctx: dict, recipe: Recipe) -> dict:
+def job_planes(args: dict, deps: dict, out: Path | None) -> dict:
     """One MLA conversion in memory (no training, no latent norm: the choice of planes alone): its held-out
     loss and, for choosing rope_dim, its loss on training text."""
     started = time.perf_counter()
-    source = load_llama(ctx["src"]).float()
-    head_dim = source.cfg.attention.head_dim
-    batches = calibration_batches(ctx["src"], ctx["calib"])
-    rank = 2 * g * head_dim - rope_dim
+    source = load_llama(Path(args["src"])).float()
+    g, rope_dim, stride = args["kv_heads"], args["rope_dim"], args["stride"]
+    batches = calibration_batches(Path(args["src"]), Path(args["calib"]))
+    rank = 2 * g * source.cfg.attention.head_dim - rope_dim
     mla = convert_model_to_mla(source, rank, rope_dim, calib=batches, planes=stride)
-    train = load_stream(ctx["src"], ctx["train"], recipe.seq_len)
+    train = load_stream(Path(args["src"]), Path(args["train"]), args["seq_len"])
     return {
         "kv_heads": g,
         "kv_lora_rank": rank,
         "rope_dim": rope_dim,
         "stride": stride,
-        "loss": evaluate(mla, _held_out(ctx, recipe), recipe.seq_len, max_windows=recipe.eval_windows),
-        "train_loss": evaluate(mla, train, recipe.seq_len, max_windows=recipe.select_windows)["loss"],
+        "loss": evaluate(mla, _held_out(args), args["seq_len"], max_windows=args["eval_windows"]),
+        "train_loss": evaluate(mla, train, args["seq_len"], max_windows=args["select_windows"])["loss"],
         "seconds": time.perf_counter() - started,
     }
 
 
-def job_convert_and_uptrain(kind: str, g: int, rope_dim: int | None, ctx: dict, recipe: Recipe) -> dict:
-    """``attnlab convert`` (GQA "mean" / "fit", or ``--to mla``), ``attnlab eval``, then ``attnlab uptrain`` for
-    each alpha (from the converted checkpoint each time)."""
-    started = time.perf_counter()
-    src, cache = ctx["src"], Path(ctx["cache"])
-    name = f"mla-kv{g}" if kind == "mla" else f"gqa-kv{g}-{kind}"
-    converted = cache / "converted" / name
-    native = None
-    if kind == "mla":
-        source = load_llama(src).float()
-        rank = 2 * g * source.cfg.attention.head_dim - rope_dim
-        summary = convert_checkpoint_to_mla(
-            src, converted, rank, rope_dim, calib=ctx["calib"], overwrite=True
-        )
-        # What the latent norm costs on held-out text: the written checkpoint against the same conversion
-        # without it (cheap to redo; the latent norm's fit is what takes the time).
-        batches = calibration_batches(src, ctx["calib"])
-        mla = convert_model_to_mla(source, rank, rope_dim, calib=batches, planes=summary["rope_stride"])
-        stream = _held_out(ctx, recipe)
-        native = {
-            "distance": logit_distance(
-                mla, load_causal_lm(converted).float(), _distance_batches(ctx, recipe)
-            ),
-            "loss_without_norm": evaluate(mla, stream, recipe.seq_len, max_windows=recipe.eval_windows)[
-                "loss"
-            ],
-        }
-    else:
-        calib = ctx["calib"] if kind == "fit" else None
-        summary = convert_checkpoint(src, converted, g, kind, calib=calib, overwrite=True)
-    score = evaluate_checkpoint(
-        converted, ctx["valid"], seq_len=recipe.seq_len, max_windows=recipe.eval_windows
-    )
-    rows = [{"alpha": 0.0, "steps": 0, "eval": score}]
-    for alpha in ALPHAS:
-        steps = max(1, round(alpha * ctx["pretrain_steps"]))
-        dst = cache / "uptrain" / f"{name}-a{alpha}"
-        opts = UptrainOptions(
-            src=converted, dst=dst, data=ctx["train"], eval_data=ctx["valid"], steps=steps, batch_size=recipe.batch,
-            seq_len=recipe.seq_len, lr=recipe.lr, warmup=max(1, round(recipe.warmup * steps)), min_lr=recipe.min_lr,
-            seed=recipe.seed, save_every=0, eval_windows=recipe.eval_windows, teacher=src,
-            distill_weight=recipe.distill_weight, temperature=recipe.temperature, overwrite=True,
-        )  # fmt: skip
-        result = uptrain(opts, progress=False)
-        rows.append(
-            {"alpha": alpha, "steps": steps, "eval": result["eval"], "tokens_per_s": result["tokens_per_s"]}
-        )
-        shutil.rmtree(dst)  # only its score is kept
-    return {
-        "kind": "mla" if kind == "mla" else "gqa",
-        "method": kind,
-        "kv_heads": g,
-        "rope_dim": rope_dim,
-        "conversion": summary,
-        "native": native,
-        "rows": rows,
-        "seconds": time.perf_counter() - started,
-    }
-
-
-# ------------------------------------------------------------------------------------ in the main process
+def job_native(args: dict, deps: dict, out: Path | None) -> dict:
+    """What the latent norm costs on held-out text: the sweep's converted checkpoint (the native DeepSeek export)
+    against the same conversion without it (cheap to redo; the latent norm's fit is what takes the time)."""
+    (converted,) = deps.values()
+    source = load_llama(Path(args["src"])).float()
+    batches = calibration_batches(Path(args["src"]), Path(args["calib"]))
+    planes = converted["summary"]["rope_stride"]
+    mla = convert_model_to_mla(source, args["kv_lora_rank"], args["rope_dim"], calib=batches, planes=planes)
+    native = load_causal_lm(converted["out"]).float()
+    loss = evaluate(mla, _held_out(args), args["seq_len"], max_windows=args["eval_windows"])["loss"]
+    return {"distance": logit_distance(mla, native, _distance_batches(args)), "loss_without_norm": loss}
 
 
 @torch.no_grad()
-def exact_case(ctx: dict, recipe: Recipe) -> dict:
+def job_exact(args: dict, deps: dict, out: Path | None) -> dict:
     """The one-KV-head GQA ``fit`` checkpoint as MLA at full rank with every plane kept: attnlab's MLA model
     computes it exactly; the native export differs by its latent norm only."""
-    gqa_dir = Path(ctx["cache"]) / "converted" / "gqa-kv1-fit"
+    (converted,) = deps.values()
+    gqa_dir = Path(converted["out"])
     gqa = load_llama(gqa_dir).float()
     attn = gqa.cfg.attention
-    batches = calibration_batches(gqa_dir, ctx["calib"])
+    batches = calibration_batches(gqa_dir, Path(args["calib"]))
     rank = full_rank(attn, attn.head_dim)
     mla = convert_model_to_mla(gqa, rank, attn.head_dim, calib=batches)
     native, _ = fold_latent_norms(mla, batches)
-    held_out = _distance_batches(ctx, recipe)
-    stream = _held_out(ctx, recipe)
+    held_out = _distance_batches(args)
+    stream = _held_out(args)
     scored = {
-        name: evaluate(m, stream, recipe.seq_len, max_windows=recipe.eval_windows)["loss"]
+        name: evaluate(m, stream, args["seq_len"], max_windows=args["eval_windows"])["loss"]
         for name, m in (("gqa", gqa), ("mla", mla), ("native", native))
     }
     return {
@@ -295,121 +200,132 @@ def exact_case(ctx: dict, recipe: Recipe) -> dict:
     }
 
 
-@torch.no_grad()
-def decode_speed(checkpoints: dict[str, Path], recipe: Recipe) -> dict[str, dict]:
-    """Decode tokens/s with a filled cache (one thread, round robin over the models, median of the repeats);
-    MLA in its absorbed mode (attention over the cached latent rows)."""
-    torch.set_num_threads(1)
-    models = {name: load_causal_lm(path).float().eval() for name, path in checkpoints.items()}
-    for model in models.values():
-        for layer in model.layers:
-            if hasattr(layer.attention, "mode"):
-                layer.attention.mode = "absorbed"
-    vocab = next(iter(models.values())).cfg.vocab_size
-    prompt = torch.randint(0, vocab, (recipe.decode_batch, recipe.decode_context))
-    times, nbytes = decode_step_times(models, prompt, recipe.decode_steps, recipe.decode_repeats)
-    per_token = recipe.decode_batch * (recipe.decode_context + recipe.decode_steps)
-    return {
-        name: {
-            "tokens_per_s": recipe.decode_batch * recipe.decode_steps / sorted(ts)[len(ts) // 2],
-            "kv_bytes_per_token": nbytes[name]
-            / per_token,  # measured: the caches' bytes over the tokens they hold
-        }
-        for name, ts in times.items()
-    }
+# ------------------------------------------------------------------------------------ in the main process
 
 
-def run(src: Path, recipe: Recipe, data: Path, cache: Path = CACHE) -> dict:
+def sweep_options(recipe: Recipe, src: Path, data_dir: Path, mla: list[tuple[int, int]], steps: list[int]):
+    """``attnlab sweep SRC --variants gqa:4,2,1/mean,fit mla:R+D,.../fit --uptrain-steps 0,... --timing together``
+    with the GQA study's recipe."""
+    return SweepOptions(
+        src=src, data=data_dir,
+        variants=(f"gqa:{','.join(map(str, KV_HEADS))}/mean,fit", f"mla:{','.join(f'{r}+{d}' for r, d in mla)}/fit"),
+        methods=("mean", "fit"), uptrain_steps=(0, *steps), teacher="src", context=recipe.decode_context,
+        batch=recipe.decode_batch, jobs=recipe.workers, seq_len=recipe.seq_len, batch_size=recipe.batch, lr=recipe.lr,
+        eval_windows=recipe.eval_windows, seed=recipe.seed, warmup=recipe.warmup, distill_weight=recipe.distill_weight,
+        temperature=recipe.temperature, timing="together", timing_steps=recipe.decode_steps,
+        timing_repeats=recipe.decode_repeats,
+    )  # fmt: skip
+
+
+def runs(
+    outcomes: dict[str, Outcome],
+    planned: list[dict],
+    ranks: dict[int, tuple[int, int]],
+    alpha: dict[int, float],
+) -> list[dict]:
+    """The study's rows from the sweep's: per conversion, its summary and its score at each alpha (``alpha``: by
+    uptraining steps)."""
+
+    def result(name: str) -> dict:
+        if outcomes[name].result is None:
+            raise SystemExit(f"mla_study.py: job {name} failed: {outcomes[name].error}")
+        return outcomes[name].result
+
+    out = []
+    for kind, g, method in [*(("gqa", g, m) for g in KV_HEADS for m in ("mean", "fit")),
+                            *(("mla", g, "calib") for g in KV_HEADS)]:  # fmt: skip
+        name = f"mla-{ranks[g][0]}" if kind == "mla" else mqa_or_gqa(g)
+        mine = [r for r in planned if (r["variant"], r["method"]) == (name, method)]
+        rows, seconds = [], 0.0
+        for r in mine:
+            done = result(r["eval"])
+            seconds += outcomes[r["eval"]].seconds
+            row = {"alpha": alpha[r["steps"]], "steps": r["steps"], "eval": done.get("eval") or done}
+            rows.append(row | ({"tokens_per_s": done["tokens_per_s"]} if r["steps"] else {}))
+        conv = result(mine[0]["convert"])
+        out.append({
+            "kind": kind, "method": "mla" if kind == "mla" else method, "kv_heads": g,
+            "rope_dim": ranks[g][1] if kind == "mla" else None, "conversion": conv["summary"],
+            "native": result(f"native/{name}") if kind == "mla" else None, "rows": rows,
+            "seconds": seconds + outcomes[mine[0]["convert"]].seconds,
+        })  # fmt: skip
+    return out
+
+
+def run(data: dict, src: Path, recipe: Recipe, corpus_dir: Path) -> dict:
     started = time.perf_counter()
+    torch.set_num_threads(1)  # the workers' threads: one each
     loads = [os.getloadavg()[0]]
-    ctx = prepare(src, cache, data) | {"cache": str(cache)}
-    ctx["pretrain_steps"] = recipe.pretrain_steps or ctx["pretrain_steps"]
-    if not ctx["pretrain_steps"]:
+    root = data["root"]
+    pretrained = json.loads((src / "uptrain.json").read_text()) if (src / "uptrain.json").is_file() else {}
+    p = recipe.pretrain_steps or pretrained.get("steps")
+    if not p:
         raise SystemExit(f"mla_study.py: {src} has no uptrain.json: its pretraining steps P are unknown")
-    source = load_llama(ctx["src"]).float()
+    source = load_llama(src).float()
     attn = source.cfg.attention
     head_dim = attn.head_dim
     rope_dims = [r for r in ROPE_DIMS if r <= head_dim]  # all of them but on the --quick model (head_dim 8)
-    batches = calibration_batches(ctx["src"], ctx["calib"])
+    batches = calibration_batches(src, data["calib"])
     # The stride does not depend on the latent's size: one choice per rope_dim and criterion for every cache.
     strides = {
-        (r, p): choose_stride(source, r, p, calib=batches)
+        (r, c): choose_stride(source, r, c, calib=batches)
         for r in rope_dims
-        for p in ("norm", "first", "uniform")
+        for c in ("norm", "first", "uniform")
     }
-    plane_jobs = {}
+    common = {"src": str(src.resolve()), "src_id": plan.checkpoint_id(src), "calib": str(data["calib"]),
+              "heldout": str(data["heldout"]), "seq_len": recipe.seq_len, "eval_windows": recipe.eval_windows,
+              "data_id": data["fingerprint"]}  # fmt: skip
+    plane_jobs = []
     for g in KV_HEADS:
         for r in rope_dims:
             chosen = {strides[r, "norm"]} | ({1, max_stride(head_dim, r)} if r < head_dim else set())
-            for s in sorted(chosen):
+            for st in sorted(chosen):
                 if 1 <= 2 * g * head_dim - r <= full_rank(attn, r):
-                    plane_jobs[f"planes-kv{g}-r{r}-s{s}"] = (g, r, s)
-
-    done_dir = cache / "done"
-    done_dir.mkdir(exist_ok=True)
-    key = dataclasses.asdict(recipe) | {"source": sha256(ctx["src"] / "model.safetensors")}
-    results: dict[str, dict] = {}
-    for path in done_dir.glob("*.json"):
-        found = json.loads(path.read_text())
-        if found.pop("key", None) == key:
-            results[path.stem] = found
-
-    def rope_choice(g: int) -> int | None:
-        """The rope_dim whose RoPE-aware conversion has the lowest loss on training text (None: not all done)."""
-        names = [f"planes-kv{g}-r{r}-s{strides[r, 'norm']}" for r in rope_dims]
-        names = [n for n in names if n in plane_jobs]
-        if not all(n in results for n in names):
-            return None
-        return min((results[n] for n in names), key=lambda row: row["train_loss"])["rope_dim"]
-
-    pending: dict[Future, str] = {}
-    with ProcessPoolExecutor(
-        recipe.workers, mp_context=get_context("spawn"), initializer=_worker_init
-    ) as pool:
-
-        def submit(name: str, fn, *args) -> None:
-            if name not in results and name not in pending.values():
-                pending[pool.submit(fn, *args, ctx, recipe)] = name
-
-        for g in KV_HEADS:  # the longest jobs first
-            for method in ("mean", "fit"):
-                submit(f"gqa-kv{g}-{method}", job_convert_and_uptrain, method, g, None)
-        for name, (g, r, s) in plane_jobs.items():
-            submit(name, job_planes, g, r, s)
-        while True:
-            for g in KV_HEADS:
-                r = rope_choice(g)
-                if r is not None:
-                    submit(f"mla-kv{g}", job_convert_and_uptrain, "mla", g, r)
-            if not pending:
-                break
-            finished, _ = wait(pending, timeout=30, return_when=FIRST_COMPLETED)
-            loads.append(os.getloadavg()[0])
-            for future in finished:
-                name = pending.pop(future)
-                results[name] = future.result()
-                write_atomic(
-                    done_dir / f"{name}.json",
-                    json.dumps(results[name] | {"key": key}, indent=2),
-                    ours=own_path(done_dir / f"{name}.json"),
-                )
-                print(f"[{time.perf_counter() - started:7.0f} s] done {name}", flush=True)
-
-    stream = _held_out(ctx, recipe)
-    exact = exact_case(ctx, recipe)
-    converted = cache / "converted"
-    decode = decode_speed(
-        {"mha": ctx["src"]}
-        | {f"gqa-kv{g}": converted / f"gqa-kv{g}-mean" for g in KV_HEADS}
-        | {f"mla-kv{g}": converted / f"mla-kv{g}" for g in KV_HEADS},
-        recipe,
+                    args = common | {"kv_heads": g, "rope_dim": r, "stride": st, "train": str(data["train"]),
+                                     "select_windows": recipe.select_windows}  # fmt: skip
+                    plane_jobs.append(Job(f"planes/kv{g}/r{r}/s{st}", job_planes, args))
+    found = run_jobs(
+        plane_jobs, root, workers=recipe.workers, threads=recipe.workers, title="mla study: planes"
     )
+    planes = {n: o.result for n, o in found.items()}
+    if any(v is None for v in planes.values()):
+        raise SystemExit(f"mla_study.py: {'; '.join(o.error for o in found.values() if o.error)}")
+
+    def rope_choice(g: int) -> int:
+        """The rope_dim whose RoPE-aware conversion has the lowest loss on training text."""
+        names = [f"planes/kv{g}/r{r}/s{strides[r, 'norm']}" for r in rope_dims]
+        return min((planes[n] for n in names if n in planes), key=lambda row: row["train_loss"])["rope_dim"]
+
+    ranks = {g: (2 * g * head_dim - rope_choice(g), rope_choice(g)) for g in KV_HEADS}
+    alpha = {0: 0.0} | {max(1, round(a * p)): a for a in ALPHAS}
+    opts = sweep_options(recipe, src, corpus_dir, [ranks[g] for g in KV_HEADS], list(alpha)[1:])
+    cfg = checkpoint_config(src, read_config(src))
+    jobs, planned = plan.plan_jobs(opts, cfg, plan.variants(cfg, opts.variants, False), data)
+    extra = {"distance_windows": recipe.distance_windows}
+    for g in KV_HEADS:
+        r, d = ranks[g]
+        args = common | extra | {"kv_lora_rank": r, "rope_dim": d}
+        jobs.append(Job(f"native/mla-{r}", job_native, args, deps=(f"convert/mla-{r}/calib",)))
+    exact = {k: common[k] for k in ("calib", "heldout", "seq_len", "eval_windows", "data_id")} | extra
+    jobs.append(Job("exact", job_exact, exact | {"src": common["src"]}, deps=("convert/mqa/fit",)))
+    jobs.sort(key=lambda j: j.alone)  # the timing last: it runs alone, once everything else is done
+    outcomes = run_jobs(jobs, root, workers=recipe.workers, threads=recipe.workers, title="mla study (jobs)")
     loads.append(os.getloadavg()[0])
+    timed = outcomes["speed"].result["models"]
+    names = {"source": "mha"} | {mqa_or_gqa(g): f"gqa-kv{g}" for g in KV_HEADS}
+    names |= {f"mla-{ranks[g][0]}": f"mla-kv{g}" for g in KV_HEADS}
+    per_token = recipe.decode_batch * (recipe.decode_context + recipe.decode_steps)
+    decode = {
+        names[label]: {"tokens_per_s": t["tokens_per_s"], "kv_bytes_per_token": t["cache_nbytes"] / per_token}
+        for label, t in timed.items()
+    }  # KV bytes measured: the caches' bytes over the tokens they hold
+    source_eval = outcomes["eval/source"].result
+    every = found | outcomes
     return {
         "study": "MLA vs GQA conversion at the same KV cache, before and after uptraining",
         "source": {
             "from": str(src),
-            "sha256": key["source"],
+            "checkpoint_id": common["src_id"],
             "model": {
                 "layers": source.cfg.n_layers,
                 "d_model": attn.d_model,
@@ -418,23 +334,40 @@ def run(src: Path, recipe: Recipe, data: Path, cache: Path = CACHE) -> dict:
                 "head_dim": head_dim,
                 "vocab_size": source.cfg.vocab_size,
             },
-            "pretrain_steps": ctx["pretrain_steps"],
-            "eval": evaluate(source, stream, recipe.seq_len, max_windows=recipe.eval_windows),
+            "pretrain_steps": p,
+            "eval": source_eval,
         },
         "recipe": dataclasses.asdict(recipe),
         "alphas": list(ALPHAS),
         "kv_heads": list(KV_HEADS),
-        "train_works": ctx["train_works"],
-        "valid_works": ctx["valid_works"],
-        "strides": [{"rope_dim": r, "planes": p, "stride": s} for (r, p), s in strides.items()],
-        "planes": [results[name] for name in plane_jobs],
-        "runs": [results[f"gqa-kv{g}-{m}"] for g in KV_HEADS for m in ("mean", "fit")]
-        + [results[f"mla-kv{g}"] for g in KV_HEADS],
-        "exact": exact,
+        "train_works": data["train_works"],
+        "valid_works": data["valid_works"],
+        "strides": [{"rope_dim": r, "planes": c, "stride": st} for (r, c), st in strides.items()],
+        "planes": [planes[j.name] for j in plane_jobs],
+        "runs": runs(outcomes, planned, ranks, alpha),
+        "exact": outcomes["exact"].result,
         "decode": decode,
+        "sweep": {
+            "options": {
+                k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()
+            },
+            "rows": build_rows(planned, outcomes, read_config(src), opts),
+        },
+        "computed": sorted(n for n, o in every.items() if not o.cached),
+        "cached": sorted(n for n, o in every.items() if o.cached),
         "seconds": time.perf_counter() - started,
         "load_average": {"samples": loads, "mean": sum(loads) / len(loads), "max": max(loads)},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    }
+
+
+def previous_figures(path: Path) -> dict | None:
+    """The figures of the JSON this run replaces (same layout), so that the page can say what moved."""
+    if not path.is_file():
+        return None
+    prev = json.loads(path.read_text())
+    return {k: prev[k] for k in ("source", "runs", "planes", "exact", "decode", "seconds") if k in prev} | {
+        "as_sweep": "sweep" in prev
     }
 
 
@@ -455,7 +388,6 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     full = not args.quick
-    args.cache = CACHE / "quick" if args.quick else CACHE
     args.json = args.json or output(JSON, full)
     args.doc = args.doc or output(ROOT / "docs" / "conversion.md", full)
     args.png = args.png or output(ROOT / "docs" / "conversion_mla.png", full)
@@ -468,9 +400,11 @@ def main() -> None:
         result = json.loads(args.json.read_text())
     else:
         recipe = dataclasses.replace(QUICK if args.quick else Recipe(), workers=args.workers)
-        data = corpus(not args.quick, "mla_study.py")
-        result = run(source_model(args.src, args.quick, data), recipe, data, args.cache)
+        text = corpus(not args.quick, "mla_study.py")
+        data, src = source_model(args.src, args.quick, text)
+        result = run(data, src, recipe, text)
         result["targets"] = targets(result)
+        result["previous"] = previous_figures(args.json)
         write_atomic(args.json, json.dumps(result, indent=2) + "\n", ours=own_path(args.json))
     plot(result, args.png)
     write_page(result, args.doc, args.png)

@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
+from gqa_study_report import compare, head
 from locations import own_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def section(result: dict, png: str = "conversion_mla.png") -> str:
         "",
         f"Command: `python benchmarks/mla_study.py` ({result['seconds'] / 60:.0f} min on "
         f"{result['machine']['cpus']} cores shared with other jobs: load average {load['mean']:.1f} on average, "
-        f"{load['max']:.1f} at most). Raw numbers: `benchmarks/results/mla_study.json`.",
+        f"{load['max']:.1f} at most){shared(result)}. Raw numbers: `benchmarks/results/mla_study.json`.",
         "",
         "Held-out perplexity (the best at each cache size and alpha in bold). The last column is what DeepSeek's",
         "latent norm costs the native export before training: the KL divergence (nats per token) from the same",
@@ -143,7 +144,83 @@ def section(result: dict, png: str = "conversion_mla.png") -> str:
     lines += findings(result)
     lines += plane_lines(result)
     lines += decode_lines(result)
+    lines += against_previous(result)
     return "\n".join(lines) + "\n"
+
+
+def quality_figures(r: dict) -> dict[str, float]:
+    """Every held-out perplexity of a study JSON by a readable name (old and new JSONs share this layout)."""
+    out = {"MHA source": r["source"]["eval"]["perplexity"]}
+    hd = r["source"]["model"]["head_dim"]
+    for run in r["runs"]:
+        for row in run["rows"]:
+            out[f"{2 * run['kv_heads'] * hd} values {run['method']}, alpha {row['alpha']:g}"] = row["eval"][
+                "perplexity"
+            ]
+    for row in r["planes"]:
+        out[f"planes {row['kv_heads']} KV rope {row['rope_dim']} stride {row['stride']}"] = row["loss"][
+            "perplexity"
+        ]
+    for name, loss in r["exact"]["loss"].items():
+        out[f"exact case {name}"] = math.exp(loss)
+    return out
+
+
+def against_previous(result: dict) -> list[str]:
+    """What moved against the JSON this run replaced (``previous``): the source, the perplexities, the verdicts,
+    the decode ratios."""
+    prev = result.get("previous")
+    if not prev:
+        return []
+    old, new = quality_figures(prev), quality_figures(result)
+    common, same, change, worst = compare(old, new, lambda x: f"{x:.2f}")
+    text = f"- {head(prev)}: "
+    if old["MHA source"] != new["MHA source"]:
+        text += (
+            f"the source itself changed (the GQA study's pretrained model, perplexity {old['MHA source']:.2f} "
+            f"before and {new['MHA source']:.2f} now: pretrained again from other random weights, see "
+            "[results.md](results.md)), so every figure moves with it. "
+        )
+    text += f"{len(same)} of the {len(common)} perplexities are the same to 2 decimals"
+    if worst is None or change == 0:
+        text += ", all of them bit for bit."
+    else:
+        text += (
+            f"; the largest change is {change:.2g} ({worst}: {old[worst]:.2f} before, {new[worst]:.2f} now)."
+        )
+        converted = [abs(new[k] / old[k] - 1) for k in common if k.endswith("alpha 0")]
+        if old["MHA source"] == new["MHA source"] and converted:
+            text += (
+                f" The conversions themselves differ by at most {max(converted):.1e} (relative perplexity before "
+                "training): float rounding, which uptraining amplifies."
+            )
+    wins, won = targets(result | prev), targets(result)
+    moved = [f"after alpha = {a}: {len(wins[a])} -> {len(won[a])}" for a in won if wins.get(a) != won[a]]
+    text += " Cache sizes where MLA beats the best GQA conversion, " + (
+        f"before -> now: {'; '.join(moved)}." if moved else "unchanged at every alpha."
+    )
+    ratios = [
+        f"{g} KV {prev['decode'][f'mla-kv{g}']['tokens_per_s'] / prev['decode'][f'gqa-kv{g}']['tokens_per_s']:.2f}x -> "
+        f"{result['decode'][f'mla-kv{g}']['tokens_per_s'] / result['decode'][f'gqa-kv{g}']['tokens_per_s']:.2f}x"
+        for g in result["kv_heads"]
+    ]
+    text += (
+        " MLA's decode tokens/s relative to GQA's at the same cache, previous run -> this one: "
+        + ", ".join(ratios)
+        + " (timings move with the load of the shared machine; the perplexities do not depend on it)."
+    )
+    return ["", text]
+
+
+def shared(result: dict) -> str:
+    """What the run took from the job cache it shares with the GQA study (none in an older JSON)."""
+    if "cached" not in result:
+        return ""
+    n, total = len(result["cached"]), len(result["cached"]) + len(result["computed"])
+    return (
+        f"; {n} of its {total} jobs came from the job cache it shares with the GQA study (the GQA rows are that "
+        "study's jobs, same inputs) or from an earlier run"
+    )
 
 
 def findings(result: dict) -> list[str]:
@@ -251,7 +328,7 @@ def decode_lines(result: dict) -> list[str]:
     lines = [
         "",
         f"Decode with a filled cache (batch {recipe['decode_batch']}, context {recipe['decode_context']}, "
-        f"{recipe['decode_steps']} steps, one thread, median of {recipe['decode_repeats']} runs taken in turn; MLA "
+        f"{recipe['decode_steps']} steps, one thread, {recipe.get('decode_estimate', 'median')} of {recipe['decode_repeats']} runs taken in turn; MLA "
         "absorbed: the query moves into latent space and attention runs over the cached rows). KV bytes per token",
         "are measured from the caches (float32, all layers):",
         "",

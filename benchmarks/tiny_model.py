@@ -4,7 +4,8 @@ From the Shakespeare plays attnlab ships (``attnlab.data.shakespeare()``): a byt
 trained on them, and an 8-head Llama (d_model 64, 2 layers, 256 positions) pretrained from a random init with
 ``attnlab.train.uptrain`` (the function behind ``attnlab uptrain``). Writes, atomically, a directory DST with
 
-    DST/model/   the Llama checkpoint (config.json, model.safetensors, tokenizer.json), ready for every command
+    DST/model/   the Llama checkpoint (config.json, model.safetensors, tokenizer.json + tokenizer_config.json),
+                 ready for every command (and for llama.cpp's GGUF converter: benchmarks/llamacpp_roundtrip.py)
     DST/text/    the plays (links into the shipped corpus), for --data
 
     python benchmarks/tiny_model.py tiny                 # ~1 min on 2 cores
@@ -22,7 +23,7 @@ import torch
 
 from attnlab.atomic import atomic_dir
 from attnlab.config import AttentionConfig, ModelConfig
-from attnlab.data import shakespeare, split_held_out, text_files, train_byte_bpe
+from attnlab.data import save_tokenizer, shakespeare, split_held_out, text_files, train_byte_bpe
 from attnlab.hf import save_llama
 from attnlab.model import Transformer
 from attnlab.train import UptrainOptions, uptrain
@@ -42,7 +43,7 @@ def build(dst: Path, steps: int, overwrite: bool) -> dict:
         save_llama(
             model, tmp / "init", base_config={"bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"}
         )
-        tok.save(str(tmp / "init" / "tokenizer.json"))
+        save_tokenizer(tok, tmp / "init")
         opts = UptrainOptions(
             src=tmp / "init", dst=tmp / "model", data=tmp / "text", steps=steps, batch_size=8, seq_len=128, lr=3e-3,
             warmup=max(1, steps // 20), save_every=0, eval_windows=64, seed=0,

@@ -298,3 +298,28 @@ def test_a_block_the_kernel_does_not_compute_never_takes_the_fused_step(monkeypa
     llama = AttentionConfig(d_model=48, n_heads=6, n_kv_heads=2)
     assert model_module.fused_block_config(cfg.replace(**{k: ModelConfig.__dataclass_fields__[k].default
                                                           for k in fields}, attention=llama), llama)  # fmt: skip
+
+
+FAST_FAMILIES = {"llama", "mistral", "qwen2"}  # Llama's block: the only one the kernel was proven on
+
+
+def test_of_every_registered_family_only_llamas_block_takes_the_fused_step(monkeypatch):
+    """Each family's example model as the registry reads it, decoded: Gemma's (1 + w) norms, GeGLU and soft-caps,
+    q/k norms, post and sandwich norms, parallel residuals, partial or interleaved rotary, MLA, never take the
+    fused step; Llama, Mistral and Qwen2 do, and both paths give the module-by-module logits."""
+    from attnlab.bench.families import example_config, loads
+    from attnlab.families import REGISTERED
+
+    tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    for fam in (f for f in REGISTERED if loads(f)):
+        cfg = example_config(fam)
+        model = Transformer(cfg).eval()
+        model.init_weights(std=0.2, seed=0)
+        with monkeypatch.context() as m:
+            spy = Spy(m)
+            got, _ = _decode(model, tokens, 4)
+        fast = fam.name in FAST_FAMILIES
+        assert (spy.calls > 0) == fast, (fam.name, spy.calls)
+        assert all(model_module.fused_block_config(cfg, a) == fast for a in cfg.layer_attentions), fam.name
+        want, _ = _module_by_module(monkeypatch, lambda model=model: _decode(model, tokens, 4))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))

@@ -198,3 +198,45 @@ def test_latent_cache_sizes_are_validated():
         LatentCache(1, 8, 0, 2)
     with pytest.raises(TypeError, match=r"LatentCache.max_seq_len must be an int, got True"):
         LatentCache(1, True, 4, 2)
+
+
+@torch.no_grad()
+def test_a_sliding_layer_caches_at_most_its_window_and_the_paged_cache_gives_blocks_back():
+    """Issue 30: a sliding layer's KVCache is a ring of the window's size, and its PagedKVCache returns the blocks
+    that fall out of the window, so that a pool of a window's blocks per row decodes any length (without giving
+    blocks back, row 0's 35 tokens alone would need 9 blocks of the 6). Oracle: the same weights without a window,
+    run on the last ``window`` tokens alone at their own positions (RoPE is relative), for every decoded token."""
+    torch.manual_seed(0)
+    window, block_size, steps, lengths = 6, 4, 30, (5, 3)
+    cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, window=window)
+    attn, full = GroupedQueryAttention(cfg).eval(), GroupedQueryAttention(cfg.replace(window=None)).eval()
+    attn.init_weights(std=0.2)
+    full.load_state_dict(attn.state_dict())
+    xs = [torch.randn(1, n + steps, 32) for n in lengths]
+
+    def oracle(row: int, t: int) -> torch.Tensor:
+        start = max(0, t + 1 - window)
+        return full(xs[row][:, start : t + 1], position_ids=torch.arange(start, t + 1))[0, -1]
+
+    spans = (window - 1) // block_size + 2  # the blocks a window of tokens can touch
+    paged = attn.new_paged_cache(len(lengths) * spans, block_size, len(lengths))
+    rings = [attn.new_cache(1, 64) for _ in lengths]
+    assert [r.capacity for r in rings] == [window, window] and rings[0].nbytes == 2 * 2 * window * 8 * 4
+    for row, n in enumerate(lengths):
+        attn(xs[row][:, :n], cache=paged.select([row]))
+        attn(xs[row][:, :n], cache=rings[row])
+    for step in range(steps):
+        positions = [n + step for n in lengths]
+        x = torch.cat([xs[r][:, t : t + 1] for r, t in enumerate(positions)])
+        got = attn(x, cache=paged.select([0, 1]))[:, -1]
+        for row, t in enumerate(positions):
+            want = oracle(row, t)
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                attn(x[row : row + 1], cache=rings[row])[0, -1], want, rtol=1e-5, atol=1e-5
+            )
+            assert len(paged.block_tables[row]) <= spans and paged.lengths[row] == t + 1
+        assert paged.n_free_blocks == paged.n_blocks - sum(len(t) for t in paged.block_tables)
+    assert (
+        sum(paged.dropped) >= (lengths[0] + steps) // block_size - spans
+    )  # blocks given back and taken again

@@ -1,11 +1,11 @@
 """Every command driven with generated arguments and files: it exits 0 or 2, never with a traceback, with one line
 on stderr when it fails, and it never changes its inputs or leaves a temporary behind.
 
-The commands are a table (``COMMANDS``): an entry draws one invocation (arguments, and files in a fresh
-directory) and names the inputs that must come out unchanged. A new command is covered by adding its entry.
-The commands that write checkpoints (``WRITERS``: uptrain, and eval and generate, which must write nothing) are held
-to the write rule of ``attnlab.atomic`` over the whole sandbox: every file is hashed before and after, and only
-what the command owns may change (DST and the run directory, when they were absent or attnlab's own).
+The commands are a table (``COMMANDS``: convert, compare, bench decode; ``WRITERS``: uptrain, and eval and
+generate, which must write nothing): an entry draws one invocation (arguments, and files in a fresh directory).
+A new command is covered by adding its entry. Every command is held to the write rule of ``attnlab.atomic`` over
+the whole sandbox: every file is hashed before and after, and only what the command owns may change (``owned``:
+DST and the run directory, a --plot file, when they were absent or attnlab's own).
 ``ATTNLAB_FUZZ_EXAMPLES`` raises the number of examples per command (default 30) for a longer hunt.
 """
 
@@ -157,11 +157,14 @@ def draw_convert(draw, work: Path, checkpoints: dict[str, Path]) -> tuple[list[s
         (src / "tokenizer.json").write_text(draw(st.sampled_from(["", "{}", "not json"])))
     args = ["convert", "src"]
     dst = draw(
-        st.sampled_from(["dst", "dst", "out/deeper/dst", "src", "src/inside", ".", "existing", "afile"])
+        st.sampled_from(
+            ["dst", "dst", "out/deeper/dst", "src", "src/inside", ".", "existing", "afile", "prev"]
+        )
     )
     (work / "existing").mkdir()
     (work / "existing" / "keep.txt").write_text("keep")
     (work / "afile").write_text("a file")
+    earlier_output(work, checkpoints["llama"])
     args.append(dst)
     to = draw(st.sampled_from([None, None, "gqa", "mla", "mla", "mqa"]))
     if to is not None:
@@ -182,9 +185,21 @@ def draw_convert(draw, work: Path, checkpoints: dict[str, Path]) -> tuple[list[s
                 draw(st.sampled_from(["norm", "error", "first", "uniform", "2", "0", "low"])),
             ]
     calib = draw(
-        st.sampled_from([None, "calib.txt", "calib.txt", "missing.txt", "binary.txt", "empty.txt", "src"])
+        st.sampled_from(
+            [
+                None,
+                "calib.txt",
+                "calib.txt",
+                "missing.txt",
+                "binary.txt",
+                "empty.txt",
+                "src",
+                "prev/calib.txt",
+            ]
+        )
     )
     (work / "calib.txt").write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(6)))
+    shutil.copyfile(work / "calib.txt", work / "prev" / "calib.txt")  # an input inside an earlier output
     (work / "binary.txt").write_bytes(b"\xff\xfe\x00\x81" * 10)
     (work / "empty.txt").write_text("\n\n")
     if calib is not None:
@@ -268,6 +283,51 @@ def snapshot(paths: list[Path | None]) -> dict[str, str]:
     return out
 
 
+def every_file(root: Path) -> dict[str, str]:
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and not f.is_symlink()
+    }
+
+
+def owned(work: Path, args: list[str]) -> list[str]:
+    """What the command may write (names, directories ending in "/"): DST of a convert or an uptrain, the run
+    directory of an uptrain, where they were absent or attnlab's output of that kind; a --plot file that was absent
+    or attnlab's picture."""
+    from attnlab.atomic import is_own_file, marker_kind
+
+    places = []
+    if args[0] in ("convert", "uptrain") and len(args) > 2:
+        places.append((args[2], "checkpoint"))
+    if args[0] == "uptrain":
+        places.append((args[args.index("--run-dir") + 1] if "--run-dir" in args else args[2] + ".run", "run"))
+    mine = []
+    for path, kind in places:
+        target = work / path
+        if not (target.exists() or target.is_symlink()) or marker_kind(target) == kind:
+            mine.append(path.rstrip("/") + "/")
+    if "--plot" in args:
+        plot = args[args.index("--plot") + 1]
+        if not ((work / plot).exists() or (work / plot).is_symlink()) or is_own_file(work / plot):
+            mine.append(plot)
+    return mine
+
+
+def changed_outside(before: dict[str, str], after: dict[str, str], mine: list[str]) -> list[str]:
+    """The files (hashes ``before`` and ``after``) that changed, appeared or went, outside what the command owns."""
+    return sorted(
+        n
+        for n in set(before) | set(after)
+        if not any(n.startswith(m) for m in mine) and before.get(n) != after.get(n)
+    )
+
+
+def leftovers(work: Path) -> list[Path]:
+    """Temporaries and lock files left in the sandbox."""
+    return [p for p in work.rglob(".*") if re.search(r"\.(tmp|old)-|\.lock$", p.name)]
+
+
 def run_in(work: Path, args: list[str]):
     """``attnlab ARGS`` run in ``work``: it exits 0 or 2, never with a traceback, and with one line when it fails.
     Returns the result and the invocation as shown in a failure."""
@@ -296,11 +356,11 @@ def test_every_command_exits_0_or_2_and_never_changes_its_inputs(command, data, 
         work = Path(tmp)
         args, inputs = COMMANDS[command](data.draw, work, checkpoints)
         args = [str(a) for a in args]
-        before = snapshot(inputs)
+        before, everything, mine = snapshot(inputs), every_file(work), owned(work, args)
         _, shown = run_in(work, args)
         assert snapshot(inputs) == before, shown
-        leftovers = [p for p in work.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
-        assert not leftovers, (shown, leftovers)
+        assert changed_outside(everything, every_file(work), mine) == [], shown
+        assert leftovers(work) == [], shown
 
 
 # ------------------------------------------------------------------ the write rule over the whole sandbox
@@ -330,10 +390,15 @@ def sandbox(work: Path, checkpoints: dict[str, Path], draw) -> None:
     (work / "existing").mkdir()
     (work / "existing" / "keep.txt").write_text("keep")
     (work / "afile").write_text("a file")
+    earlier_output(work, work / "src")
+
+
+def earlier_output(work: Path, like: Path) -> None:
+    """``prev``: what an earlier convert or uptrain left (a copy of ``like``'s files), attnlab's and replaceable."""
     from attnlab.atomic import atomic_dir
 
-    with atomic_dir(work / "prev") as tmp:  # what an earlier convert or uptrain left: attnlab's, replaceable
-        for f in (work / "src").iterdir():
+    with atomic_dir(work / "prev") as tmp:
+        for f in like.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
 
@@ -399,30 +464,6 @@ WRITERS: dict[str, Callable[..., list[str]]] = {
 }
 
 
-def every_file(root: Path) -> dict[str, str]:
-    return {
-        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in sorted(root.rglob("*"))
-        if f.is_file() and not f.is_symlink()
-    }
-
-
-def owned(work: Path, args: list[str]) -> list[str]:
-    """What the command may write: DST and the run directory of an uptrain, where they were absent or attnlab's."""
-    from attnlab.atomic import marker_kind
-
-    if args[0] != "uptrain":
-        return []
-    dst = args[2]
-    run = args[args.index("--run-dir") + 1] if "--run-dir" in args else dst + ".run"
-    mine = []
-    for path, kind in ((dst, "checkpoint"), (run, "run")):
-        target = work / path
-        if not (target.exists() or target.is_symlink()) or marker_kind(target) == kind:
-            mine.append(path.rstrip("/") + "/")
-    return mine
-
-
 @pytest.mark.parametrize("command", list(WRITERS))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
@@ -433,15 +474,8 @@ def test_writing_commands_change_nothing_but_what_they_own(command, data, checkp
         before = every_file(work)
         mine = owned(work, args)
         result, shown = run_in(work, args)
-        after = every_file(work)
-
-        def outside(name: str) -> bool:
-            return not any(name.startswith(m) for m in mine)
-
-        changed = sorted(n for n in set(before) | set(after) if outside(n) and before.get(n) != after.get(n))
-        assert changed == [], (shown, changed)
-        leftovers = [p for p in work.rglob(".*") if re.search(r"\.(tmp|old)-|\.lock$", p.name)]
-        assert not leftovers, (shown, leftovers)
+        assert changed_outside(before, every_file(work), mine) == [], shown
+        assert leftovers(work) == [], shown
         if command == "uptrain" and result.exit_code == 0:
             from attnlab.atomic import marker_kind
 

@@ -60,6 +60,41 @@ def test_a_batch_decodes_token_for_token_as_its_prompts_one_at_a_time(variant, l
     assert batch.stopped[0] and batch.tokens[0][-1] == stop and len(batch.tokens[0]) <= 6
 
 
+def test_a_sliding_layers_paged_pool_holds_its_window_not_the_whole_sequence(monkeypatch):
+    """Issue 30: a sliding layer's paged cache gives back the blocks that leave its window, so ``generate`` sizes
+    its pool by the window (each row: its prompt, or the blocks a window can touch) and decodes past it with the
+    tokens of the whole-sequence rerun; the full layers keep whole pools."""
+    from attnlab.attention.gqa import GroupedQueryAttention
+
+    window, block_size, new = 6, 4, 40
+    attn = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layers=3, attention=attn, ffn_dim=96, max_seq_len=512,
+                      sliding=attn.replace(window=window),
+                      layer_types=("sliding_attention", "full_attention", "sliding_attention"))  # fmt: skip
+    m = Transformer(cfg)
+    m.init_weights(std=0.3, seed=0)
+    m.eval()
+    pools: list[tuple[int | None, int]] = []
+    make = GroupedQueryAttention.new_paged_cache
+
+    def recorded(self, n_blocks, *args, **kwargs):
+        pools.append((self.cfg.window, n_blocks))
+        return make(self, n_blocks, *args, **kwargs)
+
+    monkeypatch.setattr(GroupedQueryAttention, "new_paged_cache", recorded)
+    rows = prompts([3, 13])
+    batch = generate(m, rows, new, cache="paged", block_size=block_size)
+    whole = sum(-(-(len(r) + new) // block_size) for r in rows)  # 11 + 14 blocks
+    spans = (window - 1) // block_size + 2
+    assert pools == [(window, spans + 4), (None, whole), (window, spans + 4)] and spans + 4 < whole
+    with torch.no_grad():
+        for prompt, got in zip(rows, batch.tokens, strict=True):
+            tokens = list(prompt)
+            for _ in range(new):
+                tokens.append(int(m(torch.tensor([tokens]))[0, -1].argmax()))
+            assert got == tokens[len(prompt) :]
+
+
 @pytest.mark.parametrize("variant", ATTENTION)
 def test_cached_generation_equals_rerunning_the_whole_sequence(variant):
     m, (prompt,) = model(variant), prompts([9])

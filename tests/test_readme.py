@@ -239,6 +239,15 @@ def plan(command: str, ws: dict[str, Path]) -> tuple[list[dict], object]:
         return [job("script", script, ["--help"])], lambda r: "--from-json" in r[0]["stdout"]
     if words[1:] == ["benchmarks/decode.py", "--from-json"]:
         return regenerates("--from-json", "performance.md", "decode.png")
+    if words[1:] in (
+        ["benchmarks/llamacpp_roundtrip.py"],
+        ["benchmarks/llamacpp_roundtrip.py", "--build-only"],
+    ):
+        return [job("script", script, ["--help"])], lambda r: "--build-only" in r[0]["stdout"]
+    if words[1:] == ["benchmarks/llamacpp_roundtrip.py", "--from-json"]:
+        return [
+            job("script", script, ["--from-json", "--doc", str(out / "llamacpp.md")])
+        ], lambda r: (out / "llamacpp.md").read_text() == (ROOT / "docs" / "llamacpp.md").read_text()
     if words[1:] == ["benchmarks/mla_study.py"]:
         return [job("script", script, ["--help"])], lambda r: "--replot" in r[0]["stdout"]
     if words[1:] == ["benchmarks/mla_study.py", "--replot"]:

@@ -392,6 +392,15 @@ def sweep(
     eval_windows: int | None = typer.Option(
         None, "--eval-windows", help="Held-out windows scored (default 256; --quick 64)."
     ),
+    seed: int = typer.Option(0, "--seed", help="Uptraining seed (data order)."),
+    warmup: float | None = typer.Option(
+        None, "--warmup", help="Uptraining warmup, a fraction of its steps (default: uptrain's 5 %)."
+    ),
+    distill_weight: float = typer.Option(0.5, "--distill-weight", help="Weight of the KL to the teacher."),
+    temperature: float = typer.Option(2.0, "--temperature", help="Distillation temperature."),
+    timing: str = typer.Option(
+        "each", "--timing", help="each: a cached timing per variant; together: all in turn in one job."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Three variants, steps 0,50, fewer windows: minutes."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
@@ -409,7 +418,8 @@ def sweep(
         methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
         uptrain_steps=parse_ints(uptrain_steps, "--uptrain-steps") if uptrain_steps is not None else None,
         teacher=teacher, context=context, batch=batch, hardware=tuple(hardware), jobs=jobs, out=out, quick=quick,
-        keep=keep, seq_len=seq_len, batch_size=batch_size, lr=lr, eval_windows=eval_windows,
+        keep=keep, seq_len=seq_len, batch_size=batch_size, lr=lr, eval_windows=eval_windows, seed=seed, warmup=warmup,
+        distill_weight=distill_weight, temperature=temperature, timing=timing,
     )  # fmt: skip
     run_sweep(opts, as_json=as_json)
 

@@ -138,6 +138,29 @@ def train_byte_bpe(texts: list[str], vocab_size: int, end_token: str = "<|endoft
     return tok
 
 
+def save_tokenizer(tok, directory: str | Path, end_token: str = "<|endoftext|>") -> None:
+    """Write ``tok`` (a ``tokenizers.Tokenizer``, as ``train_byte_bpe`` makes) into a checkpoint ``directory``:
+    its ``tokenizer.json`` and a ``tokenizer_config.json`` that makes every loader tokenise as that file does.
+
+    Why the second file: without it ``transformers.AutoTokenizer`` picks the class of the checkpoint's model_type,
+    and some of those rebuild the pipeline (transformers 5's ``Qwen2Tokenizer`` replaces the pre-tokenizer with
+    Qwen2's regex; Gemma's wants an ``<unk>`` token). ``PreTrainedTokenizerFast`` (transformers 4's name, kept in 5)
+    loads tokenizer.json as it is: what llama.cpp's ``convert_hf_to_gguf.py`` reads the vocabulary through
+    (``TextModel.get_vocab_base``) and what vLLM serves with. ``add_bos_token: false`` says what attnlab's own
+    tokenisation does (no BOS before the text); gguf-py's ``SpecialVocab`` writes it into a GGUF as
+    ``tokenizer.ggml.add_bos_token``, so llama.cpp adds none either."""
+    directory = Path(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": end_token,
+        "eos_token": end_token,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def separator_id(checkpoint: str | Path) -> int | None:
     """The end-of-sequence token put between files: config.json's ``eos_token_id`` (the first of a list)."""
     cfg = json.loads((Path(checkpoint) / "config.json").read_text())

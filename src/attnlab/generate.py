@@ -35,6 +35,7 @@ import torch
 
 from .attention import fused
 from .attention.rope import switch_length
+from .config import AttentionConfig, MLAConfig
 from .cost import kv_cache_bytes, weight_bytes_read
 from .model import Transformer
 
@@ -281,11 +282,27 @@ class _Run:
             nxt = self._take(logits, list(range(b)))
         self.decode_s = time.perf_counter() - start
 
+    def pool(self, attn: AttentionConfig | MLAConfig, block_size: int) -> int:
+        """Blocks of one layer's paged pool: every row's whole sequence, or for a sliding-window layer (whose cache
+        gives back the blocks that leave its window before each update) what a row holds at most, its prompt after
+        the prefill or the blocks its window can touch afterwards. A longrope switch prefills a row again whole,
+        so a model with one keeps whole pools."""
+        window = getattr(attn, "window", None)
+        whole = [-(-(len(r) + self.max_new) // block_size) for r in self.rows]
+        if window is None or self.switches:
+            return sum(whole)
+        spans = (window - 1) // block_size + 2
+        return sum(
+            min(w, max(-(-len(r) // block_size), spans)) for w, r in zip(whole, self.rows, strict=True)
+        )
+
     def paged(self, block_size: int) -> None:
         model, b = self.model, len(self.rows)
         start = time.perf_counter()
-        n_blocks = sum(-(-(len(r) + self.max_new) // block_size) for r in self.rows)
-        caches = [layer.attention.new_paged_cache(n_blocks, block_size, b) for layer in model.layers]
+        caches = [
+            layer.attention.new_paged_cache(self.pool(layer.attention.cfg, block_size), block_size, b)
+            for layer in model.layers
+        ]
         first = []
         for row, prompt in enumerate(self.rows):
             logits = model(torch.tensor([prompt]), caches=[c.select([row]) for c in caches], logits_to_keep=1)

@@ -62,6 +62,7 @@ class Outcome:
     cached: bool  # taken from an earlier run
     out: Path | None
     skipped: bool = False  # not run: a job it needs failed
+    cpu_seconds: float | None = None  # this process's or its worker's CPU time (None: not recorded)
 
 
 def _slug(name: str) -> str:
@@ -176,7 +177,7 @@ def run_jobs(
                 continue
             outcomes[job.name] = Outcome(
                 job.name, keys[job.name], found.get("result"), found.get("error"), found.get("seconds", 0.0),
-                True, outs[job.name],
+                True, outs[job.name], cpu_seconds=found.get("cpu_seconds"),
             )  # fmt: skip
     dependants: dict[str, list[str]] = {j.name: [] for j in order}
     for job in order:
@@ -203,8 +204,9 @@ def run_jobs(
 
     def finish(job: Job, raw: dict) -> None:
         outcome = Outcome(
-            job.name, keys[job.name], raw["result"], raw["error"], raw["seconds"], False, outs[job.name]
-        )
+            job.name, keys[job.name], raw["result"], raw["error"], raw["seconds"], False, outs[job.name],
+            cpu_seconds=raw["cpu_seconds"],
+        )  # fmt: skip
         outcomes[job.name] = outcome
         if raw["cacheable"]:
             record = {"job": job.name, "fn": _fn_name(job.fn), "args": job.args, "key": keys[job.name]}

@@ -1,6 +1,8 @@
 """Tensor parallelism by heads: ``apply_tp(module, mesh)`` shards our attention modules, the decoder MLP and the
-``Transformer`` over the ranks of a 1-D device mesh, with DTensor plans keyed by submodule name (as torchtitan's
-``apply_tp``), from outside the model: the model code reads its head counts from its own (local) weights.
+``Transformer`` over the ranks of a 1-D device mesh (made with or without dimension names, or one dimension of a
+larger mesh such as ``mesh["tp"]`` of a ("dp", "tp") mesh), with DTensor plans keyed by submodule name (as
+torchtitan's ``apply_tp``), from outside the model: the model code reads its head counts from its own (local)
+weights.
 
 The layout is Megatron-LM's (Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3). Rank r of tp computes query heads
 [r * n_heads / tp, (r + 1) * n_heads / tp) from end to end: the Q/K/V projections are column-parallel (their
@@ -13,7 +15,8 @@ Which KV heads a rank holds (query head i reads KV head i // (n_heads / n_kv_hea
 - tp <= n_kv_heads: rank r holds KV heads [r * n_kv_heads / tp, (r + 1) * n_kv_heads / tp); nothing is repeated.
 - tp > n_kv_heads (MQA, or Llama-2-70B's 8 KV heads on 16 ranks): a rank's query heads all read KV head
   r // (tp / n_kv_heads), so every KV head is held, and cached, by tp / n_kv_heads ranks (vLLM does the same).
-  wk and wv live on a (kv, rep) view of the mesh: split over "kv", replicated over "rep".
+  With one KV head, wk and wv are replicated over the mesh; with more, they live on a (kv, rep) view of it, split
+  over "kv" and replicated over "rep", whose process groups ``_kv_rep_mesh`` makes with public torch calls.
 - MLA: the query heads (``wq`` or ``wq_b``) and ``wkv_b`` are split by head; ``wq_a``, ``q_norm``, ``wkv_a`` and
   ``kv_norm`` are replicated, so every rank computes and caches the whole latent.
 
@@ -23,13 +26,15 @@ such hand-over is marked with DTensor's ``Partial`` gradient placement, so the s
 them: once for the attention / MLP input (the backward all-reduce), and for a replicated weight when its
 gradient is accumulated (``_sum_partial_grad``).
 
-Checks come first: a tp that does not divide n_heads, or that neither divides nor is divided by n_kv_heads, is a
-ValueError raised before any collective is issued, so a bad launch fails on every rank instead of hanging.
+Checks come first: a mesh of more than one dimension, a mesh without this rank, or a tp that does not divide n_heads
+or that neither divides nor is divided by n_kv_heads, is a ValueError raised before any collective is issued, so a
+bad launch fails on every rank instead of hanging.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -117,7 +122,7 @@ class Replicated(ParallelStyle):
         )
 
 
-class ColwiseFromReplicated(ColwiseParallel):
+class ColwiseFromReplicated(ParallelStyle):
     """Column-parallel (split by head) behind a ``Replicated`` module: the input's gradient stays this rank's
     partial sum, as the module before it expects (MLA's ``wq_b`` and ``wkv_b``)."""
 
@@ -125,35 +130,65 @@ class ColwiseFromReplicated(ColwiseParallel):
         return distribute_module(
             module,
             mesh,
-            self._partition_linear_fn,
+            lambda _name, mod, m: _distribute_params(mod, m, [Shard(0)]),
             lambda _mod, inputs, m: (_replicated_input(inputs[0], m), *inputs[1:]),
             lambda _mod, out, m: out.to_local(),
         )
 
 
 class ReplicatedKVHeads(ParallelStyle):
-    """wk / wv when tp > n_kv_heads: the weight rows of KV head j live on ranks [j * rep, (j + 1) * rep),
-    rep = tp / n_kv_heads, on a (kv, rep) view of the mesh (split over kv, replicated over rep). A replica's output
-    feeds only its own query heads, so gradients come back as partial sums over "rep"."""
+    """wk / wv when tp > n_kv_heads: the weight rows of KV head k live on mesh ranks [k * rep, (k + 1) * rep),
+    rep = tp / n_kv_heads. One KV head is replicated over the whole mesh; more live on the (kv, rep) view of the
+    mesh (split over kv, replicated over rep). A replica's output feeds only its own query heads, so gradients come
+    back as partial sums over the replicas.
 
-    def __init__(self, n_kv_heads: int) -> None:
+    ``views`` holds the (kv, rep) meshes made so far, by n_kv_heads: ``apply_tp`` shares one between the layers of
+    a call, so a model makes each view's process groups once, not once per layer."""
+
+    def __init__(self, n_kv_heads: int, views: dict[int, DeviceMesh] | None = None) -> None:
         super().__init__()
         self.n_kv_heads = n_kv_heads
+        self.views = {} if views is None else views
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        tp = mesh.size()
-        # DeviceMesh._unflatten views one axis as two (private in torch 2.13, which attnlab pins); it creates the
-        # new axes' process groups, so every rank makes the same call, after the checks of apply_tp.
-        kv_mesh = mesh._unflatten(0, (self.n_kv_heads, tp // self.n_kv_heads), ("kv", "rep"))
+        if self.n_kv_heads == 1:  # every rank holds the one KV head: no view, no new process group
+            kv_mesh, weights = mesh, [Replicate()]
+        else:
+            if self.n_kv_heads not in self.views:
+                self.views[self.n_kv_heads] = _kv_rep_mesh(mesh, self.n_kv_heads)
+            kv_mesh, weights = self.views[self.n_kv_heads], [Shard(0), Replicate()]
+
+        def local_output(_mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
+            # split over kv by head (the output's last dimension), a partial sum over the replicas
+            grads = [Shard(out.ndim - 1), Partial()][-out.device_mesh.ndim :]
+            return _ContiguousGrad.apply(out.to_local(grad_placements=grads))
+
         return distribute_module(
             module,
             kv_mesh,
-            lambda _name, mod, m: _distribute_params(mod, m, [Shard(0), Replicate()]),
+            lambda _name, mod, m: _distribute_params(mod, m, weights),
             lambda _mod, inputs, m: (_replicated_input(inputs[0], m), *inputs[1:]),
-            lambda _mod, out, m: _ContiguousGrad.apply(
-                out.to_local(grad_placements=[Shard(out.ndim - 1), Partial()])
-            ),
+            local_output,
         )
+
+
+def _kv_rep_mesh(mesh: DeviceMesh, n_kv_heads: int) -> DeviceMesh:
+    """The 1-D ``mesh`` viewed as (kv, rep) = (n_kv_heads, tp / n_kv_heads): mesh rank k * rep + j holds KV head k.
+
+    Made with public calls only, so that any 1-D mesh will do (named or not, whole or one dimension of a larger
+    mesh). Each rank makes the two process groups it belongs to, its "kv" group (same j), then its "rep" group
+    (same k), with ``new_group(use_local_synchronization=True)``: only a group's members take part, since the ranks
+    of one slice of a larger mesh cannot know the other slices. As every rank makes its "kv" group first, no two
+    ranks wait on each other in opposite orders; as the groups' names count the groups a rank already has, every
+    rank of the mesh must make the same ``apply_tp`` calls (as it must anyway). ``DeviceMesh.from_group`` wraps the
+    groups. (``DeviceMesh._unflatten``, used before, is private and needed named dimensions.)"""
+    ranks = mesh.mesh.view(n_kv_heads, -1)  # global ranks; row k holds KV head k
+    k, j = divmod(mesh.get_local_rank(), ranks.shape[1])
+    groups = [
+        dist.new_group(members.tolist(), use_local_synchronization=True)
+        for members in (ranks[:, j], ranks[k])
+    ]
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=ranks, mesh_dim_names=("kv", "rep"))
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -179,13 +214,16 @@ def _replicated_block_input() -> PrepareModuleInput:
 # ---- plans, keyed by submodule name ----------------------------------------------------------------------------
 
 
-def attention_plan(attn: nn.Module, tp: int, prefix: str = "") -> dict[str, ParallelStyle]:
-    """The plan of one attention module (names relative to its parent, after ``prefix``)."""
+def attention_plan(
+    attn: nn.Module, tp: int, prefix: str = "", kv_views: dict[int, DeviceMesh] | None = None
+) -> dict[str, ParallelStyle]:
+    """The plan of one attention module (names relative to its parent, after ``prefix``). ``kv_views``: the
+    (kv, rep) meshes of replicated KV heads to share with other layers (see ``ReplicatedKVHeads``)."""
     p = prefix
     plan: dict[str, ParallelStyle] = {p.rstrip("."): _replicated_block_input()} if p else {}
     if isinstance(attn, GroupedQueryAttention):
         n_kv = attn.cfg.n_kv_heads
-        kv = ColwiseParallel() if tp <= n_kv else ReplicatedKVHeads(n_kv)
+        kv = ColwiseParallel() if tp <= n_kv else ReplicatedKVHeads(n_kv, kv_views)
         return plan | {f"{p}wq": ColwiseParallel(), f"{p}wk": kv, f"{p}wv": kv, f"{p}wo": RowwiseParallel()}
     if isinstance(attn, MultiHeadLatentAttention):
         if attn.cfg.q_lora_rank:
@@ -217,11 +255,24 @@ def mlp_plan(prefix: str = "") -> dict[str, ParallelStyle]:
 
 
 def _check_mesh(mesh: DeviceMesh) -> int:
+    """The mesh's size, once it is a mesh apply_tp can use: one dimension, holding this rank."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        fix = (
+            f"pass the dimension to split heads over, {' or '.join(f'mesh[{n!r}]' for n in names)}"
+            if names
+            else "name its dimensions (init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) and pass mesh['tp']"
+        )
         raise ValueError(
-            f"apply_tp needs the 1-D tensor-parallel mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; pass mesh['tp']"
+            f"apply_tp splits heads over a 1-D mesh; got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+            f"{f' named {names}' if names else ''}: {fix}"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"apply_tp: rank {dist.get_rank()} is not in the mesh (ranks {mesh.mesh.tolist()}); pass the mesh, "
+            "or the slice of a larger mesh, that holds this rank"
         )
     return mesh.size()
 
@@ -240,7 +291,9 @@ def _check_module(module: nn.Module, tp: int) -> None:
 
 
 def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard ``module`` by heads over the 1-D ``mesh`` in place and return it (see the module docstring).
+    """Shard ``module`` by heads over the 1-D ``mesh`` in place and return it (see the module docstring). Any 1-D
+    mesh: ``init_device_mesh("cpu", (tp,))``, with or without ``mesh_dim_names``, or one dimension of a larger mesh
+    (``mesh["tp"]``). Every rank of the mesh makes the same call.
 
     A sharded attention module takes and returns whole (B, T, d_model) tensors like the unsharded one; its
     ``n_heads`` / ``n_kv_heads`` and ``new_cache`` are this rank's. A ``Transformer`` also splits its embedding and
@@ -252,8 +305,9 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         return parallelize_module(module, mesh, {"": _replicated_block_input()} | mlp_plan())
     if not isinstance(module, Transformer):
         return parallelize_module(module, mesh, {"": _replicated_block_input()} | attention_plan(module, tp))
+    kv_views: dict[int, DeviceMesh] = {}  # one (kv, rep) view of the mesh for all layers
     for layer in module.layers:
-        plan = attention_plan(layer.attention, tp, "attention.") | mlp_plan("feed_forward.")
+        plan = attention_plan(layer.attention, tp, "attention.", kv_views) | mlp_plan("feed_forward.")
         parallelize_module(layer, mesh, plan)
     if not module.cfg.tie_embeddings:  # a tied table is one tensor: it cannot be split two ways
         parallelize_module(

@@ -274,6 +274,23 @@ def test_overwrite_never_touches_the_source(tmp_path, monkeypatch, relation):
     assert tree_hash(src) == before and tree_hash(tmp_path) == everything
 
 
+@pytest.mark.parametrize(
+    "to", [["--kv-heads", 2, "--method", "fit"], ["--to", "mla", "--kv-lora-rank", 8, "--rope-dim", 4]]
+)
+def test_overwrite_never_replaces_a_destination_holding_the_calibration_file(tmp_path, calib_file, to):
+    # Issue 29: --calib is an input like SRC; `convert src prev --calib prev/calib.txt --overwrite` (prev an earlier
+    # output) replaced prev and deleted the calibration file with it, exit 0.
+    src = make_checkpoint(tmp_path / "src")
+    assert run("convert", src, tmp_path / "prev", "--kv-heads", 4).exit_code == 0
+    (tmp_path / "prev" / "calib.txt").write_bytes(calib_file.read_bytes())
+    everything = tree_hash(tmp_path)
+    result = run(
+        "convert", src, tmp_path / "prev", *to, "--calib", tmp_path / "prev" / "calib.txt", "--overwrite"
+    )
+    one_line_error(result, "contains the source", "calib.txt")
+    assert tree_hash(tmp_path) == everything
+
+
 def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_path):
     # Issue 8: a pytorch_model.bin beside model.safetensors was copied into the GQA destination.
     src = make_checkpoint(tmp_path / "src")

@@ -18,7 +18,7 @@ from attnlab.convert import (
     logit_distance,
 )
 from attnlab.convert.mla import full_rank, mean_phase_queries, mean_rotation, rope_planes
-from attnlab.convert.mla_model import attention_distances, attention_scores
+from attnlab.convert.mla_model import attention_distances, attention_scores, with_nope_dim
 from attnlab.convert.model import calibrate
 from attnlab.model import Transformer
 
@@ -147,6 +147,20 @@ def test_model_converted_at_full_rank_gives_source_logits(rope):
     native, stats = fold_latent_norms(mla, calib)
     assert native.cfg.attention.kv_norm and len(stats) == 2
     assert 0 < logit_distance(mla, native, calib)["rel_rms"] < 0.5
+    # With every plane kept from one KV head there is no nope part; the on-disk conversion adds a zero one for
+    # llama.cpp (with_nope_dim): the same logits, and a model that has one is returned as it is.
+    padded = with_nope_dim(mla)
+    assert (
+        mla.cfg.attention.qk_nope_head_dim == (0 if rope else 12)
+        and padded.cfg.attention.qk_nope_head_dim >= 1
+    )
+    assert (padded is mla) == (not rope)
+    with torch.no_grad():
+        torch.testing.assert_close(padded(tokens), mla(tokens), rtol=1e-5, atol=1e-5)
+    if rope:
+        attn = padded.layers[0].attention
+        assert attn.wq.weight.view(4, 13, 48)[:, 0].abs().max() == 0
+        assert attn.wkv_b.weight.view(4, 13, -1)[:, 0].abs().max() == 0
 
 
 @pytest.mark.parametrize("tilt,kind", [(0.0, "diagonal"), (0.6, "general")])

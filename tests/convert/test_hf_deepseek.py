@@ -194,7 +194,8 @@ def test_llama_checkpoint_converts_to_native_deepseek(tmp_path):
     rank = full_rank(load_llama(src).cfg.attention, 8)
     summary = convert_checkpoint_to_mla(src, tmp_path / "dst", rank, 8)
     assert _digest(src) == before  # the source is untouched
-    assert summary["kv_values_per_token_after"] == 2 * (rank + 8) and summary["qk_nope_head_dim"] == 0
+    # every head dim keeps RoPE: no nope part, but one zero dim (llama.cpp needs qk_nope_head_dim >= 1)
+    assert summary["kv_values_per_token_after"] == 2 * (rank + 8) and summary["qk_nope_head_dim"] == 1
     assert max(summary["layer_output_error"]) < 1e-5
     assert summary["logits_source_vs_mla"]["max_abs"] < 1e-4
     assert 0 < summary["logits_mla_vs_native"]["rel_rms"] < 0.5

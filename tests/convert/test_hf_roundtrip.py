@@ -169,3 +169,44 @@ def test_bad_configs_are_refused():
         model_config_from_hf(good | {"hidden_size": "48"})
     with pytest.raises(ValueError, match="num_key_value_heads=4 does not divide num_attention_heads=6"):
         model_config_from_hf(good | {"num_key_value_heads": 4})
+
+
+def test_every_loader_and_writer_goes_through_the_one_load_and_the_one_save(tmp_path, monkeypatch):
+    """Issue 30: hf/llama.py, hf/deepseek.py and hf/bert.py each carried a copy of the load body (build on meta,
+    check the key set, assign) and of the save body (atomic directory, tensors, config). There is one of each now
+    (``io.assign``, ``io.write_checkpoint``): every entry point of every family calls it, once."""
+    from attnlab import MLAConfig
+    from attnlab.families.bert import BERT
+    from attnlab.hf import causal_lm, export_bert_mha, io, load_bert, load_deepseek, save_deepseek, save_model
+
+    calls: list[str] = []
+    for name in ("assign", "write_checkpoint"):
+        real = getattr(io, name)
+        monkeypatch.setattr(
+            io, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+
+    def once(what: str, fn) -> object:
+        calls.clear()
+        out = fn()
+        assert calls == [what], (fn, calls)
+        return out
+
+    llama = Transformer(
+        ModelConfig(vocab_size=96, n_layers=1, attention=AttentionConfig(48, 6, 2), ffn_dim=64)
+    )
+    once("write_checkpoint", lambda: save_llama(llama, tmp_path / "llama"))
+    once("write_checkpoint", lambda: save_model(llama, tmp_path / "model", "mistral"))
+    once("assign", lambda: load_llama(tmp_path / "llama"))
+    once("assign", lambda: causal_lm.load_causal_lm(tmp_path / "model"))
+    mla = MLAConfig(
+        d_model=48, n_heads=6, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+    )
+    deepseek = Transformer(ModelConfig(vocab_size=96, n_layers=1, attention=mla, ffn_dim=64))
+    once("write_checkpoint", lambda: save_deepseek(deepseek, tmp_path / "deepseek"))
+    once("assign", lambda: load_deepseek(tmp_path / "deepseek"))
+    transformers.BertModel(transformers.AutoConfig.for_model(**BERT.example)).save_pretrained(
+        tmp_path / "bert"
+    )
+    encoder, extra = once("assign", lambda: load_bert(tmp_path / "bert"))
+    once("write_checkpoint", lambda: export_bert_mha(encoder, tmp_path / "bert-mha", extra=extra))

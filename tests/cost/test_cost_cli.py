@@ -66,6 +66,40 @@ def test_compare_config_json_path(tmp_path):
     assert doc["rows"][0]["kv_cache_bytes_per_token"] == 2 * 12 * 768 * 2
 
 
+@pytest.mark.parametrize(
+    ("preset", "config_class"), [("gemma-3-1b", "Gemma3TextConfig"), ("mistral-7b", "MistralConfig")]
+)
+def test_compare_counts_a_sliding_layer_at_its_window_and_says_so(preset, config_class):
+    """Issue 30: a sliding layer caches min(window, tokens). Which layers slide is transformers' own reading of the
+    preset's config.json; past the window the native KV cache is that count, and the table says why it is less
+    than KV bytes/token x tokens."""
+    import transformers
+
+    hf = HF_CONFIGS[preset]
+    theirs = getattr(transformers, config_class)(**{k: v for k, v in hf.items() if k != "model_type"})
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers
+    window, seq_len = theirs.sliding_window, 4 * theirs.sliding_window
+    per_layer_token = 2 * theirs.num_key_value_heads * theirs.head_dim * 2  # bf16 keys and values
+    tokens = sum(min(window, seq_len) if t == "sliding_attention" else seq_len for t in types)
+    doc = run_json("--model", preset, "--seq-len", str(seq_len))
+    native = next(r for r in doc["rows"] if r["native"])
+    assert native["kv_cache_bytes"] == per_layer_token * tokens < native["kv_cache_bytes_per_token"] * seq_len
+    sliding = types.count("sliding_attention")
+    assert (doc["sliding_layers"], doc["n_layers"], doc["window"]) == (sliding, len(types), window)
+    mla = next(r for r in doc["rows"] if r["variant"] == "mla")  # DeepSeek-V3 has no window: every token
+    assert mla["kv_cache_bytes"] == mla["kv_cache_bytes_per_token"] * seq_len
+    table = runner.invoke(app, ["compare", "--model", preset, "--seq-len", str(seq_len)], terminal_width=400)
+    text = " ".join(table.stdout.split())
+    assert f"{sliding} of {len(types)} layers attend to the last {window} tokens" in text
+    assert f"cache {window:,} of the {seq_len:,}" in text
+
+
+def test_compare_of_a_model_without_windows_says_nothing_of_them():
+    doc = run_json("--model", "llama-2-7b")
+    assert (doc["sliding_layers"], doc["window"]) == (0, None)
+    assert "Sliding window" not in runner.invoke(app, ["compare"], terminal_width=400).stdout
+
+
 def test_compare_table_and_plot(tmp_path):
     import matplotlib.image
 

@@ -84,7 +84,7 @@ def test_greedy_tokens_equal_transformers_through_both_caches(checkpoint):
 
 
 def test_a_left_padded_batch_equals_its_rows_alone(checkpoint):
-    check_left_padded(checkpoint, lengths=(3, 6))
+    check_left_padded(checkpoint, lengths=(3, 13))  # 13 tokens: past the window of 8, 10 pads before row 0
 
 
 def test_the_cost_model_counts_a_sliding_layer_at_its_window(checkpoint):
@@ -137,6 +137,27 @@ def test_an_unknown_rope_type_is_one_line(tmp_path):
     result = CliRunner().invoke(app, ["eval", str(src), "--data", str(src / "config.json")])
     assert result.exit_code == 2
     assert "rope_type='ntk-by-parts' is not supported" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("model_type", "change", "named"),
+    [
+        ("llama", {"hidden_act": "gelu"}, "llama config.json: hidden_act='gelu' is not supported"),
+        ("llama", {"pretraining_tp": 2}, "llama config.json: pretraining_tp=2 is not supported"),
+        (  # Llama 4's chunked attention: another model, refused by the field's name
+            "qwen2",
+            {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
+            "qwen2 config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
+        ),
+    ],
+)
+def test_a_field_attnlab_does_not_model_is_refused_naming_it(tmp_path, model_type, change, named):
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL)
+    cfg = json.loads((src / "config.json").read_text()) | {"model_type": model_type}
+    (src / "config.json").write_text(json.dumps(cfg | change))
+    result = CliRunner().invoke(app, ["eval", str(src), "--data", str(src / "config.json")])
+    assert result.exit_code == 2 and named in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def _tokenizer(path):

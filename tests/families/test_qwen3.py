@@ -75,7 +75,7 @@ def test_greedy_tokens_equal_transformers_through_both_caches(checkpoint):
 
 
 def test_a_left_padded_batch_equals_its_rows_alone(checkpoint):
-    check_left_padded(checkpoint, lengths=(3, 6))
+    check_left_padded(checkpoint, lengths=(3, 13))  # 13 tokens: past the window of 8, 10 pads before row 0
 
 
 def test_the_q_k_norms_are_per_head_gains_read_from_the_checkpoint(checkpoint):
@@ -185,6 +185,10 @@ def test_fields_left_out_mean_what_qwen3config_says():
         (
             {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 2},
             "layer_types names sliding",
+        ),
+        (  # Llama 4's chunked attention: another model, refused by the field's name
+            {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
+            "qwen3 config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
         ),
     ],
 )

@@ -68,6 +68,9 @@ def test_a_finished_job_is_not_rerun_and_a_changed_input_reruns_exactly_its_depe
     assert len(calls(log)) == 4  # nothing rerun
     assert all(o.cached for o in again.values())
     assert {n: o.result for n, o in again.items()} == {n: o.result for n, o in first.items()}
+    # the CPU time a job used is kept with its result (what a study reports as its cost on idle cores)
+    assert all(o.cpu_seconds is not None and o.cpu_seconds >= 0 for o in first.values())
+    assert {n: o.cpu_seconds for n, o in again.items()} == {n: o.cpu_seconds for n, o in first.items()}
 
     run_jobs(graph(log, b={"value": 20}), root, progress=False)
     assert calls(log)[4:] == ["b", "c"]  # b and what reads it; not a, not d

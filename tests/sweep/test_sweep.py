@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -169,6 +170,11 @@ def test_pareto_on_a_hand_made_table():
         (["--hardware", "tpu"], "--hardware"),
         (["--uptrain-steps", "x"], "--uptrain-steps"),
         (["--jobs", "0"], "--jobs"),
+        (["--timing", "apart"], "--timing"),
+        (["--warmup", "2"], "--warmup"),
+        (["--temperature", "0"], "--temperature"),
+        (["--variants", "gqa:2/median"], "--variants gqa:2/median"),
+        (["--variants", "mla:16+x"], "--variants mla:R+"),
     ],
 )
 def test_cli_errors_exit_2_with_one_line(tiny, args, fragment):
@@ -187,6 +193,21 @@ def test_an_out_directory_of_the_user_is_refused(tiny):
     assert os.listdir(mine) == ["notes.txt"]
 
 
+def test_an_out_directory_holding_the_teacher_is_refused(tiny):
+    # Issue 29's write rule: --out may not contain any input, --teacher included (here an earlier sweep's directory,
+    # whose --keep could delete a checkpoint the user now distils from).
+    from attnlab.atomic import claim_dir
+
+    out = claim_dir(tiny["root"] / "earlier", "sweep")
+    shutil.copytree(tiny["src"], out / "teacher")
+    before = snapshot(tiny["root"], skip=tiny["root"] / "nothing")
+    result = sweep(tiny, "--out", out, "--teacher", out / "teacher", "--keep", "best")
+    assert result.exit_code == 2 and "--out" in result.stderr and "contains the source" in result.stderr, (
+        result.output
+    )
+    assert snapshot(tiny["root"], skip=tiny["root"] / "nothing") == before
+
+
 def test_auto_variants_compare_at_equal_cache():
     from attnlab.config import AttentionConfig, ModelConfig
     from attnlab.sweep.plan import variants
@@ -199,3 +220,64 @@ def test_auto_variants_compare_at_equal_cache():
     assert [v.name for v in variants(cfg(8), ("auto",), quick=True)] == ["gqa-2", "mqa", "mla-28"]
     assert [v.name for v in variants(cfg(1), ("auto",), quick=True)] == ["mla-12"]
     assert [v.name for v in variants(cfg(4), ("gqa:2", "mla:16,16"), quick=False)] == ["gqa-2", "mla-16"]
+
+
+def test_variant_specs_with_rotary_dims_and_their_own_methods():
+    from attnlab.config import AttentionConfig, ModelConfig
+    from attnlab.sweep.plan import methods_of, variants
+
+    cfg = ModelConfig(64, 2, AttentionConfig(d_model=64, n_heads=8), 128)  # head_dim 8: default rope 4
+    vs = variants(cfg, ("gqa:4,2/mean,fit", "mla:60+4,56+8/fit", "mla:28"), quick=False)
+    assert [(v.name, v.kv_lora_rank, v.rope_dim) for v in vs] == [
+        ("gqa-4", None, None), ("gqa-2", None, None), ("mla-60", 60, 4), ("mla-56", 56, 8), ("mla-28", 28, 4),
+    ]  # fmt: skip
+    methods = ("first", "random")  # --methods: for the specs without their own
+    assert [methods_of(v, methods) for v in vs] == [
+        ["mean", "fit"], ["mean", "fit"], ["calib"], ["calib"], ["plain"],
+    ]  # fmt: skip
+
+
+def test_the_study_options_reach_uptrain_and_a_source_without_a_dependency(first, tiny, tmp_path):
+    """--seed, --warmup, --distill-weight and --temperature are what the uptraining job runs with; a job given
+    ``src`` and no dependency (a study's pretraining from a random init) trains that checkpoint."""
+    from attnlab.sweep import plan
+
+    assert first[0]["jobs"]["run"] > 0  # the sweep whose uptraining job this test reads ran
+    saved = json.loads(next((tiny["root"] / "out" / "jobs").glob("uptrain_gqa-2_mean_2-*.json")).read_text())
+    # the defaults keep attnlab uptrain's own
+    assert {k: saved["args"][k] for k in ("seed", "warmup", "distill_weight", "temperature")} == {
+        "seed": 0, "warmup": None, "distill_weight": 0.5, "temperature": 2.0,
+    }  # fmt: skip
+    opts = SweepOptions(tiny["src"], tiny["corpus"], seed=3, warmup=0.5, distill_weight=1.0, temperature=1.0,
+                        seq_len=16, batch_size=2, eval_windows=4)  # fmt: skip
+    data = {"train": Path(saved["args"]["data"]), "heldout": Path(saved["args"]["eval_data"]),
+            "fingerprint": saved["args"]["data_id"]}  # fmt: skip
+    args = plan.uptrain_args(opts, load_causal_lm(tiny["src"]).cfg, data, 2)
+    assert (args["seed"], args["warmup"], args["distill_weight"], args["temperature"]) == (3, 1, 1.0, 1.0)
+    summary = work.uptrain(args | {"src": str(tiny["src"])}, {}, tmp_path / "up")
+    assert {k: summary["options"][k] for k in ("seed", "warmup", "distill_weight", "temperature", "src")} == {
+        "seed": 3, "warmup": 1, "distill_weight": 1.0, "temperature": 1.0, "src": str(tiny["src"]),
+    }  # fmt: skip
+    assert summary["eval"]["loss"] > 0 and (tmp_path / "up" / "config.json").is_file()
+
+
+def test_timing_together_times_every_variant_in_one_job_in_turn(tiny, tmp_path):
+    """--timing together: one speed job, round robin over the source and every variant; each row reads its own
+    figures from it, and the caches' bytes are the cost model's (the job checks them)."""
+    out = tmp_path / "together"
+    result = sweep(tiny, "--variants", "gqa:2,1", "--uptrain-steps", "0", "--timing", "together", "--out", out,
+                   "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    results = json.loads(result.stdout)
+    assert [n for n in results["jobs"]["computed"] if n.startswith("speed")] == ["speed"]
+    saved = json.loads(next((out / "jobs").glob("speed-*.json")).read_text())["result"]
+    timed = saved["models"]
+    assert list(timed) == ["source", "gqa-2", "mqa"]
+    for row in results["rows"]:
+        assert row["tokens_per_s"] == timed[row["variant"]]["tokens_per_s"] > 0
+        assert row["cache_nbytes"] == timed[row["variant"]]["cost_model_nbytes"]
+    assert (
+        timed["source"]["cache_nbytes"]
+        == 2 * timed["gqa-2"]["cache_nbytes"]
+        == 4 * timed["mqa"]["cache_nbytes"]
+    )

@@ -4,7 +4,8 @@ unsharded modules in one process; and the cost model's per-rank figures against 
 One launch of ``tp_worker.py`` on 2 ranks (and one on 4) runs every distributed check; the tests below read its
 record. The 2-rank launch splits KV heads for MHA and GQA-4 and replicates them for MQA; the 4-rank one also
 replicates GQA-2's (a (kv, rep) = (2, 2) view of the mesh) and runs uptraining as 2 data-parallel replicas of
-tp 2 (FSDP2 over "dp").
+tp 2 (FSDP2 over "dp"). Both also shard MQA, GQA-2 and MLA over a mesh without dimension names and over the "tp"
+dimension of a 2-D mesh.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_worker import ATTENTION, MLP_DIMS, MODELS
+from tp_worker import ATTENTION, MESH_MODULES, MLP_DIMS, MODELS
 from train_helpers import make_llama, run_cli
 
-from attnlab.config import ModelConfig
+from attnlab.config import MLAConfig, ModelConfig
 from attnlab.cost import kv_cache_bytes, model_param_count, param_count
 from attnlab.cost.parallel import check_tp, kv_heads_per_rank, rank_config
 from attnlab.cost.params import mlp_param_count
@@ -56,9 +57,7 @@ def one_layer(cfg) -> ModelConfig:
     return ModelConfig(vocab_size=8, n_layers=1, attention=cfg, ffn_dim=8)
 
 
-@pytest.mark.parametrize("name", list(ATTENTION))
-def test_sharded_attention_equals_unsharded_forward_backward_and_cached_decode(record, name):
-    got = record["modules"][name]
+def assert_equals_unsharded(got: dict) -> None:
     assert got["forward"] < 1e-5 and got["input_grad"] < 1e-5, got
     assert got["weight_grad"] < 1e-5, got  # relative to each weight's largest gradient
     assert got["pending_grads"] == [], got  # replicated weights' partial gradients were summed
@@ -66,19 +65,43 @@ def test_sharded_attention_equals_unsharded_forward_backward_and_cached_decode(r
 
 
 @pytest.mark.parametrize("name", list(ATTENTION))
+def test_sharded_attention_equals_unsharded_forward_backward_and_cached_decode(record, name):
+    assert_equals_unsharded(record["modules"][name])
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
 def test_each_rank_caches_its_kv_heads_and_the_cost_model_says_how_many_bytes(record, name):
-    tp, cfg = record["world_size"], ATTENTION[name]
-    got = record["modules"][name]
+    tp = record["world_size"]
+    assert_holds_its_share(record["modules"][name], ATTENTION[name], tp, tp)
+
+
+def assert_holds_its_share(got: dict, cfg, tp: int, world: int) -> None:
+    """Each of the ``world`` ranks holds and caches one rank's share of ``tp``."""
     local = rank_config(one_layer(cfg), tp)
-    assert got["cache_bytes"] == [kv_cache_bytes(local, 2, 7, "fp32")] * tp
-    assert got["local_params"] == [param_count(local.attention)] * tp
-    mla = name.startswith("mla")  # no KV heads: every rank caches the whole latent
-    assert got["heads"] == [[cfg.n_heads // tp, None if mla else kv_heads_per_rank(cfg, tp)]] * tp
+    assert got["cache_bytes"] == [kv_cache_bytes(local, 2, 7, "fp32")] * world
+    assert got["local_params"] == [param_count(local.attention)] * world
+    mla = isinstance(cfg, MLAConfig)  # no KV heads: every rank caches the whole latent
+    assert got["heads"] == [[cfg.n_heads // tp, None if mla else kv_heads_per_rank(cfg, tp)]] * world
     if (
         mla or kv_heads_per_rank(cfg, tp) * tp > cfg.n_kv_heads
     ):  # replicated: one KV head (or the latent) each
         whole = kv_cache_bytes(one_layer(cfg), 2, 7, "fp32")
         assert got["cache_bytes"][0] == (whole if mla else whole // cfg.n_kv_heads)
+
+
+@pytest.mark.parametrize("mesh", ["unnamed", "tp-of-2d"])
+@pytest.mark.parametrize("name", MESH_MODULES)
+def test_any_1d_mesh_a_user_makes_shards_like_the_named_one(record, mesh, name):
+    """A mesh without dimension names (init_device_mesh("cpu", (n,))), and mesh["tp"] of a 2-D ("dp", "tp") mesh:
+    MQA (its KV head on every rank), GQA-2 (on 4 ranks a (kv, rep) = (2, 2) view of the unnamed mesh) and MLA
+    equal the unsharded module, and each rank holds its share."""
+    got, world = record["meshes"][mesh], record["world_size"]
+    tp = world if mesh == "unnamed" else 2
+    assert got["tp"] == tp
+    # the 2-D mesh's "tp" slices: (0, 1) on 2 ranks; (0, 1) and (2, 3) on 4, so one rank's mesh is not all ranks
+    assert got["ranks"] == [[r - r % tp + i for i in range(tp)] for r in range(world)]
+    assert_equals_unsharded(got[name])
+    assert_holds_its_share(got[name], ATTENTION[name], tp, world)
 
 
 def test_sharded_mlp_equals_unsharded_and_splits_unevenly_where_it_must(record):
@@ -107,7 +130,7 @@ def test_sharded_transformer_generates_the_one_process_greedy_tokens(record, nam
     assert max(got["local_params"]) == model_param_count(
         rank_config(cfg, tp)
     )  # rank 0: the larger vocab share
-    assert got["cache_bytes"] == [kv_cache_bytes(rank_config(cfg, tp), 2, 16, "fp32")] * tp
+    assert got["cache_bytes"] == [kv_cache_bytes(rank_config(cfg, tp), 2, 16, "fp64")] * tp  # float64 models
 
 
 def test_bad_tp_and_head_combinations_raise_before_any_collective(record):
@@ -119,6 +142,26 @@ def test_bad_tp_and_head_combinations_raise_before_any_collective(record):
     assert f"tp={tp} must divide n_kv_heads=3" in bad["gqa_kv_heads"]["message"]
     assert f"tp={tp} must divide n_heads=" in bad["mla_heads"]["message"]
     assert "--tp 3 must divide the number of ranks" in bad["ranks"]["message"]
+
+
+def test_a_mesh_apply_tp_cannot_use_is_a_value_error_that_says_what_to_pass(record):
+    bad, world = record["bad"], record["world_size"]
+    for name in ("mesh_2d", "mesh_2d_unnamed", "mesh_without_rank"):
+        assert bad[name]["raised"] == "ValueError", (name, bad[name])
+        assert bad[name]["seconds"] < 5, (name, bad[name])  # rank 0 alone: a collective would have hung
+    shape = f"2-D mesh of shape ({world // 2}, 2)"
+    assert bad["mesh_2d"]["message"] == (
+        f"apply_tp splits heads over a 1-D mesh; got a {shape} named ('dp', 'tp'): pass the dimension to split "
+        "heads over, mesh['dp'] or mesh['tp']"
+    )
+    assert bad["mesh_2d_unnamed"]["message"] == (
+        f"apply_tp splits heads over a 1-D mesh; got a {shape}: name its dimensions "
+        "(init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) and pass mesh['tp']"
+    )
+    assert bad["mesh_without_rank"]["message"] == (
+        f"apply_tp: rank 0 is not in the mesh (ranks [{world - 1}]); pass the mesh, or the slice of a larger mesh, "
+        "that holds this rank"
+    )
 
 
 @pytest.fixture(scope="module")

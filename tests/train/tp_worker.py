@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, MultiHeadLatentAttention
@@ -41,6 +41,7 @@ ATTENTION = {
     "mla-naive": MLAConfig(d_model=64, n_heads=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                            v_head_dim=8, mode="naive"),
 }  # fmt: skip
+MESH_MODULES = ("mqa", "gqa2", "mla")  # checked again on the meshes of mesh_checks
 MLP_DIMS = (64, 90)  # 90 hidden units: an uneven split over 4 ranks (23, 23, 23, 21)
 MODELS = {  # vocab 97: an uneven split of the embedding and LM head
     "mqa": ModelConfig(vocab_size=97, n_layers=2, attention=AttentionConfig(d_model=32, n_heads=4, n_kv_heads=1),
@@ -120,16 +121,36 @@ def compare_module(ref: torch.nn.Module, mesh, d_model: int, cache: bool) -> dic
     return out
 
 
+def attention_module(cfg: AttentionConfig | MLAConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    module = (GroupedQueryAttention if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention)(cfg)
+    module.init_weights(0.2)  # larger than the default 0.02: attention far from uniform
+    return module
+
+
 def module_checks(mesh) -> dict:
     out = {}
     for name, cfg in ATTENTION.items():
-        torch.manual_seed(0)
-        cls = GroupedQueryAttention if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention
-        module = cls(cfg)
-        module.init_weights(0.2)  # larger than the default 0.02: attention far from uniform
-        out[name] = compare_module(module, mesh, cfg.d_model, cache=True)
+        out[name] = compare_module(attention_module(cfg), mesh, cfg.d_model, cache=True)
     torch.manual_seed(0)
     out["mlp"] = compare_module(FeedForward(*MLP_DIMS), mesh, MLP_DIMS[0], cache=False)
+    return out
+
+
+def mesh_checks() -> dict:
+    """MQA, GQA and MLA on 1-D meshes made the other ways a user makes them: all ranks without dimension names,
+    and the "tp" dimension of a 2-D ("dp", "tp") mesh (of shape (1, 2) on 2 ranks, (2, 2) on 4: two slices)."""
+    world = dist.get_world_size()
+    meshes = {
+        "unnamed": init_device_mesh("cpu", (world,)),
+        "tp-of-2d": init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"],
+    }
+    out = {}
+    for mesh_name, mesh in meshes.items():
+        out[mesh_name] = {"tp": mesh.size(), "ranks": gathered(mesh.mesh.tolist())}
+        for name in MESH_MODULES:
+            cfg = ATTENTION[name]
+            out[mesh_name][name] = compare_module(attention_module(cfg), mesh, cfg.d_model, cache=True)
     return out
 
 
@@ -144,6 +165,9 @@ def model_checks(mesh) -> dict:
             continue
         ref = Transformer(cfg)
         ref.init_weights(std=0.3, seed=0)
+        # float64: what is compared is the sharding's arithmetic, not float32's summation order, which differs
+        # between the ranks' partial products and one process's (1.2e-5 relative on an AVX-512 EPYC in float32)
+        ref.double()
         sharded = apply_tp(copy.deepcopy(ref), mesh)
         tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
         losses = []
@@ -207,6 +231,17 @@ def bad_combo_checks(mesh) -> dict:
         bad_model = MODELS["mqa"].replace(attention=bad_heads_model)
         out["model_heads"] = on_rank0_alone(lambda: apply_tp(Transformer(bad_model), mesh))
         out["ranks"] = on_rank0_alone(lambda: distributed.setup(tp=3))
+    # Meshes apply_tp cannot use; made by every rank (making them is collective), passed by rank 0 alone.
+    world = dist.get_world_size()
+    meshes = {
+        "mesh_2d": init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")),
+        "mesh_2d_unnamed": init_device_mesh("cpu", (world // 2, 2)),
+        "mesh_without_rank": DeviceMesh("cpu", [world - 1]),
+    }
+    if dist.get_rank() == 0:
+        mqa = ATTENTION["mqa"]
+        for name, bad_mesh in meshes.items():
+            out[name] = on_rank0_alone(lambda m=bad_mesh: apply_tp(GroupedQueryAttention(mqa), m))
     dist.barrier()  # every rank gets here: nothing above left a collective half-issued
     return out
 
@@ -232,6 +267,7 @@ def main() -> None:
     report: dict = {"world_size": dist.get_world_size()}
     for name, check in (
         ("modules", lambda: module_checks(mesh)),
+        ("meshes", mesh_checks),
         ("models", lambda: model_checks(mesh)),
         ("bad", lambda: bad_combo_checks(mesh)),
         ("uptrain", lambda: uptrain_check(src, data, work)),

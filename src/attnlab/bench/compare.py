@@ -65,6 +65,13 @@ def compare_table(c: Comparison) -> Grid:
             f"{_si(c.link_bandwidth or 0, 'B/s')} per direction."
             + (f" Not splittable over tp={c.tp}: {', '.join(c.skipped)}." if c.skipped else "")
         )
+    if c.sliding_layers:  # what the KV cache column counts, which KV bytes/token x tokens would not give
+        held = min(c.window or 0, c.seq_len)
+        caption += (
+            f" Sliding window: {c.sliding_layers} of {c.n_layers} layers attend to the last {c.window} tokens and "
+            f"cache {held:,} of the {c.seq_len:,} (KV cache counts that; KV bytes/token is every layer's; MLA: no "
+            "window, as DeepSeek-V3)."
+        )
     grid = Grid(title, header.split("|"), right=tuple(range(1, header.count("|") + 1)), caption=caption)
     for r in c.rows:
         heads = str(r.n_kv_heads) if r.variant != "mla" else f"latent ({r.equivalent_gqa_groups:g})"

@@ -146,7 +146,7 @@ def markdown() -> str:
         "(a DeepSeek-V3 checkpoint: *exact*, *approximate*, or *refused* with the reason); **uptrain** is",
         "`attnlab uptrain`; **generate** is `attnlab generate`; **compare** is `attnlab compare --model",
         "config.json`. Adding a family: its module in `src/attnlab/families/`, its test file in `tests/families/`,",
-        'its entry in `REGISTERED`; this page is then regenerated (docs/architecture.md, "Adding a model family").',
+        'its entry in `REGISTERED`; this page is then regenerated (docs/architecture.md, "How to add ... A model family").',
         "",
     ]
     return "\n".join(lines)

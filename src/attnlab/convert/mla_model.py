@@ -216,6 +216,47 @@ def fold_latent_norms(
 
 
 @torch.no_grad()
+def with_nope_dim(model: nn.Module) -> nn.Module:
+    """``model`` with at least one no-RoPE dim per head in every MLA layer: a copy where a layer has none, else
+    ``model`` itself.
+
+    A one-KV-head source converted with every head dim rotary has no nope part (``qk_nope_head_dim`` 0), which
+    transformers runs but llama.cpp refuses to load (``llama_model_deepseek2::load_arch_tensors`` asserts
+    ``qk_nope_head_dim >= 1``). The added dim has zero query rows and zero key rows in ``wkv_b``, so it adds 0 to
+    every score, and the queries are scaled by ``sqrt((rope + 1) / rope)`` for the softmax scale that counts it: the
+    same model, up to the float32 rounding of RoPE's arithmetic on the rescaled queries."""
+    layers = _attentions(model, MultiHeadLatentAttention)
+    if all(a.cfg.qk_nope_head_dim > 0 for a in layers):
+        return model
+    out = copy.deepcopy(model).eval()
+    for layer in out.layers:
+        old = layer.attention
+        cfg = old.cfg
+        if cfg.qk_nope_head_dim > 0:
+            continue
+        if cfg.q_lora_rank:
+            raise ValueError("with_nope_dim: compressed queries (q_lora_rank) are not padded")
+        new = MultiHeadLatentAttention(cfg.replace(qk_nope_head_dim=1)).to(old.wq.weight.dtype)
+        kept = {k: v for k, v in old.state_dict().items() if k not in ("wq.weight", "wkv_b.weight")}
+        new.load_state_dict(kept, strict=False)  # norms, wkv_a, wo (and their biases) as they were
+        h = cfg.n_heads
+        wq = (
+            old.wq.weight.view(h, cfg.qk_rope_head_dim, -1) * ((cfg.qk_head_dim + 1) / cfg.qk_head_dim) ** 0.5
+        )
+        new.wq.weight.copy_(
+            torch.cat((wq.new_zeros(h, 1, wq.shape[-1]), wq), dim=1).reshape(new.wq.weight.shape)
+        )
+        w_b = old.wkv_b.weight.view(h, cfg.v_head_dim, -1)  # per head: no key rows, then the value rows
+        new.wkv_b.weight.copy_(
+            torch.cat((w_b.new_zeros(h, 1, w_b.shape[-1]), w_b), dim=1).reshape(-1, w_b.shape[-1])
+        )
+        new.mode = old.mode
+        layer.attention = new
+    out.cfg = out.cfg.with_attention(out.layers[0].attention.cfg)
+    return out
+
+
+@torch.no_grad()
 def attention_distances(attn: nn.Module, seqs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """(n_heads, T) attention mass each head puts on keys 0, 1, ..., T-1 tokens back (T the longest batch),
     summed over the real query tokens of ``seqs``: (inputs (B, T, d_model), mask (B, T) bool) pairs, as

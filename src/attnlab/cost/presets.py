@@ -161,6 +161,12 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
         moe_layer_freq=1, max_position_embeddings=163840,
     ),
+    # HuggingFaceTB/SmolLM-135M (the shape of the benchmarks' 135M-parameter model)
+    "smollm-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
+        rope_theta=10000.0, rms_norm_eps=1e-5,
+    ),
     # openai-community/gpt2
     "gpt2": dict(
         model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
@@ -206,6 +212,7 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float | None, str]] = {
     "deepseek-v2": (236e9, 21e9, "DeepSeek-V2 paper (arXiv 2405.04434): 236B total, 21B activated"),
     "deepseek-v2-lite": (15.7e9, 2.4e9, "DeepSeek-V2 paper, Appendix B: 15.7B total, 2.4B activated"),
     "deepseek-v3": (671e9, 37e9, "DeepSeek-V3 report (arXiv 2412.19437): 671B total, 37B activated"),
+    "smollm-135m": (134_515_008, None, "HF safetensors metadata of SmolLM-135M: 134,515,008"),
     "gpt2": (124.44e6, None, "HF safetensors metadata of gpt2: 124,439,808"),
     "bert-base-uncased": (109.48e6, None, "HF safetensors metadata of bert-base-uncased: 109,482,240"),
 }

@@ -144,6 +144,11 @@ class Comparison:
     skipped: dict[str, str]  # variant label -> why it cannot be split over tp ranks
     link_bandwidth: float | None = None  # bytes/s per direction on the slowest hop of the tp ring (tp > 1)
     collectives_per_step: int = 0  # all-reduces and all-gathers per forward; each adds a latency not modelled
+    # Sliding-window layers of the model (every GQA/MHA/MQA variant keeps them; MLA, as DeepSeek-V3, has none):
+    # each caches min(window, seq_len) tokens, which kv_cache_bytes counts (kv_cache_bytes_per_token: every layer)
+    n_layers: int = 0
+    sliding_layers: int = 0
+    window: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -255,6 +260,8 @@ def compare(
             )
         )
     comm = tp_comm(model_cfg, hw, tp, tokens=1, sampled=1)
+    windows = [getattr(a, "window", None) for a in model_cfg.layer_attentions]
+    sliding = [w for w in windows if w is not None]
     return Comparison(
         model=model_cfg.name or "model",
         hardware=hw.name,
@@ -268,4 +275,7 @@ def compare(
         skipped=skipped,
         link_bandwidth=comm.link_bandwidth if tp > 1 else None,
         collectives_per_step=comm.collectives,
+        n_layers=model_cfg.n_layers,
+        sliding_layers=len(sliding),
+        window=min(sliding) if sliding else None,
     )

@@ -3,8 +3,8 @@
 ``FAMILIES`` maps a config.json ``model_type`` to its ``Family`` (``base.py`` says what a family holds: the config
 reader and writer, the tensor map with its named transforms, how fewer KV heads are written, what MLA conversion
 makes of it). ``attnlab.hf_config``, ``attnlab.hf`` and the cost model ask this registry and nothing else; adding a
-family is its module, its test file, and its entry in ``REGISTERED`` below (docs/architecture.md, "Adding a model
-family").
+family is its module, its test file, and its entry in ``REGISTERED`` below (docs/architecture.md, "How to add ...
+A model family"; tests/families/test_new_family.py defines one in a test and runs every command on it).
 """
 
 from __future__ import annotations

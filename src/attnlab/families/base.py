@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config import AttentionConfig, ModelConfig
+from ..config import LAYER_TYPES, AttentionConfig, ModelConfig
 
 _MISSING = object()
 # No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is a
@@ -158,6 +158,16 @@ def check_heads(f: Fields, d_model: int, n_heads: int, n_kv_heads: int, head_dim
         )
 
 
+def check_layer_types(f: Fields, types: Any, n_layers: int) -> list[str]:
+    """A config.json's ``layer_types``: one of transformers' ``full_attention`` / ``sliding_attention`` per layer
+    (attnlab models no other kind: Llama 4's ``chunked_attention``, ... are refused naming the field)."""
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+        f.fail(
+            f"layer_types must list num_hidden_layers={n_layers} of {', '.join(LAYER_TYPES)}, got {types!r}"
+        )
+    return types
+
+
 # ---- tensors -------------------------------------------------------------------------------------------------
 
 
@@ -238,12 +248,15 @@ def _pattern(template: str) -> re.Pattern[str]:
 @dataclass(frozen=True)
 class TensorMap:
     """The checkpoint's tensors <-> attnlab's state dict, by ``rules``. ``ignored``: regexes of checkpoint tensors
-    that are not weights (buffers such as ``rotary_emb.inv_freq``, recomputed; copied as they are on export).
-    ``family``: how errors name the checkpoint."""
+    that attnlab's model does not hold (buffers such as ``rotary_emb.inv_freq``, recomputed; BERT's pooler): skipped
+    on load, copied as they are on conversion. ``prefix``: one that some checkpoints of the family put before every
+    name (transformers' ``base_model_prefix``, as "bert." in a BertFor... checkpoint): names are read with or
+    without it (``bare``) and written without it. ``family``: how errors name the checkpoint."""
 
     rules: tuple[Rule, ...]
     family: str
     ignored: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)
+    prefix: str = ""
     _compiled: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def _rules(self) -> list[tuple[Rule, re.Pattern[str], re.Pattern[str]]]:
@@ -251,8 +264,12 @@ class TensorMap:
             self._compiled.extend((r, _pattern(r.theirs), _pattern(r.ours[0])) for r in self.rules)
         return self._compiled
 
+    def bare(self, key: str) -> str:
+        """A checkpoint tensor's name without the family's ``prefix``: the name the rules read."""
+        return key.removeprefix(self.prefix) if self.prefix else key
+
     def is_ignored(self, key: str) -> bool:
-        return any(re.search(p, key) for p in self.ignored)
+        return any(re.search(p, self.bare(key)) for p in self.ignored)
 
     def to_attnlab(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """attnlab state dict of checkpoint ``tensors`` (the loaders check its key set against the model); a tied
@@ -262,7 +279,7 @@ class TensorMap:
             if self.is_ignored(key):
                 continue
             for rule, theirs, _ in self._rules():
-                m = theirs.fullmatch(key)
+                m = theirs.fullmatch(self.bare(key))
                 if m is None:
                     continue
                 names = [name.format(**m.groupdict()) for name in rule.ours]
@@ -304,7 +321,7 @@ class TensorMap:
     def sources(self, key: str) -> tuple[str, ...]:
         """The attnlab tensors that checkpoint tensor ``key`` is made from (none for an ignored buffer)."""
         for rule, theirs, _ in self._rules():
-            m = theirs.fullmatch(key)
+            m = theirs.fullmatch(self.bare(key))
             if m is not None:
                 return tuple(name.format(**m.groupdict()) for name in rule.ours)
         return ()

@@ -1,12 +1,51 @@
 """BERT encoders: read for the cost model; loaded into ``attnlab.hf.bert.BertEncoder`` (post-norm LayerNorm blocks,
 learned positions: not the decoder of ``attnlab.model``) and converted to fewer KV heads, written in the MHA layout
 with each KV head repeated for its group (``BertModel`` has no GQA; that checkpoint computes the GQA model exactly).
+
+Tensor names (N = layer index; a BertFor... checkpoint puts "bert." before each):
+
+    embeddings.{word,position,token_type}_embeddings    {word,position,token_type}_embeddings
+    embeddings.LayerNorm                                embeddings_norm
+    encoder.layer.N.attention.self.{query,key,value}    layers.N.attention.{wq,wk,wv}     (.weight, .bias)
+    encoder.layer.N.attention.output.dense              layers.N.attention.wo
+    encoder.layer.N.attention.output.LayerNorm          layers.N.attention_norm
+    encoder.layer.N.intermediate.dense / output.dense   layers.N.ffn_in / ffn_out
+    encoder.layer.N.output.LayerNorm                    layers.N.ffn_norm
+    pooler.dense                                        (not the encoder's: carried along as it is)
 """
 
 from __future__ import annotations
 
 from ..config import AttentionConfig, ModelConfig
-from .base import Family, Fields, check_heads
+from .base import Family, Fields, Rule, TensorMap, check_heads
+
+_LAYER = (
+    ("attention.self.query", "attention.wq"),
+    ("attention.self.key", "attention.wk"),
+    ("attention.self.value", "attention.wv"),
+    ("attention.output.dense", "attention.wo"),
+    ("attention.output.LayerNorm", "attention_norm"),
+    ("intermediate.dense", "ffn_in"),
+    ("output.dense", "ffn_out"),
+    ("output.LayerNorm", "ffn_norm"),
+)
+_TOP = (
+    ("embeddings.word_embeddings", "word_embeddings"),
+    ("embeddings.position_embeddings", "position_embeddings"),
+    ("embeddings.token_type_embeddings", "token_type_embeddings"),
+    ("embeddings.LayerNorm", "embeddings_norm"),
+)
+TENSORS = TensorMap(
+    tuple(
+        Rule(f"encoder.layer.{{i}}.{theirs}.{{p}}", (f"layers.{{i}}.{ours}.{{p}}",))
+        for theirs, ours in _LAYER
+    )
+    + tuple(Rule(f"{theirs}.{{p}}", (f"{ours}.{{p}}",)) for theirs, ours in _TOP),
+    "BERT",
+    # the pooler (BertModel's, not the encoder's) and the index buffers BertModel recomputes
+    ignored=(r"^pooler\.", r"(^|\.)position_ids$", r"(^|\.)token_type_ids$"),
+    prefix="bert.",
+)
 
 
 def read(f: Fields) -> ModelConfig:
@@ -37,6 +76,7 @@ BERT = Family(
     "bert",
     ("bert",),
     read,
+    tensors=TENSORS,
     architectures={"bert": "BertModel"},
     gqa="repeated",
     causal_lm=False,

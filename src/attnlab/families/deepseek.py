@@ -52,7 +52,9 @@ CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype
 #   ``n_expert_groups == 0`` when there are no experts: ``n_group: 1`` makes llama.cpp refuse the model.
 # - routed_scaling_factor = 1.0: vLLM divides a dense layer's float16 output by it (its overflow guard), and
 #   transformers' default is 2.5; 1.0 is the neutral value (llama.cpp reads it only for experts).
-# - num_nextn_predict_layers = 0: no multi-token-prediction layers (llama.cpp adds that many blocks when converting).
+# - num_nextn_predict_layers = 0 and num_mtp_layers = 0: no multi-token-prediction layers, under DeepSeek's name
+#   (llama.cpp's converter and vLLM's speculative-decoding path read it) and transformers 5's (DeepseekV3Config's
+#   num_mtp_layers defaults to 1, which its MTP candidate generator would look for).
 DENSE_FIELDS: dict[str, Any] = dict(
     n_routed_experts=0,
     n_shared_experts=0,
@@ -63,6 +65,7 @@ DENSE_FIELDS: dict[str, Any] = dict(
     norm_topk_prob=None,
     routed_scaling_factor=1.0,
     num_nextn_predict_layers=0,
+    num_mtp_layers=0,
 )
 
 
@@ -267,7 +270,7 @@ DEEPSEEK_V3 = Family(
         v_head_dim=12,
         max_position_embeddings=64,
         first_k_dense_replace=2,
-        **{k: v for k, v in DENSE_FIELDS.items() if k != "num_nextn_predict_layers"},
+        **{k: v for k, v in DENSE_FIELDS.items() if k not in ("num_nextn_predict_layers", "num_mtp_layers")},
     ),
 )
 # The cost model's only

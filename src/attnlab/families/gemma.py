@@ -55,6 +55,7 @@ from .base import (
     MLASupport,
     TensorMap,
     check_heads,
+    check_layer_types,
     put,
     rope_fields,
     sliding_layer_types,
@@ -137,11 +138,7 @@ def _layer_types(f: Fields, n_layers: int) -> list[str]:
     if types is None:
         period = 2 if f.model_type == "gemma2" else f.int("sliding_window_pattern", 6)
         return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
-        f.fail(
-            f"layer_types must list num_hidden_layers={n_layers} of {', '.join(LAYER_TYPES)}, got {types!r}"
-        )
-    return types
+    return check_layer_types(f, types, n_layers)
 
 
 def _gemma3_rope(f: Fields) -> dict[str, tuple[float, tuple]]:

@@ -35,6 +35,7 @@ from .base import (
     Rule,
     TensorMap,
     check_heads,
+    check_layer_types,
     put,
     rope_fields,
     sliding_layer_types,
@@ -84,9 +85,7 @@ def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
         if types is None:
             first = f.int("max_window_layers", 28, minimum=0)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-        if not isinstance(types, list) or len(types) != n_layers:
-            f.fail(f"layer_types must list num_hidden_layers={n_layers} layer types, got {types!r}")
-        return window, tuple(types)
+        return window, tuple(check_layer_types(f, types, n_layers))
     return None, ()
 
 

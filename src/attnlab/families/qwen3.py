@@ -35,6 +35,7 @@ from .base import (
     MLASupport,
     TensorMap,
     check_heads,
+    check_layer_types,
     put,
     rope_fields,
     sliding_layer_types,
@@ -63,8 +64,7 @@ def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
         first = f.int("max_window_layers", MAX_WINDOW_LAYERS, minimum=0)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(n_layers)]  # fmt: skip
-    if not isinstance(types, list) or len(types) != n_layers:
-        f.fail(f"layer_types must list num_hidden_layers={n_layers} layer types, got {types!r}")
+    check_layer_types(f, types, n_layers)
     if "sliding_attention" in types and window is None:
         # transformers builds no sliding mask without a window: the model would not run
         f.fail(

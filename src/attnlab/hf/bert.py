@@ -22,21 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.gqa import GroupedQueryAttention
-from ..config import AttentionConfig
+from ..config import AttentionConfig, ModelConfig
+from ..families.bert import TENSORS
 from ..hf_config import from_hf_config
 from . import io
-
-_LAYER_MAP = {
-    "attention.self.query": "attention.wq",
-    "attention.self.key": "attention.wk",
-    "attention.self.value": "attention.wv",
-    "attention.output.dense": "attention.wo",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "ffn_in",
-    "output.dense": "ffn_out",
-    "output.LayerNorm": "ffn_norm",
-}
-_TOP = ("word_embeddings", "position_embeddings", "token_type_embeddings")
+from .causal_lm import repeat_kv_heads
 
 
 @dataclass(frozen=True)
@@ -132,22 +122,6 @@ def encoder_config_from_hf(hf: dict, n_kv_heads: int | None = None) -> EncoderCo
     )
 
 
-def _hf_key(key: str) -> str | None:
-    """attnlab name of a BertModel tensor; None for tensors the encoder does not use (pooler, buffers)."""
-    key = key.removeprefix("bert.")
-    if key.startswith("pooler.") or key.endswith(("position_ids", "token_type_ids")):
-        return None
-    m = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)", key)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.{m.group(3)}"
-    m = re.fullmatch(r"embeddings\.(\w+)\.(weight|bias)", key)
-    if m and m.group(1) in _TOP:
-        return f"{m.group(1)}.{m.group(2)}"
-    if m and m.group(1) == "LayerNorm":
-        return f"embeddings_norm.{m.group(2)}"
-    raise ValueError(f"unexpected tensor {key!r} in a BERT checkpoint")
-
-
 def _take_one_head_per_group(w: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
     """Inverse of the MHA export: KV rows (n_heads * head_dim, ...) -> (n_kv_heads * head_dim, ...)."""
     heads = w.reshape(cfg.n_heads, cfg.head_dim, *w.shape[1:])
@@ -165,50 +139,24 @@ def load_bert(src: str | Path, n_kv_heads: int | None = None) -> tuple[BertEncod
     hf = io.read_config(src)
     cfg = encoder_config_from_hf(hf, n_kv_heads)
     tensors, _ = io.read_tensors(src)
-    state, extra = {}, {}
-    for key, value in tensors.items():
-        name = _hf_key(key)
-        if name is None:
-            if key.removeprefix("bert.").startswith("pooler."):
-                extra[key.removeprefix("bert.")] = value
-            continue
-        if re.search(r"attention\.w[kv]\.", name) and cfg.attention.n_kv_heads != cfg.attention.n_heads:
-            value = _take_one_head_per_group(value, cfg.attention)
-        state[name] = value
-    with torch.device("meta"):
-        model = BertEncoder(cfg)
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        raise ValueError(
-            f"{src}: tensors do not match config; missing {sorted(expected - set(state))[:4]}, "
-            f"extra {sorted(set(state) - expected)[:4]}"
-        )
-    try:
-        model.load_state_dict(state, assign=True)
-    except RuntimeError as err:  # a tensor whose shape contradicts config.json
-        detail = " ".join(str(err).split("\n", 1)[-1].split())
-        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
-    return model.eval(), extra
+    state = TENSORS.to_attnlab(tensors, from_hf_config(hf))  # names by the family's tensor map
+    extra = {TENSORS.bare(k): v for k, v in tensors.items() if TENSORS.bare(k).startswith("pooler.")}
+    if cfg.attention.n_kv_heads != cfg.attention.n_heads:
+        for name in [n for n in state if re.search(r"attention\.w[kv]\.", n)]:
+            state[name] = _take_one_head_per_group(state[name], cfg.attention)
+    return io.assign(src, lambda: BertEncoder(cfg), state).eval(), extra
 
 
 def mha_tensors(model: BertEncoder) -> dict[str, torch.Tensor]:
     """BertModel tensors of ``model`` with every KV head repeated for its group (MHA layout)."""
-    inverse = {v: k for k, v in _LAYER_MAP.items()}
-    cfg = model.cfg.attention
-    out = {}
-    for name, value in model.state_dict().items():
-        value = value.detach()
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
-        if m:
-            if m.group(2) in ("attention.wk", "attention.wv"):
-                value = value.reshape(cfg.n_kv_heads, cfg.head_dim, *value.shape[1:])
-                value = value.repeat_interleave(cfg.n_rep, dim=0).reshape(-1, *value.shape[2:])
-            out[f"encoder.layer.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}"] = value.contiguous()
-        elif name.startswith("embeddings_norm."):
-            out[f"embeddings.LayerNorm.{name.split('.')[-1]}"] = value.clone()
-        else:
-            out[f"embeddings.{name}"] = value.clone()
-    return out
+    cfg = model.cfg
+    mha = ModelConfig(
+        vocab_size=cfg.vocab_size,
+        n_layers=cfg.n_layers,
+        attention=cfg.attention.replace(n_kv_heads=cfg.attention.n_heads),
+        ffn_dim=cfg.ffn_dim,
+    )
+    return TENSORS.to_checkpoint(repeat_kv_heads(model.state_dict(), cfg.attention), mha)
 
 
 def bert_config(model: BertEncoder, base: dict | None = None) -> dict:
@@ -239,8 +187,6 @@ def export_bert_mha(
     overwrite: bool = False,
 ) -> Path:
     """Write ``model`` as a BertModel checkpoint in the MHA layout (atomically); ``extra``: e.g. the pooler."""
-    tensors = mha_tensors(model) | dict(extra or {})
-    with io.atomic_dir(dst, overwrite) as tmp:
-        io.write_tensors(tmp, tensors)
-        io.write_config(tmp, bert_config(model, base_config))
-    return Path(dst)
+    return io.write_checkpoint(
+        dst, mha_tensors(model) | dict(extra or {}), bert_config(model, base_config), overwrite
+    )

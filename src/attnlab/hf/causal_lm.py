@@ -14,6 +14,7 @@ by the family's writer).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import AttentionConfig, ModelConfig
 from ..families import FAMILIES, Family, causal_lm_types, family
 from ..families.base import Fields
 from ..model import Transformer
@@ -80,19 +81,7 @@ def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.T
         # transformers' rule: tie_word_embeddings with a separate LM head that differs from the embeddings keeps the
         # head (it does not tie them), so the checkpoint computes what transformers computes with it
         cfg = cfg.replace(tie_embeddings=False)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(
-            f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
-        )
-    try:
-        model.load_state_dict(state, assign=True)
-    except RuntimeError as err:  # a tensor whose shape contradicts config.json
-        detail = " ".join(str(err).split("\n", 1)[-1].split())
-        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
+    model = io.assign(src, lambda: Transformer(cfg), state)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model.eval()
@@ -183,8 +172,16 @@ def save_model(
     if fam.write is None or fam.tensors is None:
         raise ValueError(f"attnlab does not write {model_type} checkpoints")
     hf = fam.write(model.cfg, dict(base_config or {}) | {"model_type": model_type})
-    tensors = checkpoint_tensors(model.state_dict(), model.cfg, hf)
-    with io.atomic_dir(dst, overwrite) as tmp:
-        io.write_tensors(tmp, tensors)
-        io.write_config(tmp, hf)
-    return Path(dst)
+    return io.write_checkpoint(dst, checkpoint_tensors(model.state_dict(), model.cfg, hf), hf, overwrite)
+
+
+def repeat_kv_heads(state: dict[str, torch.Tensor], attn: AttentionConfig) -> dict[str, torch.Tensor]:
+    """A GQA state dict in the MHA layout: each KV head's key and value rows (``attention.wk``/``wv`` weights and
+    biases) repeated for the query heads of its group, which computes the GQA model exactly (how a family whose
+    class has no KV-head field, ``Family.gqa == "repeated"``, is written)."""
+    out = dict(state)
+    for name, value in state.items():
+        if re.search(r"attention\.w[kv]\.(weight|bias)$", name):
+            heads = value.reshape(attn.n_kv_heads, attn.head_dim, *value.shape[1:])
+            out[name] = heads.repeat_interleave(attn.n_rep, 0).flatten(0, 1)
+    return out

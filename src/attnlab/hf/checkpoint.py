@@ -15,19 +15,18 @@ left out of the statistics.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from .. import data
 from ..atomic import check_destination
-from ..config import ModelConfig
 from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE, Progress, convert_model
 from ..families import FAMILIES, family
+from ..hf_config import from_hf_config
 from . import bert, io
-from .causal_lm import load_causal_lm
+from .causal_lm import load_causal_lm, repeat_kv_heads
 
 
 def calibration_batches(
@@ -70,22 +69,6 @@ def _gqa_types() -> str:
     )
 
 
-def repeated_kv(
-    state: dict[str, torch.Tensor], cfg: ModelConfig
-) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """A GQA state dict in the MHA layout: each KV head's key and value rows repeated for the query heads of its group
-    (the GQA model exactly, for a class with no KV-head field); the config with ``n_kv_heads = n_heads``."""
-    attn = cfg.attention
-    rep, hd = attn.n_rep, attn.head_dim
-    out = dict(state)
-    for name, value in state.items():
-        if re.search(r"attention\.w[kv]\.(weight|bias)$", name):
-            out[name] = (
-                value.reshape(attn.n_kv_heads, hd, *value.shape[1:]).repeat_interleave(rep, 0).flatten(0, 1)
-            )
-    return out, cfg.map_attention(lambda a: a.replace(n_kv_heads=a.n_heads))
-
-
 def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
     if (
         isinstance(n_kv_heads, bool)
@@ -125,7 +108,7 @@ def convert_checkpoint(
     if method in DATA_AWARE and calib is None:
         raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
     # Checked again when writing; here so that a refused destination costs no loading.
-    check_destination(dst, (src,), overwrite=overwrite)
+    check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
     model_type = hf["model_type"]
     fam = family(model_type, f"{src / 'config.json'}")
@@ -146,39 +129,31 @@ def convert_checkpoint(
     converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
 
     tensors, files = io.read_tensors(src)
-    if not fam.causal_lm:  # BERT: the attention tensors the method changes, in the MHA layout
-        mha, new_hf = bert.mha_tensors(converted), hf
-        touched = ("key", "value") + (("query", "output.dense") if method in DATA_AWARE else ())
-        pattern = re.compile(
-            r"\.attention\.(?:self\.)?(" + "|".join(map(re.escape, touched)) + r")\.(weight|bias)$"
+    state, cfg_out, new_hf = converted.state_dict(), converted.cfg, hf
+    if fam.gqa == "repeated":  # the family's class has no KV-head field: each KV head repeated for its group
+        state = repeat_kv_heads(state, converted.cfg.attention)
+        # the MHA shapes the tensor map writes (BERT's encoder config is not a ModelConfig: the source's is)
+        cfg_out = (
+            converted.cfg.map_attention(lambda a: a.replace(n_kv_heads=a.n_heads))
+            if fam.causal_lm
+            else from_hf_config(hf)
         )
-        new = {key: mha[key.removeprefix("bert.")] for key in tensors if pattern.search(key)}
-        changed = set(new)
     else:
-        state = converted.state_dict()
-        if (
-            fam.gqa == "repeated"
-        ):  # the family's class has no KV-head field: each KV head repeated for its group
-            state, cfg_out = repeated_kv(state, converted.cfg)
-            new_hf = hf
-        else:
-            cfg_out = converted.cfg
-            new_hf = fam.write(cfg_out, hf)
-        # the layout of the config.json written beside the tensors: a fused tensor's may follow a field the writer
-        # changed (ChatGLM's query_key_value is per head without multi_query_attention, [q; k; v] with it)
-        tensor_map = fam.tensor_map(new_hf)
-        new = tensor_map.to_checkpoint(state, cfg_out)
-        moved = {
-            k for k, v in state.items() if k not in before or not torch.equal(before[k].float(), v.float())
-        }
-        changed = {key for key in new if set(tensor_map.sources(key)) & moved}
+        new_hf = fam.write(cfg_out, hf)
+    # the layout of the config.json written beside the tensors: a fused tensor's may follow a field the writer
+    # changed (ChatGLM's query_key_value is per head without multi_query_attention, [q; k; v] with it)
+    tensor_map = fam.tensor_map(new_hf)
+    new = tensor_map.to_checkpoint(state, cfg_out)
+    moved = {k for k, v in state.items() if k not in before or not torch.equal(before[k].float(), v.float())}
+    # the checkpoint tensors made from a tensor the conversion changed, by the names the source gives them
+    changed = {key for key in tensors if set(tensor_map.sources(key)) & moved}
     rewritten = []
     for key, value in tensors.items():
         if key in changed:
-            tensors[key] = new[key].to(value.dtype).contiguous()
+            tensors[key] = new[tensor_map.bare(key)].to(value.dtype).contiguous()
             rewritten.append(key)
     weight_names = set(files.values()) | {io.INDEX, "config.json"}
-    with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:
         io.write_tensors(tmp, tensors, files)
         io.write_config(tmp, new_hf)
         left_out = io.copy_other_files(src, tmp, skip=weight_names)
@@ -194,7 +169,7 @@ def convert_checkpoint(
         "n_kv_heads_after": n_kv_heads,
         "kv_values_per_token_before": 2 * model.cfg.n_layers * attn.n_kv_heads * head_dim,
         "kv_values_per_token_after": 2 * model.cfg.n_layers * n_kv_heads * head_dim,
-        "layout": "gqa" if fam.causal_lm and fam.gqa == "native" else "mha (repeated K/V heads)",
+        "layout": "gqa" if fam.gqa == "native" else "mha (repeated K/V heads)",
         "tensors_rewritten": len(rewritten),
         "tensors_copied": len(tensors) - len(rewritten),
         "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches else 0,

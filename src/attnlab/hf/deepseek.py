@@ -88,8 +88,4 @@ def save_deepseek(
     """Write an MLA ``model`` (with its latent norm) as a dense DeepSeek-V3 checkpoint directory, atomically;
     returns ``dst``. ``base_config``: the source's config.json, whose token ids and dtype are kept."""
     hf = hf_config_from_model(model.cfg, base_config, rope_interleave)
-    tensors = state_to_hf(model, rope_interleave)
-    with io.atomic_dir(dst, overwrite) as tmp:
-        io.write_tensors(tmp, tensors)
-        io.write_config(tmp, hf)
-    return Path(dst)
+    return io.write_checkpoint(dst, state_to_hf(model, rope_interleave), hf, overwrite)

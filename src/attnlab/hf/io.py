@@ -16,8 +16,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -137,6 +138,41 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def write_config(dst: Path, cfg: dict) -> None:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_checkpoint(
+    dst: str | Path, tensors: dict[str, torch.Tensor], config: dict, overwrite: bool = False
+) -> Path:
+    """A new checkpoint directory of any family: ``tensors`` in one model.safetensors and ``config`` as config.json,
+    written atomically (the one save body behind ``save_model``, ``save_llama``, ``save_deepseek`` and
+    ``export_bert_mha``). Returns ``dst``."""
+    with atomic_dir(dst, overwrite) as tmp:
+        write_tensors(tmp, tensors)
+        write_config(tmp, config)
+    return Path(dst)
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def assign(src: str | Path, build: Callable[[], M], state: dict[str, torch.Tensor]) -> M:
+    """The module ``build()`` makes (on the meta device, so nothing is allocated twice) holding the tensors of
+    ``state`` read from ``src``: its key set must be exactly the module's and each shape its parameter's, else a
+    ValueError naming what differs. The one load body behind every family's loader (causal LMs and BERT)."""
+    with torch.device("meta"):
+        model = build()
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(
+            f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
+        )
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as err:  # a tensor whose shape contradicts config.json
+        detail = " ".join(str(err).split("\n", 1)[-1].split())
+        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
+    return model
 
 
 def is_weight_file(name: str) -> bool:

@@ -105,8 +105,4 @@ def save_llama(
 ) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory (atomically); returns ``dst``."""
     hf = hf_config_from_model(model.cfg, model_type, base_config)
-    tensors = state_to_hf(model, layout)
-    with io.atomic_dir(dst, overwrite) as tmp:
-        io.write_tensors(tmp, tensors)
-        io.write_config(tmp, hf)
-    return Path(dst)
+    return io.write_checkpoint(dst, state_to_hf(model, layout), hf, overwrite)

@@ -1,7 +1,8 @@
-"""On-disk conversion of a checkpoint whose family allows it (Llama, Mistral, Qwen2, Phi-3, GLM, ChatGLM: ``Family.mla``) to a
-native, dense DeepSeek-V3 (MLA) checkpoint.
+"""On-disk conversion of a checkpoint whose family allows it (its ``Family.mla`` verdict is not "refused": Llama,
+Mistral, Qwen2, Phi-3, GLM, ChatGLM, each on the config's terms, docs/families.md) to a native, dense DeepSeek-V3
+(MLA) checkpoint.
 
-Steps: load the source (``load_llama``) in float32; convert every attention layer to MLA
+Steps: load the source (``load_causal_lm``) in float32; convert every attention layer to MLA
 (``convert.convert_model_to_mla``: RoPE kept on the chosen planes after RoRoPE, the rest factored into the
 latent); add DeepSeek's latent norm (``convert.fold_latent_norms``); write ``DeepseekV3ForCausalLM`` weights
 (``hf.deepseek``, in the source's dtype) atomically, with every other file of the source (tokenizer,
@@ -40,6 +41,7 @@ from ..convert.mla_model import (
     fold_latent_norms,
     layer_errors,
     logit_distance,
+    with_nope_dim,
 )
 from ..families import family
 from . import deepseek, io
@@ -79,10 +81,10 @@ def convert_checkpoint_to_mla(
     seed: int = 0,
     progress: StageProgress | None = None,
 ) -> dict:
-    """Convert the Llama-family checkpoint in ``src`` to a DeepSeek-V3 MLA checkpoint in ``dst``; returns a
-    summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors, logit distances).
-    ``planes``, ``rorope``, ``weighting``, ``mean_phase``: as ``convert.convert_model_to_mla``; ``balance``: as
-    ``convert.fold_latent_norms``. ``progress(stage, done, total)`` is called after each layer of each pass
+    """Convert the checkpoint in ``src`` (a family whose MLA verdict allows it) to a DeepSeek-V3 MLA checkpoint in
+    ``dst``; returns a summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors,
+    logit distances). ``planes``, ``rorope``, ``weighting``, ``mean_phase``: as ``convert.convert_model_to_mla``;
+    ``balance``: as ``convert.fold_latent_norms``. ``progress(stage, done, total)`` is called after each layer of each pass
     (``STAGES``).
 
     Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim, a
@@ -91,7 +93,7 @@ def convert_checkpoint_to_mla(
     """
     src, dst = Path(src), Path(dst)
     # Checked again when writing; here so that a refused destination costs no loading.
-    check_destination(dst, (src,), overwrite=overwrite)
+    check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
     cfg = model_config(src, hf)  # a causal-LM family attnlab loads, with its checks
     support = family(hf["model_type"]).mla(cfg)
@@ -183,10 +185,14 @@ def convert_checkpoint_to_mla(
         "logits_mla_vs_native": logit_distance(mla, native, batches),
         "logits_source_vs_native": logit_distance(model, native, batches),
     }
+    # llama.cpp loads no DeepSeek model without a no-RoPE dim: a one-KV-head source keeping every dim rotary gets a
+    # zero one (the same model; its distances above are those of the model without it)
+    native = with_nope_dim(native)
+    summary["qk_nope_head_dim"] = native.cfg.attention.qk_nope_head_dim
     native = native.to(dtype)
     tensors = deepseek.state_to_hf(native)
     files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
-    with io.atomic_dir(dst, overwrite, sources=(src,)) as tmp:
+    with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:
         io.write_tensors(tmp, tensors)
         io.write_config(tmp, deepseek.hf_config_from_model(native.cfg, hf))
         # weight files of the source (other formats, other safetensors) that would contradict the new weights

@@ -41,13 +41,14 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
     variants = plan.variants(cfg, opts.variants, opts.quick)
-    sources = [opts.src, opts.data, opts.eval_data]
+    teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too
+    sources = [opts.src, opts.data, opts.eval_data, teacher]
     with contextlib.ExitStack() as held:
         if opts.out is not None:
             out = claim_dir(opts.out, "sweep", sources=sources, what="--out")
             held.enter_context(lock(out, "--out"))
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
-        data = plan.prepare_data(opts, root)
+        data = plan.prepare_data(opts.data, opts.eval_data, root)
         jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
         outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
                             title="sweep (jobs)")  # fmt: skip
@@ -58,7 +59,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
                 if r["kind"] != "source" and r["checkpoint"] is not None and r["checkpoint"] not in kept:
                     remove_owned(r["checkpoint"], "checkpoint", "checkpoint")
                     r["checkpoint"] = None
-        measured = [o.result["context"] for n, o in outcomes.items() if n.startswith("speed/") and o.result]
+        measured = [r["measured_context"] for r in rows if r.get("measured_context") is not None]
         results = {
             "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
             | {"uptrain_steps": list(opts.steps), "variants": [v.name for v in variants]},

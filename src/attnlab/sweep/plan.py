@@ -2,14 +2,20 @@
 ``attnlab.jobs.run_jobs`` caches and runs.
 
 Variants: ``gqa:G,...`` (G divides the source's KV heads and is smaller; G = 1 is MQA), ``mla:R,...`` (the latent
-rank; the rotary width is DeepSeek-V2's d_h / 2, ``attnlab.cost.sweep.mla_alternative``), or ``auto``: every GQA
+rank; the rotary width is DeepSeek-V2's d_h / 2, ``attnlab.cost.sweep.mla_alternative``, unless written ``R+D``: rank
+R and D rotary dims, a cache of R + D values per token and layer), or ``auto``: every GQA
 group count that divides the source's KV heads down to MQA, and MLA at the ranks whose KV bytes per token equal
 each GQA row's and the source's, so that rows compare at equal cache. ``--quick`` makes ``auto`` three variants:
-the two smallest GQA group counts and MLA at the larger one's bytes.
+the two smallest GQA group counts and MLA at the larger one's bytes. A spec may end in ``/M,M``: the methods of its
+variants, instead of ``--methods`` (``gqa:4,2/mean,fit mla:56+8/fit``).
 
 Methods: GQA takes every ``attnlab convert --method``; MLA's conversion has no pooling method, only calibration
 text or none, so for MLA a data-aware method (fit, grouped-fit) reads "calib" and any other "plain" (rows that
 would be the same conversion are listed once).
+
+Decode timing (``timing``): "each" times every variant in a job of its own (cached per variant, so adding a variant
+times only it); "together" times the source and every variant in one job, in turn (round robin), so that their
+ratios come from one process and the same moments of a shared machine.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from ..jobs import Job
 from . import work
 
 KEEP = ("none", "best", "all")
+TIMING = ("each", "together")
 DEFAULT_STEPS = (0, 50, 200)
 QUICK_STEPS = (0, 50)
 
@@ -40,6 +47,7 @@ class Variant:
     n_kv_heads: int | None = None
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
+    methods: tuple[str, ...] | None = None  # None: the sweep's --methods
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,15 @@ class SweepOptions:
     batch_size: int = 8
     lr: float = 3e-4
     eval_windows: int | None = None  # None: 256, quick 64
+    seed: int = 0  # uptraining's data order and init of what it adds
+    warmup: float | None = (
+        None  # uptraining's warmup as a fraction of its steps (None: attnlab uptrain's 5 %)
+    )
+    distill_weight: float = 0.5  # weight of the KL to the teacher (attnlab uptrain's default)
+    temperature: float = 2.0
+    timing: str = "each"  # "each" or "together" (module docstring)
+    timing_steps: int | None = None  # decode steps timed (None: 16, quick 8)
+    timing_repeats: int | None = None  # the fastest of this many (None: 5, quick 3)
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -98,15 +115,48 @@ def check_options(opts: SweepOptions) -> None:
             raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
     if not opts.lr > 0:
         raise ValueError(f"--lr must be > 0, got {opts.lr}")
+    if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or opts.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {opts.seed!r}")
+    if opts.warmup is not None and not 0 <= opts.warmup <= 1:
+        raise ValueError(f"--warmup is a fraction of the uptraining steps in [0, 1], got {opts.warmup}")
+    if not 0 <= opts.distill_weight <= 1:
+        raise ValueError(f"--distill-weight must be in [0, 1], got {opts.distill_weight}")
+    if not opts.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {opts.temperature}")
+    if opts.timing not in TIMING:
+        raise ValueError(f"--timing must be one of {', '.join(TIMING)}; got {opts.timing!r}")
+    for flag, value in (("timing_steps", opts.timing_steps), ("timing_repeats", opts.timing_repeats)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
 
 
-def _gqa(g: int, n_kv: int) -> Variant:
-    return Variant("mqa" if g == 1 else f"gqa-{g}", "gqa", n_kv_heads=g)
+def _gqa(g: int, methods: tuple[str, ...] | None) -> Variant:
+    return Variant("mqa" if g == 1 else f"gqa-{g}", "gqa", n_kv_heads=g, methods=methods)
 
 
-def _mla(cfg: ModelConfig, rank: int) -> Variant:
-    rope = mla_alternative(cfg).qk_rope_head_dim
-    return Variant(f"mla-{rank}", "mla", kv_lora_rank=rank, rope_dim=rope)
+def _mla(rank: int, rope: int, methods: tuple[str, ...] | None) -> Variant:
+    return Variant(f"mla-{rank}", "mla", kv_lora_rank=rank, rope_dim=rope, methods=methods)
+
+
+def _spec_methods(part: str, text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    for m in methods or ("",):
+        if m not in METHODS:
+            raise ValueError(f"--variants {part}: {m!r} is not a method; choose among {', '.join(METHODS)}")
+    return methods
+
+
+def _mla_ranks(part: str, values: str, rope: int) -> list[tuple[int, int]]:
+    """``R,R+D,...``: (rank, rotary dims) pairs; a bare R takes the default rotary width ``rope``."""
+    out = []
+    for item in values.split(","):
+        rank, plus, dims = item.partition("+")
+        (r,) = parse_ints(rank, "--variants mla:")
+        d = parse_ints(dims, "--variants mla:R+")[0] if plus else rope
+        if r < 1 or d < 1:
+            raise ValueError(f"--variants {part}: a latent rank and its rotary dims are >= 1, got {item!r}")
+        out.append((r, d))
+    return out
 
 
 def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Variant]:
@@ -118,7 +168,9 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
     rope = mla_alternative(cfg).qk_rope_head_dim
     out: list[Variant] = []
     for part in spec:
-        kind, _, values = part.partition(":")
+        head, slash, method_text = part.partition("/")
+        methods = _spec_methods(part, method_text) if slash else None
+        kind, _, values = head.partition(":")
         if kind == "auto" and not values:
             groups = [g for g in range(n_kv - 1, 0, -1) if n_kv % g == 0]
             if quick:  # an MQA source has no smaller GQA: MLA at its own bytes
@@ -126,21 +178,20 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
                 ranks = [2 * (groups or [n_kv])[0] * hd - rope]
             else:
                 ranks = [2 * g * hd - rope for g in (n_kv, *groups)]
-            out += [_gqa(g, n_kv) for g in groups] + [_mla(cfg, r) for r in ranks if r > 0]
+            out += [_gqa(g, methods) for g in groups] + [_mla(r, rope, methods) for r in ranks if r > 0]
         elif kind == "gqa" and values:
             for g in parse_ints(values, "--variants gqa:"):
                 if not 1 <= g < n_kv or n_kv % g:
                     raise ValueError(
                         f"--variants gqa:{g}: the source has {n_kv} KV heads; choose a smaller number that divides it"
                     )
-                out.append(_gqa(g, n_kv))
+                out.append(_gqa(g, methods))
         elif kind == "mla" and values:
-            for r in parse_ints(values, "--variants mla:"):
-                if r < 1:
-                    raise ValueError(f"--variants mla:{r}: a latent rank is >= 1")
-                out.append(_mla(cfg, r))
+            out += [_mla(r, d, methods) for r, d in _mla_ranks(part, values, rope)]
         else:
-            raise ValueError(f"--variants takes gqa:G,G,... mla:R,R,... or auto; got {part!r}")
+            raise ValueError(
+                f"--variants takes gqa:G,G,... mla:R,R+D,... or auto (each /M,M optional); got {part!r}"
+            )
     seen: dict[str, Variant] = {}
     for v in out:
         seen.setdefault(v.name, v)
@@ -148,6 +199,7 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
 
 
 def methods_of(variant: Variant, methods: tuple[str, ...]) -> list[str]:
+    methods = variant.methods if variant.methods is not None else methods
     if variant.kind != "mla":
         return list(methods)
     return list(dict.fromkeys("calib" if m in DATA_AWARE else "plain" for m in methods))
@@ -171,14 +223,15 @@ def checkpoint_id(src: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare_data(opts: SweepOptions, root: Path) -> dict:
+def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
     """The training and held-out files (linked into ``root``, attnlab's own cache), and calibration lines for the
-    data-aware conversions: lines of seven words or more of the training text, shuffled with seed 0, 256 of them."""
+    data-aware conversions: lines of seven words or more of the training text, shuffled with seed 0, 256 of them.
+    Without ``eval_data``, a tenth of the files of ``data`` are held out whole (``attnlab.data.split_held_out``)."""
     from ..atomic import write_atomic
 
-    files = text_files(opts.data)
-    if opts.eval_data is not None:
-        train, held = files, text_files(opts.eval_data, "--eval-data")
+    files = text_files(data)
+    if eval_data is not None:
+        train, held = files, text_files(eval_data, "--eval-data")
     else:
         train, held = split_held_out(files, 0.1)
     fp = fingerprint([*train, *held])
@@ -200,35 +253,66 @@ def prepare_data(opts: SweepOptions, root: Path) -> dict:
         random.Random(0).shuffle(lines)
         if not lines:
             raise ValueError(
-                f"--data {opts.data}: no line of seven words or more to calibrate the fit conversions"
+                f"--data {data}: no line of seven words or more to calibrate the fit conversions"
             )
         write_atomic(calib, "\n".join(lines[:256]) + "\n", ours=True)
     return {"train": folders["train"], "heldout": folders["heldout"], "calib": calib, "fingerprint": fp}
 
 
+def eval_args(opts: SweepOptions, cfg: ModelConfig, data: dict) -> dict:
+    """What every eval job scores on (its checkpoint aside): ``attnlab eval --data HELDOUT --seq-len T ...``."""
+    return {"eval_data": str(data["heldout"]), "seq_len": _seq_len(opts, cfg), "eval_windows": _windows(opts),
+            "data_id": data["fingerprint"]}  # fmt: skip
+
+
+def uptrain_args(opts: SweepOptions, cfg: ModelConfig, data: dict, steps: int) -> dict:
+    """A ``work.uptrain`` job's args for ``steps`` steps of the sweep's recipe (its source: the job it depends on,
+    or an ``"src"`` added to these)."""
+    teacher = {"src": str(opts.src.resolve()), "none": None}.get(opts.teacher, opts.teacher)
+    if teacher is not None:
+        teacher = str(Path(teacher).resolve())
+    warmup = None if opts.warmup is None else max(1, round(opts.warmup * steps))
+    return {"steps": steps, "batch_size": opts.batch_size, "seq_len": _seq_len(opts, cfg), "lr": opts.lr,
+            "seed": opts.seed, "warmup": warmup, "distill_weight": opts.distill_weight,
+            "temperature": opts.temperature, "eval_windows": _windows(opts), "data": str(data["train"]),
+            "eval_data": str(data["heldout"]), "teacher": teacher,
+            "teacher_id": checkpoint_id(Path(teacher)) if teacher else None, "save_every": max(50, steps // 4),
+            "data_id": data["fingerprint"]}  # fmt: skip
+
+
+def timing_args(opts: SweepOptions) -> dict:
+    steps = opts.timing_steps or (8 if opts.quick else 16)
+    repeats = opts.timing_repeats or (3 if opts.quick else 5)
+    return {"context": opts.context, "batch": opts.batch, "steps": steps, "repeats": repeats}
+
+
+def _seq_len(opts: SweepOptions, cfg: ModelConfig) -> int:
+    return opts.seq_len or min(128 if opts.quick else 256, cfg.max_seq_len)
+
+
+def _windows(opts: SweepOptions) -> int:
+    return opts.eval_windows if opts.eval_windows is not None else (64 if opts.quick else 256)
+
+
 def plan_jobs(
     opts: SweepOptions, cfg: ModelConfig, vs: list[Variant], data: dict
 ) -> tuple[list[Job], list[dict]]:
-    """The jobs, and the rows (each naming the jobs that give its quality, bytes and speed)."""
+    """The jobs, and the rows (each naming the jobs that give its quality, bytes and speed: ``speed`` the job,
+    ``speed_of`` the checkpoint's label in it when it times several)."""
     src = str(opts.src.resolve())
     src_id = checkpoint_id(opts.src)
-    seq_len = opts.seq_len or min(128 if opts.quick else 256, cfg.max_seq_len)
-    windows = opts.eval_windows if opts.eval_windows is not None else (64 if opts.quick else 256)
-    scored = {"eval_data": str(data["heldout"]), "seq_len": seq_len, "eval_windows": windows,
-              "data_id": data["fingerprint"]}  # fmt: skip
-    timing = {"context": opts.context, "batch": opts.batch, "steps": 8 if opts.quick else 16,
-              "repeats": 3 if opts.quick else 5}  # fmt: skip
-    teacher = {"src": src, "none": None}.get(opts.teacher, opts.teacher)
-    if teacher is not None and teacher != src:
-        teacher = str(Path(teacher).resolve())
-    jobs = [
-        Job("eval/source", work.evaluate, {"ckpt": src, "src_id": src_id, **scored}),
-        Job("speed/source", work.speed, {"ckpt": src, "src_id": src_id, **timing}, alone=True),
-    ]
+    scored = eval_args(opts, cfg, data)
+    timing = timing_args(opts)
+    together = opts.timing == "together"
+    jobs = [Job("eval/source", work.evaluate, {"ckpt": src, "src_id": src_id, **scored})]
+    timed = {"source": src}  # label -> checkpoint path or the convert job that writes it
     rows = [{"variant": "source", "kind": "source", "method": "-", "steps": 0, "eval": "eval/source",
-             "speed": "speed/source", "convert": None, "checkpoint_job": None}]  # fmt: skip
+             "speed": "speed" if together else "speed/source", "speed_of": "source" if together else None,
+             "convert": None, "checkpoint_job": None}]  # fmt: skip
+    if not together:
+        jobs.append(Job("speed/source", work.speed, {"ckpt": src, "src_id": src_id, **timing}, alone=True))
     for v in vs:
-        speed_added = False
+        speed = "speed" if together else f"speed/{v.name}"
         for m in methods_of(v, opts.methods):
             conv = f"convert/{v.name}/{m}"
             args = {"src": src, "src_id": src_id, "kind": v.kind, "method": m, "calib": str(data["calib"]),
@@ -238,25 +322,27 @@ def plan_jobs(
             else:
                 args |= {"n_kv_heads": v.n_kv_heads}
             jobs.append(Job(conv, work.convert, args, output=True))
-            if not speed_added:  # speed depends on the shapes only: one timing per variant
-                jobs.append(
-                    Job(f"speed/{v.name}", work.speed, {"ckpt": None, **timing}, deps=(conv,), alone=True)
-                )
-                speed_added = True
+            if v.name not in timed:  # speed depends on the shapes only: one timing per variant
+                timed[v.name] = conv
+                if not together:
+                    jobs.append(Job(speed, work.speed, {"ckpt": None, **timing}, deps=(conv,), alone=True))
             for s in opts.steps:
-                row = {"variant": v.name, "kind": v.kind, "method": m, "steps": s, "speed": f"speed/{v.name}",
-                       "convert": conv, "n_kv_heads": v.n_kv_heads, "kv_lora_rank": v.kv_lora_rank,
-                       "rope_dim": v.rope_dim}  # fmt: skip
+                row = {"variant": v.name, "kind": v.kind, "method": m, "steps": s, "speed": speed,
+                       "speed_of": v.name if together else None, "convert": conv, "n_kv_heads": v.n_kv_heads,
+                       "kv_lora_rank": v.kv_lora_rank, "rope_dim": v.rope_dim}  # fmt: skip
                 if s == 0:
                     name = f"eval/{v.name}/{m}"
                     jobs.append(Job(name, work.evaluate, {"ckpt": None, **scored}, deps=(conv,)))
                     rows.append(row | {"eval": name, "checkpoint_job": conv})
                     continue
                 name = f"uptrain/{v.name}/{m}/{s}"
-                up = {"steps": s, "batch_size": opts.batch_size, "seq_len": seq_len, "lr": opts.lr, "seed": 0,
-                      "eval_windows": windows, "data": str(data["train"]), "eval_data": str(data["heldout"]),
-                      "teacher": teacher, "teacher_id": checkpoint_id(Path(teacher)) if teacher else None,
-                      "save_every": max(50, s // 4), "data_id": data["fingerprint"]}  # fmt: skip
-                jobs.append(Job(name, work.uptrain, up, deps=(conv,), output=True))
+                jobs.append(
+                    Job(name, work.uptrain, uptrain_args(opts, cfg, data, s), deps=(conv,), output=True)
+                )
                 rows.append(row | {"eval": name, "checkpoint_job": name})
+    if together:  # last, so that it runs when the jobs before it are done (it runs alone)
+        deps = tuple(v for v in timed.values() if v != src)
+        jobs.append(
+            Job("speed", work.speed, {"ckpts": timed, "src_id": src_id, **timing}, deps=deps, alone=True)
+        )
     return jobs, rows

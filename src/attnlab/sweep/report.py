@@ -78,8 +78,9 @@ def build_rows(plan_rows: list[dict], outcomes: dict, src_hf: dict, opts) -> lis
             errors.append(q.error)
         t = outcomes[planned["speed"]]
         if t.result is not None:
-            row |= {"tokens_per_s": t.result["tokens_per_s"], "measured_context": t.result["context"],
-                    "cache_nbytes": t.result["cache_nbytes"]}  # fmt: skip
+            timed = t.result["models"][planned["speed_of"]] if planned.get("speed_of") else t.result
+            row |= {"tokens_per_s": timed["tokens_per_s"], "measured_context": timed["context"],
+                    "cache_nbytes": timed["cache_nbytes"]}  # fmt: skip
         elif t.error and not t.error.startswith("needs "):
             errors.append(f"speed: {t.error}")
         job = planned["checkpoint_job"]
@@ -186,16 +187,25 @@ def plot(results: dict, out: Path) -> list[str]:
         for r in rows:
             if r.get(x_key) is not None:
                 series.setdefault(f"{r['variant']} {r['method']}".replace(" -", ""), []).append(r)
-        for label, pts in series.items():
-            pts = sorted(pts, key=lambda r: r[x_key])
-            ax.plot([p[x_key] for p in pts], [p["loss"] for p in pts], "o-" if x_key == "steps" else "o",
-                    label=label)  # fmt: skip
-            for p in pts:
+        last = max((r["steps"] for r in rows), default=0)
+        palette = plt.get_cmap("tab10" if len(series) <= 10 else "tab20")
+        for k, (label, pts) in enumerate(series.items()):
+            pts = sorted(pts, key=lambda r: (r["steps"], r[x_key]))
+            # one colour per variant and method, a line through its step counts; hollow until the most steps
+            (line,) = ax.plot([p[x_key] for p in pts], [p["loss"] for p in pts], "-", lw=1, alpha=0.6,
+                             color=palette(k % palette.N))  # fmt: skip
+            for i, p in enumerate(pts):
+                hollow = p["steps"] < last and p["variant"] != "source"
+                ax.plot(p[x_key], p["loss"], "o", color=line.get_color(), label=label if i == len(pts) - 1 else None,
+                        markerfacecolor="white" if hollow else line.get_color())  # fmt: skip
                 if p["pareto"]:
-                    ax.plot(p[x_key], p["loss"], "k*", markersize=12)
+                    ax.plot(
+                        p[x_key], p["loss"], "o", markersize=14, markerfacecolor="none", markeredgecolor="k"
+                    )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out loss (nats/token)")
-        ax.set_title(f"{Path(results['options']['src']).name}: * Pareto-optimal", fontsize=9)
+        steps = "" if last == 0 else f"hollow: fewer than {last} uptraining steps, filled: {last}; "
+        ax.set_title(f"{Path(results['options']['src']).name}: {steps}ringed: Pareto-optimal", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         save_figure(fig, out / name, ours=True, dpi=110, bbox_inches="tight")

@@ -42,15 +42,19 @@ def convert(args: dict, deps: dict, out: Path | None) -> dict:
 
 
 def uptrain(args: dict, deps: dict, out: Path | None) -> dict:
-    """``attnlab uptrain CONVERTED OUT --steps N [--teacher SRC] ...``; the result is its summary, whose ``eval``
-    is ``attnlab eval``'s on the held-out text."""
+    """``attnlab uptrain SRC OUT --steps N [--teacher T] ...``, SRC being the output of the job it depends on (a
+    conversion), else ``args["src"]`` (a study's pretraining from a random init); the result is its summary, whose
+    ``eval`` is ``attnlab eval``'s on the held-out text. Options missing from ``args`` keep uptrain's defaults."""
     from ..train import UptrainOptions
     from ..train import uptrain as run
 
-    (converted,) = (d["out"] for d in deps.values())
+    (src,) = [d["out"] for d in deps.values()] or [args["src"]]
     fields = {k: args[k] for k in ("steps", "batch_size", "seq_len", "lr", "seed", "eval_windows")}
+    fields |= {
+        k: args[k] for k in ("warmup", "min_lr", "distill_weight", "temperature") if args.get(k) is not None
+    }
     opts = UptrainOptions(
-        src=Path(converted), dst=out, data=Path(args["data"]), eval_data=Path(args["eval_data"]),
+        src=Path(src), dst=out, data=Path(args["data"]), eval_data=Path(args["eval_data"]),
         teacher=Path(args["teacher"]) if args["teacher"] else None, save_every=args["save_every"], resume=True,
         overwrite=True, **fields,
     )  # fmt: skip
@@ -85,30 +89,46 @@ def evaluate(args: dict, deps: dict, out: Path | None) -> dict:
 def speed(args: dict, deps: dict, out: Path | None) -> dict:
     """Decode tokens/s on this machine with a filled cache of ``context`` tokens (at most the model's positions,
     less the steps timed), the fastest of ``repeats`` (other work only ever slows a repeat down); and the caches'
-    bytes, measured and from the cost model."""
+    bytes, measured and from the cost model.
+
+    One checkpoint (``args["ckpt"]``, else the one job it depends on) gives its figures. ``args["ckpts"]`` (label ->
+    a checkpoint, or the name of the job that writes it) times several in turn in one process, one decode run of
+    each per repeat (round robin), so that their ratios come from the same moments of a shared machine; the
+    result holds each one's figures under ``"models"``."""
     from ..bench.generate import decode_step_times
     from ..hf import load_causal_lm
 
-    ckpt = args["ckpt"] if args["ckpt"] is not None else next(iter(deps.values()))["out"]
-    model = load_causal_lm(ckpt).float().eval()
+    if "ckpts" in args:
+        paths = {label: deps[c]["out"] if c in deps else c for label, c in args["ckpts"].items()}
+    else:
+        paths = {"": args["ckpt"] if args["ckpt"] is not None else next(iter(deps.values()))["out"]}
+    models = {label: load_causal_lm(p).float().eval() for label, p in paths.items()}
     steps, batch = args["steps"], args["batch"]
-    context = min(args["context"], model.cfg.max_seq_len - steps)
+    context = min([args["context"], *(m.cfg.max_seq_len - steps for m in models.values())])
     if context < 1:
-        raise ValueError(f"the model holds {model.cfg.max_seq_len} positions: too few to time {steps} steps")
+        least = min(m.cfg.max_seq_len for m in models.values())
+        raise ValueError(f"the model holds {least} positions: too few to time {steps} steps")
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen)
-    times, nbytes = decode_step_times({0: model}, prompt, steps, args["repeats"])
-    predicted = kv_cache_bytes(model.cfg, batch, context + steps, "fp32")
-    if predicted != nbytes[0]:  # the cost model is tested to equal every cache; a mismatch is a bug to see
-        raise RuntimeError(f"KV cache bytes: cost model {predicted}, caches hold {nbytes[0]}")
-    return {
-        "tokens_per_s": batch * steps / min(times[0]),
-        "seconds": times[0],
-        "context": context,
-        "batch": batch,
-        "steps": steps,
-        "threads": torch.get_num_threads(),
-        "cache_nbytes": nbytes[0],
-        "cost_model_nbytes": predicted,
-        "python": sys.version.split()[0],
-    }
+    vocab = min(m.cfg.vocab_size for m in models.values())
+    prompt = torch.randint(0, vocab, (batch, context), generator=gen)
+    times, nbytes = decode_step_times(models, prompt, steps, args["repeats"])
+    rows = {}
+    for label, model in models.items():
+        predicted = kv_cache_bytes(model.cfg, batch, context + steps, "fp32")
+        if (
+            predicted != nbytes[label]
+        ):  # the cost model is tested to equal every cache; a mismatch is a bug to see
+            raise RuntimeError(f"KV cache bytes of {label or paths[label]}: cost model {predicted}, caches hold "
+                               f"{nbytes[label]}")  # fmt: skip
+        rows[label] = {
+            "tokens_per_s": batch * steps / min(times[label]),
+            "seconds": times[label],
+            "context": context,
+            "batch": batch,
+            "steps": steps,
+            "threads": torch.get_num_threads(),
+            "cache_nbytes": nbytes[label],
+            "cost_model_nbytes": predicted,
+            "python": sys.version.split()[0],
+        }
+    return {"models": rows, "repeats": args["repeats"]} if "ckpts" in args else rows[""]
