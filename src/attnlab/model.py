@@ -23,11 +23,12 @@ sequences: restarting at 0 per document, with a block-diagonal ``attn_mask``), e
 0 .. T - 1. The RoPE angles are computed once per forward and shared by the layers (once per rotary shape).
 
 Decode steps: a GQA/MHA/MQA block given one new token per row and a contiguous ``KVCache`` runs as one call of
-the fused C++ block kernel (``fused.BlockStep``: norms, projections, RoPE, cache write, attention, MLP) instead of
-~25 PyTorch ops, when its configuration is one the kernel computes exactly (``fused_block_config``: Llama's
+the fused C++ block operator (``fused.BlockStep``: norms, projections, RoPE, cache write, attention, MLP) instead
+of ~25 PyTorch ops, when its configuration is one the kernel computes exactly (``fused_block_config``: Llama's
 block, any RoPE frequencies, full rotary, no q/k norm, soft-capping or window ring), nothing is hooked on its
-modules and no gradient is recorded (``_FusedPlan``); the result equals the module-by-module forward up to the
-order of float32 sums (tests/test_block_step.py).
+modules, and the backend table gives the layer's attention a backend with a block step for this call
+(``backends.choose``: CPU, float32/bfloat16, no gradient, no tensor subclass, the kernels built; ``_FusedPlan``);
+the result equals the module-by-module forward up to the order of float32 sums (tests/test_block_step.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import fused
+from .attention.backends import Call, choose
 from .attention.gqa import GroupedQueryAttention
 from .attention.linear import Linear, project
 from .attention.mla import MultiHeadLatentAttention
@@ -49,6 +51,7 @@ from .cache import Cache, KVCache, LatentCache
 from .config import GATED_MLPS, AttentionConfig, MLAConfig, ModelConfig
 
 _LINEARS = (Linear, nn.Linear)
+_PLAIN = (torch.Tensor, nn.Parameter)  # what the kernels take as plain tensors (not a DTensor)
 
 
 def _global_hooks() -> bool:
@@ -110,9 +113,9 @@ def fused_block_config(cfg: ModelConfig, attn: AttentionConfig | MLAConfig) -> b
 
 class _FusedPlan:
     """A block's decode step as one call of the fused kernel (``fused.BlockStep``), when it can take it: a
-    GQA/MHA/MQA block of this file's modules with nothing hooked on them, whose attention would take the fused
-    kernel anyway (backend "auto" or "fused"), one new token per row over a contiguous ``KVCache``, in eval mode,
-    operands ``fused.block_supports``. Anything else runs module by module.
+    GQA/MHA/MQA block of this file's modules with nothing hooked on them, one new token per row over a contiguous
+    ``KVCache``, in eval mode, and a backend for its attention (``backends.choose``, asked once per step with the
+    layer's configured backend) that has a block step for this call. Anything else runs module by module.
 
     Built once per block and kept outside it (in ``_PLANS``; the module stays picklable), because gathering the
     operands costs ~20 module attribute lookups of microseconds each. Every step checks cheaply that the plan is
@@ -130,6 +133,7 @@ class _FusedPlan:
         self.addresses: tuple[int, ...] = ()
         self.step: fused.BlockStep | None = None
         self.rope_spec = None
+        self.subclass = False  # a parameter of a tensor subclass (a DTensor, sharded)
         if not fused_block_config(block.cfg, attn.cfg):  # the configuration decides, not the modules' types
             return
         norms = (block.attention_norm, block.ffn_norm)
@@ -143,24 +147,24 @@ class _FusedPlan:
             self.guards += [(m._parameters, n, p) for n, p in m._parameters.items()]
         self.params = tuple(p for m in (*norms, *linears) for p in m._parameters.values() if p is not None)
         self.addresses = tuple(p.data_ptr() for p in self.params)
+        self.subclass = any(type(p) not in _PLAIN for p in self.params)
         if (
             any(type(m) is not RMSNorm for m in norms)
             or any(type(m) not in _LINEARS for m in linears)
-            or attn.cfg.backend not in ("auto", "fused")
             or block.attention_norm.eps != block.ffn_norm.eps
-            or not all(p.is_contiguous() for p in self.params)
-            or not fused.block_supports(
-                torch.empty(1, 1, attn.cfg.d_model, dtype=attn.wq.weight.dtype), *self.params
-            )
+            or not all(p.is_contiguous() and p.dtype == attn.wq.weight.dtype for p in self.params)
         ):
             return
         self.rope_spec = attn.rope_spec
+        by_name = dict(zip(("q", "k", "v", "o", "1", "3", "2"), linears, strict=True))  # wq .. w2, bq .. b2
+        weights = fused.BlockWeights(
+            attn_norm=block.attention_norm.weight,
+            ffn_norm=block.ffn_norm.weight,
+            **{f"w{name}": m.weight for name, m in by_name.items()},
+            **{f"b{name}": m.bias for name, m in by_name.items()},
+        )
         self.step = fused.BlockStep(
-            block.attention_norm.weight,
-            (*(m.weight for m in linears[:3]), *(m.bias for m in linears[:3])),
-            (attn.wo.weight, attn.wo.bias),
-            block.ffn_norm.weight,
-            (*(m.weight for m in linears[4:]), *(m.bias for m in linears[4:])),
+            weights,
             head_dim=attn.head_dim,
             eps=block.attention_norm.eps,
             scale=attn.cfg.softmax_scale,
@@ -174,28 +178,35 @@ class _FusedPlan:
     @staticmethod
     def of(block: Block, x: torch.Tensor, cache: KVCache) -> _FusedPlan | None:
         """The block's plan if its fused step can take this call, else None."""
-        if type(x) is not torch.Tensor or not x.is_cpu or x.ndim != 3 or x.shape[1] != 1:
+        if torch.compiler.is_compiling():  # the plan's checks read data pointers, which tracing does not have
+            return None
+        if x.ndim != 3 or x.shape[1] != 1 or x.shape[0] == 0:
             return None
         plan = _PLANS.get(block)
         if plan is None or not plan.current():
             plan = _PLANS[block] = _FusedPlan(block)
         step = plan.step
-        if step is None or x.dtype != step.dtype or not 1 <= x.shape[0] <= fused.LINEAR_MAX_ROWS:
+        if step is None or x.dtype != step.dtype:
             return None
         if (
             cache.dtype != x.dtype
-            or not cache.k.is_cpu
+            or cache.k.device != x.device
             or (cache.n_kv_heads, cache.head_dim) != (step.n_kv, step.head_dim)
             or cache.pos + 1 > cache.capacity  # a window's ring is full: the kernel attends to slots 0 .. pos
         ):
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in plan.modules) or _global_hooks():
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in plan.params)):
-            return None
-        if torch.compiler.is_compiling():
-            return None
-        return plan
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in plan.params))
+        call = Call(
+            device=x.device.type,
+            dtype=x.dtype,
+            phase="decode",
+            grad=grad,
+            subclass=plan.subclass or type(x) not in _PLAIN,
+            block=x.shape[0],
+        )
+        return plan if choose(call, block.attention.cfg.backend).backend is not None else None
 
     def run(
         self,

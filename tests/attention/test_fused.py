@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from attnlab import AttentionConfig, MLAConfig, ModelConfig, MultiHeadLatentAttention, PagedKVCache
 from attnlab.attention import fused
-from attnlab.attention.kernels import attend, choose_backend
+from attnlab.attention.backends import Call, choose
+from attnlab.attention.kernels import attend
 from attnlab.model import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -33,8 +34,8 @@ def test_the_extension_is_built_and_auto_takes_it_for_cpu_decode():
         pytest.skip("ATTNLAB_FUSED=0 turns the kernel off")
     assert fused.available(), fused.status()
     assert fused.status().startswith("fused C++ kernel")
-    for phase in ("decode", "paged"):
-        assert choose_backend("cpu", torch.float32, phase) == "fused"
+    for paged in (False, True):
+        assert choose(Call("cpu", torch.float32, "decode", paged=paged)).backend.name == "fused"
 
 
 def _inputs(draw, dtype: torch.dtype):
@@ -269,7 +270,7 @@ def avx2_kernel():
     tiles. This machine's build takes the 16-lane path; only this one runs the other."""
     if not fused.available():
         pytest.skip(fused.status())
-    return fused.load_library(flags=("-mno-avx512f",))
+    return fused.load_library(flags=("-mno-avx512f",), namespace="attnlab_avx2")  # beside the package's own
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -282,8 +283,8 @@ def test_the_kernel_built_without_avx512_equals_the_reference(avx2_kernel, monke
     contiguous and paged (pages of 16 rows) alike."""
     dk, dv, heads, group = dims
     dt, latent = DTYPES[dtype], dv != dk
-    assert avx2_kernel.attnlab_features() == 0  # no AMX in an AVX2 build
-    monkeypatch.setitem(fused._state, "lib", avx2_kernel)
+    assert avx2_kernel.amx(-1) == 0  # no AMX in an AVX2 build
+    monkeypatch.setitem(fused._state, "ops", avx2_kernel)
     gen = torch.Generator().manual_seed(dk * group)
     lengths = [300, 77]
     keys = [torch.randn(1, heads, n, dk, generator=gen).to(dt) for n in lengths]

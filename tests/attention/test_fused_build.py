@@ -8,7 +8,9 @@ this process and in another. The fresh-cache check compiles the kernel once, in 
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -47,12 +49,13 @@ def test_the_name_changes_with_every_input_of_the_build_file_and_only_with_them(
             names[what] = fused.extension_name()
             assert fused.extension_name() == names[what]  # the same simulated environment, the same name
         assert fused.extension_name() == base  # back to this one
-    copy = tmp_path / "fused.cpp"
-    copy.write_text(fused._SOURCE.read_text())
-    names["the same source at another path"] = fused.extension_name(copy)
+    copy = tmp_path / "csrc"
+    shutil.copytree(fused._SOURCE, copy)
+    names["the same sources at another path"] = fused.extension_name(copy)
     names["other flags"] = fused.extension_name(flags=("-mno-avx512f",))
-    copy.write_text(fused._SOURCE.read_text() + "\n// edited\n")
-    names["an edited source"] = fused.extension_name(copy)
+    header = copy / "values.h"  # a header the compiled unit includes, not the unit itself
+    header.write_text(header.read_text() + "\n// edited\n")
+    names["an edited header"] = fused.extension_name(copy)
     assert len({base, *names.values()}) == len(names) + 1, names
 
 
@@ -115,7 +118,7 @@ def test_prefill_time_does_not_include_the_build(monkeypatch):
     fused.ensure_built()  # the real kernel, which the stand-in hands back (None: it could not be built)
     for key, value in fused._state.items():  # restored after the test: the built kernel stays in use
         monkeypatch.setitem(fused._state, key, value)
-    built, calls = fused._state["lib"], []
+    built, calls = fused._state["ops"], []
 
     def slow_build():
         calls.append(time.perf_counter())
@@ -133,3 +136,17 @@ def test_prefill_time_does_not_include_the_build(monkeypatch):
     gen = generate(Transformer(cfg).eval(), [[1, 2, 3]], 2)
     assert len(calls) == 1
     assert gen.prefill_s < 0.5 and gen.decode_s < 0.5
+
+
+def test_the_package_ships_every_kernel_source():
+    """A wheel builds the kernel at first use from the files it ships: every file of ``csrc/`` (the two compiled
+    units and each header they include) must match a package-data pattern of pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(fused.__file__).parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "attnlab"
+    ]
+    package = Path(fused.__file__).parents[1]
+    files = [p.relative_to(package).as_posix() for p in fused._source_files(fused._SOURCE)]
+    assert {"attention/csrc/kernels.cpp", "attention/csrc/ops.cpp", "attention/csrc/kernels.h"} <= set(files)
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []

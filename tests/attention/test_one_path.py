@@ -3,9 +3,9 @@
 Every cache (contiguous, latent, paged, paged latent; paged with its blocks scattered) implements the ``Cache``
 protocol and goes through the same module code and ``attend``; each must give what the contiguous cache gives,
 under every backend (paged K/V reach "reference" and "sdpa" as a gathered copy, "grouped" in place). Dropout
-applies on every path. ``choose_backend`` is a table of (device type, dtype, phase), checked here without a GPU,
-and it is the only place ``attend`` asks. The kernels contain no host sync that ``torch.compile`` would break a
-graph on, and their sync-free form (GPU, compile) keeps every masking guarantee of the eager CPU form.
+applies on every path. (Which backend runs is the backend table's answer: tests/attention/test_backends.py.) The
+kernels contain no host sync that ``torch.compile`` would break a graph on, and their sync-free form (GPU, compile)
+keeps every masking guarantee of the eager CPU form.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import attnlab.attention.kernels as kernels
 from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, MultiHeadLatentAttention
 from attnlab.attention.decode import grouped_decode
-from attnlab.attention.kernels import attend, choose_backend
+from attnlab.attention.kernels import attend
 from attnlab.cache import Cache, KVCache, LatentCache, PagedKVCache, PagedView
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,58 +131,6 @@ def test_decode_dropout_drops_the_same_weights_as_the_reference():
         results.append(attend(q, k, v, backend=backend, dropout_p=0.4))
     assert _err(*results) <= 1e-5
     assert _err(results[0], attend(q, k, v)) > 1e-3
-
-
-# ------------------------------------------------------------------------------------------ backend choice
-
-CHOICES = {  # (device type, phase) -> backend, for every dtype
-    ("cpu", "prefill"): "sdpa",
-    ("cpu", "decode"): "fused",
-    ("cpu", "paged"): "fused",
-    ("cuda", "prefill"): "sdpa",
-    ("cuda", "decode"): "sdpa",
-    ("cuda", "paged"): "sdpa",
-    ("mps", "decode"): "sdpa",
-    ("xpu", "paged"): "sdpa",
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_backend_choice_table(dtype):
-    for (device, phase), expected in CHOICES.items():
-        assert choose_backend(device, dtype, phase) == expected, (device, phase, dtype)
-    with pytest.raises(ValueError, match="phase must be one of prefill, decode, paged; got 'train'"):
-        choose_backend("cpu", dtype, "train")
-
-
-def test_attend_asks_the_table_once_per_call_and_an_explicit_backend_wins(monkeypatch):
-    asked, ran = [], []
-    real_choose, real_dispatch = kernels.choose_backend, kernels._dispatch
-
-    def spy_choose(device_type, dtype, phase):
-        asked.append((device_type, dtype, phase))
-        return real_choose("cuda", dtype, phase)  # answer as on a GPU: every phase goes to SDPA
-
-    def spy_dispatch(q, k, v, attn_mask, is_causal, scale, backend, *rest):
-        ran.append(backend)
-        return real_dispatch(q, k, v, attn_mask, is_causal, scale, backend, *rest)
-
-    monkeypatch.setattr(kernels, "choose_backend", spy_choose)
-    monkeypatch.setattr(kernels, "_dispatch", spy_dispatch)
-    attn = _module("gqa", "auto")
-    paged = attn.new_paged_cache(8, 2, 2)
-    contiguous = attn.new_cache(2, 8)
-    with torch.no_grad():
-        for cache in (contiguous, paged):
-            attn(torch.randn(2, 3, 48), cache=cache)
-            attn(torch.randn(2, 1, 48), cache=cache)
-    assert asked == [("cpu", torch.float32, p) for p in ("prefill", "decode", "paged", "paged")]
-    assert ran == ["sdpa"] * 4  # the paged K/V gathered for SDPA, as on a GPU
-    asked.clear()
-    explicit = _module("gqa", "reference")
-    with torch.no_grad():
-        explicit(torch.randn(2, 1, 48), cache=explicit.new_cache(2, 4))
-    assert asked == [] and ran[-1] == "reference"
 
 
 # ------------------------------------------------------------------------------------------ host syncs

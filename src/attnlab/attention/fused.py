@@ -1,24 +1,37 @@
-"""The fused CPU decode kernel (``fused.cpp``): built at first use, with the PyTorch kernels as the fallback.
+"""The fused CPU kernels (``csrc/``) as PyTorch operators, built at first use; the PyTorch kernels are the fallback.
 
-One query per head over a contiguous or paged cache in a single pass: per (batch row, KV head), the group's
-queries are scored against each block of cached keys, an online softmax updates a running maximum and exp-sum,
-and the block's values are accumulated, so every cached byte is read once (GQA, MQA and MLA's absorbed form,
-whose values are the first columns of its key rows). Paged batches are attended together, in one call. See the
-C++ file for the algorithm. The same library holds the few-row matrix-vector product of decode-time linear layers
-(``linear``) and a decoder block's whole decode step (``BlockStep``, used by ``attnlab.model.Block``).
+Decode attention: one query per head over a contiguous or paged cache in a single pass: per (batch row, KV head),
+the group's queries are scored against each block of cached keys, an online softmax updates a running maximum and
+exp-sum, and the block's values are accumulated, so every cached byte is read once (GQA, MQA and MLA's absorbed
+form, whose values are the first columns of its key rows). Paged batches are attended together, in one call. See
+``csrc/decode.h`` for the algorithm. The same library holds the few-row matrix-vector product of decode-time
+linear layers (``linear``) and a decoder block's whole decode step (``BlockStep``, used by
+``attnlab.model.Block``).
 
-Building: the first call compiles ``fused.cpp`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP,
-``-O3 -march=native``) into PyTorch's extension cache (``$TORCH_EXTENSIONS_DIR``, else
-``~/.cache/torch_extensions``) under a name that hashes everything the generated build file depends on
-(``build_inputs``): the source and its path, the flags, the compiler, the Python environment and the PyTorch
-installation whose headers it names, and the CPU model. So a build is reused by later processes of the same
-environment on the same machine, and two environments (two virtual environments, two checkouts) keep one build
-each rather than rebuilding each other's in turn. The source includes no PyTorch header (it is one C function
-called through ``ctypes``), so the build takes seconds, not a minute; a build (not a load from the cache) says so
-on stderr before it starts, once. Commands that time something call ``ensure_built`` before starting a clock.
-On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups have 8 or more queries run on
-the tile unit (the C++ file says how); ``amx()`` says whether they do, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends
-them to the float32 tiles instead.
+Operators. Each kernel is a PyTorch operator, ``torch.ops.attnlab.<name>``: ``decode``, ``mla_decode``,
+``paged_decode``, ``linear``, ``block_step`` (and ``amx``, the AMX switch). Their schemas, fake implementations
+(shapes and dtypes, for ``torch.compile`` and meta tensors) and FLOP formulas (``torch.utils.flop_counter``) are
+defined below when this module is imported, whether or not the kernels can be built, so that a ``FlopCounterMode``
+opened before the first call counts them too; the build adds their CPU implementations (``csrc/ops.cpp``), which
+read each argument by its name (their list of names is checked against these schemas when the library loads). So
+the flop counter, ``torch.profiler`` (each op by name) and ``torch.compile`` (the ops in the graph) see them as
+any PyTorch op. They are registered in C++, through LibTorch's stable ABI (its headers compile in about a second,
+``torch/library.h``'s in five), and called through their ``OpOverload``s: a call costs one pass through the
+dispatcher, where a ``torch.library.custom_op`` around a Python function would add a Python-level wrapper and a
+second trip into Python per call.
+
+Building: the first call compiles ``csrc/`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP, ``-O3
+-march=native``) in two units built in parallel: ``kernels.cpp`` (the kernels, one header per concern, no PyTorch
+header) and ``ops.cpp`` (the operators, on the stable ABI: PyTorch 2.10 or later). The build lands in PyTorch's
+extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) under a name that hashes
+everything the generated build file depends on (``build_inputs``): the sources and their directory, the flags, the
+compiler, the Python environment and the PyTorch installation whose headers it names, and the CPU model. So a
+build is reused by later processes of the same environment on the same machine, and two environments (two virtual
+environments, two checkouts) keep one build each rather than rebuilding each other's in turn. A build (not a load
+from the cache) says so on stderr before it starts, once. Commands that time something call ``ensure_built``
+before starting a clock. On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups
+have 8 or more queries run on the tile unit (``csrc/amx.h`` says how); ``amx()`` says whether they do,
+``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends them to the float32 tiles instead.
 
 When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
 takes the PyTorch kernels of ``decode`` instead; the reason is reported once (a ``RuntimeWarning``) and stays
@@ -28,7 +41,6 @@ queryable: ``available()`` is False and ``status()`` says why.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import json
@@ -43,16 +55,21 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
-_SOURCE = Path(__file__).with_name("fused.cpp")
-# -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes).
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_SOURCE = Path(__file__).with_name("csrc")  # kernels.cpp, ops.cpp and the headers they include
+# -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes). -fvisibility=hidden: a second
+# build loaded beside the first (kernel_ab, the tests' AVX2 build) keeps its own functions and template statics.
+# -std=c++17 (after torch's -std=c++20): the kernel unit's standard headers parse ~1 s faster.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden", "-std=c++17"]
+_NAMESPACE = "attnlab"  # the operators' (torch.ops.attnlab); benchmarks/kernel_ab.py renames it in its copies
+_DTYPES = (torch.float32, torch.bfloat16)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # a parameter is a plain tensor to the kernels
 _lock = threading.Lock()
-_state: dict[str, object] = {"lib": None, "tried": False, "status": "not built yet", "build_s": None}
+_state: dict[str, object] = {"ops": None, "tried": False, "status": "not built yet", "build_s": None}
 
 
 def _cpu_model() -> str:
@@ -84,15 +101,20 @@ def _compiler_version(cxx: str) -> str | None:
     return " ".join([os.path.realpath(path), *out.splitlines()[:1]])
 
 
+def _source_files(source: Path) -> list[Path]:
+    """The files of the kernel in the directory ``source``: the compiled unit and the headers it includes."""
+    return sorted(p for p in source.iterdir() if p.suffix in (".cpp", ".h"))
+
+
 def build_inputs(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> dict[str, str]:
     """Everything the build file that ``torch.utils.cpp_extension.load`` writes (build.ninja) is made from, and
-    so everything a cached build must match: the source's text and path, the flags, the compiler (``$CXX``, else
-    ``c++``), the Python environment (its prefix; the Python headers' directory, which the build includes), the
+    so everything a cached build must match: the sources' names and texts and their directory, the flags, the
+    compiler (``$CXX``, else ``c++``), the Python environment (its prefix; the Python headers' directory, which the build includes), the
     PyTorch installation (its version; its directory, whose headers and libraries the build names) and the CPU
     (``-march=native``)."""
     cxx = _compiler()
     return {
-        "source": source.read_text(),
+        "source": "".join(f"// {p.name}\n{p.read_text()}" for p in _source_files(source)),
         "source_path": str(source.resolve()),
         "flags": " ".join([*_FLAGS, *flags]),
         "compiler": f"{cxx}: {_compiler_version(cxx)}",
@@ -134,7 +156,7 @@ def _announce_build(root: Path) -> None:
 def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     """Compile (or find the cached build of) the kernel; the path of the shared library.
 
-    A compile is needed when the library is missing or older than the source (ninja's own rule, the build's
+    A compile is needed when the library is missing or older than a source (ninja's own rule, the build's
     command being fixed by the name); it is announced on stderr first, unless there is no compiler to run.
     """
     from torch.utils.cpp_extension import load
@@ -143,14 +165,15 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     root = _build_root()
     directory = root / name
     library = directory / f"{name}.so"
-    compiles = not library.is_file() or library.stat().st_mtime < source.stat().st_mtime
+    newest = max(p.stat().st_mtime for p in _source_files(source))
+    compiles = not library.is_file() or library.stat().st_mtime < newest
     if compiles and _compiler_version(_compiler()) is not None:
         _announce_build(root)
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = load(
         name=name,
-        sources=[str(source)],
+        sources=[str(source / "kernels.cpp"), str(source / "ops.cpp")],
         extra_cflags=[*_FLAGS, *flags],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -166,51 +189,204 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     return path
 
 
-def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The kernel library compiled from ``source`` with ``flags`` after the usual ones (built, or found in the
-    extension cache), its C entry points typed; raises when it cannot be built or loaded. ``_library`` keeps this
-    process's one copy of the package's kernel; benchmarks/kernel_ab.py loads two sources side by side, and the
-    tests build the kernel as CPUs without AVX-512 get it (``flags=("-mno-avx512f",)``)."""
-    lib = ctypes.CDLL(_build(source, flags))
-    fn = lib.attnlab_decode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_int64] * 5, *[ctypes.c_void_p] * 4]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    lin = lib.attnlab_linear
-    lin.restype = ctypes.c_int
-    lin.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    lin.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
-    # kernels from before the AMX path (benchmarks/kernel_ab.py --base) lack these two
-    if hasattr(lib, "attnlab_set_amx"):
-        lib.attnlab_features.restype = lib.attnlab_set_amx.restype = ctypes.c_int
-        lib.attnlab_set_amx.argtypes = [ctypes.c_int]
-    blk = lib.attnlab_block
-    blk.restype = ctypes.c_int
-    blk.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_float,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    return lib
+class BlockWeights(NamedTuple):
+    """A decoder block's tensors for ``block_step``, named as the operator's schema names them (the schema is made
+    from these fields, and the C++ kernel reads each by its name): norm gains (D), weights as ``nn.Linear`` holds
+    them, biases or None."""
+
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    w1: torch.Tensor  # gate
+    w3: torch.Tensor  # up
+    w2: torch.Tensor  # down
+    b1: torch.Tensor | None
+    b3: torch.Tensor | None
+    b2: torch.Tensor | None
 
 
-def _library() -> ctypes.CDLL | None:
-    """The loaded kernel, building it on the first call; None (reported once) when it cannot be built."""
+def _schemas() -> dict[str, str]:
+    """The operators' signatures (torch.library's schema language): the one definition of the kernels' interface."""
+    weights = ", ".join(
+        f"Tensor{'?' if 'None' in str(kind) else ''} {name}"
+        for name, kind in BlockWeights.__annotations__.items()
+    )
+    return {
+        "decode": "decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
+        "mla_decode": "mla_decode(Tensor q, Tensor rows, int value_dim, float scale) -> Tensor",
+        "paged_decode": "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, int[] table, int block, int[] first, "
+        "int[] lengths, float scale) -> Tensor",
+        "linear": "linear(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor",
+        "block_step": f"block_step(Tensor x, {weights}, Tensor? cos, Tensor? sin, Tensor(a!) cache_k, "
+        "Tensor(b!) cache_v, int pos, float eps, float scale) -> Tensor",
+        "amx": "amx(int on) -> int",
+        "signatures": "signatures() -> str[]",
+    }
+
+
+def _argument_names(schema: str) -> str:
+    """ "decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor" -> "decode(q, k, v, scale)"."""
+    name, rest = schema.split("(", 1)
+    arguments = rest.rsplit(") ->", 1)[0]
+    return f"{name}({', '.join(a.split()[-1] for a in arguments.split(', ') if a)})"
+
+
+# Fake implementations: the output's shape and dtype (a new contiguous tensor, as the kernels allocate), from the
+# operands alone. FLOP formulas: 2 per multiply-add, as attnlab.cost counts (scores q k^T and values p v over the
+# attended keys; a linear layer's x W^T; biases, norms, RoPE and softmax not counted).
+
+
+def _attention_out(q: torch.Tensor, dv) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], 1, dv)
+
+
+def _attention_flops(q_shape, keys: int, dv: int) -> int:
+    """``keys``: attended keys summed over the batch rows."""
+    return 2 * q_shape[1] * keys * (q_shape[3] + dv)
+
+
+def _linear_flops(x_shape, weight_shapes) -> int:
+    rows = math.prod(x_shape[:-1])
+    return 2 * rows * x_shape[-1] * sum(w[0] for w in weight_shapes)
+
+
+def _block_flops(x_shape, weights: BlockWeights, pos: int) -> int:
+    """x (B, 1, D): q/k/v, gate and up projections of the input, the output and down projections, and each query
+    head (H of head_dim: the query width) over the pos + 1 cached keys, scores and values."""
+    rows, d, qw, ffn = x_shape[0], x_shape[-1], weights.wq[0], weights.w1[0]
+    projections = _linear_flops(x_shape, [weights.wq, weights.wk, weights.wv, weights.w1, weights.w3])
+    return projections + 2 * rows * (qw + ffn) * d + 2 * rows * qw * (pos + 1) * 2
+
+
+def _register(namespace: str, library: torch.library.Library) -> None:
+    """Fake implementations and FLOP formulas of ``namespace``'s operators."""
+    ops = getattr(torch.ops, namespace)
+
+    def fake(name):
+        return torch.library.register_fake(f"{namespace}::{name}", lib=library)
+
+    def flops(name):
+        return register_flop_formula(getattr(ops, name))
+
+    @fake("decode")
+    def _(q, k, v, scale):
+        return _attention_out(q, v.shape[-1])
+
+    @fake("mla_decode")
+    def _(q, rows, value_dim, scale):
+        return _attention_out(q, value_dim)
+
+    @fake("paged_decode")
+    def _(q, k_pool, v_pool, table, block, first, lengths, scale):
+        return _attention_out(q, v_pool.shape[-1])
+
+    @fake("linear")
+    def _(x, weights, biases):
+        return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+
+    @fake("block_step")
+    def _(x, *args):
+        return x.new_empty(x.shape)
+
+    @flops("decode")
+    def _(q, k, v, scale, out_shape=None, **kwargs) -> int:
+        return _attention_flops(q, q[0] * k[2], v[-1])
+
+    @flops("mla_decode")
+    def _(q, rows, value_dim, scale, out_shape=None, **kwargs) -> int:
+        return _attention_flops(q, q[0] * rows[2], value_dim)
+
+    @flops("paged_decode")
+    def _(q, k_pool, v_pool, table, block, first, lengths, scale, out_shape=None, **kwargs) -> int:
+        return _attention_flops(q, sum(n - f for f, n in zip(first, lengths, strict=True)), v_pool[-1])
+
+    @flops("linear")
+    def _(x, weights, biases, out_shape=None, **kwargs) -> int:
+        return _linear_flops(x, weights)
+
+    @flops("block_step")
+    def _(x, *args, out_shape=None, **kwargs) -> int:
+        weights = BlockWeights(*args[: len(BlockWeights._fields)])
+        pos = args[len(BlockWeights._fields) + 4]  # after cos, sin, cache_k, cache_v
+        return _block_flops(x, weights, pos)
+
+
+_LIBRARIES: dict[
+    str, torch.library.Library
+] = {}  # namespace -> its definitions (kept: they live as long as it)
+
+
+def define(namespace: str = _NAMESPACE) -> None:
+    """Define ``namespace``'s operators (once): schemas, fake implementations and FLOP formulas."""
+    if namespace in _LIBRARIES:
+        return
+    library = torch.library.Library(namespace, "DEF")
+    for schema in _schemas().values():
+        library.define(schema)
+    _register(namespace, library)
+    _LIBRARIES[namespace] = library
+
+
+define()
+
+
+class Ops:
+    """One build's operators (``torch.ops.<namespace>``), each as its ``OpOverload``: called as is, it costs one pass
+    through the dispatcher (the packet's overload resolution skipped)."""
+
+    def __init__(self, namespace: str) -> None:
+        ops = getattr(torch.ops, namespace)
+        self.namespace = namespace
+        self.decode = ops.decode.default
+        self.mla_decode = ops.mla_decode.default
+        self.paged_decode = ops.paged_decode.default
+        self.linear = ops.linear.default
+        self.block_step = ops.block_step.default
+        self.amx = ops.amx.default
+        self.signatures = ops.signatures.default
+
+
+def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = (), namespace: str = _NAMESPACE) -> Ops:
+    """The operators of the kernels compiled from the directory ``source`` with ``flags`` after the usual ones
+    (built, or found in the extension cache), registered under ``namespace``; raises when they cannot be built or
+    loaded. ``_library`` keeps this process's one copy of the package's kernels; a second build needs a namespace of
+    its own (the tests build the kernels as CPUs without AVX-512 get them: ``flags=("-mno-avx512f",)``)."""
+    define(namespace)
+    _build(source, (*flags, f"-DATTNLAB_OPS={namespace}"))
+    ops = Ops(namespace)
+    check_signatures(ops)
+    return ops
+
+
+def check_signatures(ops: Ops) -> None:
+    """The kernels read their arguments by the names in csrc/ops.cpp: those must be the schemas' names, in the
+    schemas' order (a kernel that read another argument than the one passed would compute garbage)."""
+    want = [_argument_names(s) for name, s in _schemas().items() if name != "signatures"]
+    got = list(ops.signatures())
+    if got != want:
+        raise RuntimeError(f"the kernels read arguments {got}, but fused.py's schemas pass {want}")
+
+
+def _library() -> Ops | None:
+    """The loaded operators, building them on the first call; None (reported once) when they cannot be built."""
     if _state["tried"]:
-        return _state["lib"]  # type: ignore[return-value]
+        return _state["ops"]  # type: ignore[return-value]
     with _lock:
         if _state["tried"]:
-            return _state["lib"]  # type: ignore[return-value]
+            return _state["ops"]  # type: ignore[return-value]
         if os.environ.get("ATTNLAB_FUSED", "1") == "0":
             _state.update(tried=True, status="disabled by ATTNLAB_FUSED=0: the PyTorch kernels run")
             return None
         start = time.perf_counter()
         try:
-            lib = load_library()
+            ops = load_library()
         except Exception as err:  # any failure to compile or load: fall back, and say so
             reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             _state.update(tried=True, status=f"build failed, the PyTorch kernels run: {reason}")
@@ -222,16 +398,20 @@ def _library() -> ctypes.CDLL | None:
             return None
         seconds = time.perf_counter() - start
         if os.environ.get("ATTNLAB_AMX", "1") == "0":
-            lib.attnlab_set_amx(0)
-        tiles = "; bfloat16 on AMX tiles" if lib.attnlab_features() & 1 else ""
+            ops.amx(0)
+        tiles = "; bfloat16 on AMX tiles" if ops.amx(-1) & 1 else ""
         _state.update(
-            tried=True, lib=lib, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load{tiles})"
+            tried=True, ops=ops, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load{tiles})"
         )
-        return lib
+        return ops
 
 
 def available() -> bool:
-    """Whether the fused kernel runs (builds it on the first call)."""
+    """Whether the fused kernels run (builds them on the first call). Tracing for ``torch.compile`` never builds:
+    there, kernels not built yet answer False and the graph takes the PyTorch kernels (``ensure_built`` first puts
+    the operators in the graph)."""
+    if not _state["tried"] and torch.compiler.is_compiling():
+        return False
     return _library() is not None
 
 
@@ -251,24 +431,24 @@ def status() -> str:
 def amx() -> bool:
     """Whether bfloat16 steps run on the CPU's AMX tiles (Intel Sapphire Rapids and later: the kernel built for the
     CPU, the tile state granted by the OS, and not turned off by ``use_amx(False)`` or ``ATTNLAB_AMX=0``)."""
-    lib = _library()
-    return lib is not None and hasattr(lib, "attnlab_features") and bool(lib.attnlab_features() & 1)
+    ops = _library()
+    return ops is not None and bool(ops.amx(-1) & 1)
 
 
 @contextlib.contextmanager
 def use_amx(on: bool):
     """Within the block, send bfloat16 steps to the AMX tiles (where the CPU has them) or not: to compare or test
     the two paths on one machine. Process-wide: not for use while other threads decode."""
-    lib = _library()
-    if lib is None or not hasattr(lib, "attnlab_set_amx"):
+    ops = _library()
+    if ops is None:
         yield
         return
     before = amx()
-    lib.attnlab_set_amx(int(on))
+    ops.amx(int(on))
     try:
         yield
     finally:
-        lib.attnlab_set_amx(int(before))
+        ops.amx(int(before))
 
 
 def build_seconds() -> float | None:
@@ -278,14 +458,12 @@ def build_seconds() -> float | None:
 
 def reset() -> None:
     """Forget the build state, so that the next call builds (or fails) again; for tests."""
-    _state.update(lib=None, tried=False, status="not built yet", build_s=None)
+    _state.update(ops=None, tried=False, status="not built yet", build_s=None)
 
 
 def _plain_operands(tensors, dtypes) -> bool:
     """Every tensor (None skipped) a plain CPU tensor or parameter (no subclass: not a DTensor) of one of
-    ``dtypes``, with no gradient to record; and not compile tracing."""
-    if torch.compiler.is_compiling():
-        return False
+    ``dtypes``, with no gradient to record."""
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
@@ -297,51 +475,30 @@ def _plain_operands(tensors, dtypes) -> bool:
     return True
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> bool:
-    """Whether the kernel can take these operands: one CPU query per head, float32 or bfloat16, no gradient,
-    no dropout, no tensor subclass, no compile tracing; and the kernel built."""
-    if q.shape[2] != 1 or dropout_p > 0.0:
-        return False
-    return _plain_operands((q, k, v), _DTYPES) and available()
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if its rows (last dim) are contiguous, as every cache's are; else a contiguous copy."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
-def _int64s(values) -> ctypes.Array:
-    """A C array of int64 (lighter than a tensor for a handful of numbers: no dispatch, no allocator)."""
-    return (ctypes.c_int64 * len(values))(*values)
-
-
-def _call(q, k, k_strides, v, v_strides, table, table_stride, block, lo, hi, scale) -> torch.Tensor:
-    # A decode step is short (tens of microseconds to a millisecond), so this path keeps to a few cheap Python
-    # operations: (B, H, 1, D) contiguous is (B, H, D) to the kernel, and the output is allocated as returned.
-    b, h, _, dk = q.shape
-    q = q.contiguous()
-    n_kv, dv = k_strides[3], v.shape[-1]
-    out = q.new_empty(b, h, 1, dv)
-    rc = _state["lib"].attnlab_decode(  # type: ignore[union-attr]
-        _DTYPES[q.dtype], q.data_ptr(), b, h, n_kv, dk, dv, k.data_ptr(), _int64s(k_strides[:3]), v.data_ptr(),
-        _int64s(v_strides[:3]), table, table_stride, block, lo, hi,
-        float(scale), out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(
-            f"fused decode: inconsistent shapes q {tuple(q.shape)}, k/v heads {n_kv} (code {rc})"
-        )
-    return out
-
-
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """q (B, H, 1, Dk) over k (B, n_kv, S, Dk), v (B, n_kv, S, Dv) (any strides but the last, v may be a view of
-    k's first columns) -> (B, H, 1, Dv). Call only when ``supports(q, k, v)``."""
-    k, v = _rows(k), _rows(v)
-    b, n_kv, s = k.shape[0], k.shape[1], k.shape[2]
-    ks = (*k.stride()[:3], n_kv)
-    vs = (*v.stride()[:3], n_kv)
-    return _call(q, k, ks, v, vs, None, 0, 1, _int64s([0] * b), _int64s([s] * b), scale)
+    """q (B, H, 1, Dk) over k (B, n_kv, S, Dk), v (B, n_kv, S, Dv) (any strides but the last) -> (B, H, 1, Dv);
+    ``mla_decode`` when v is the first Dv columns of k's rows (MLA's absorbed values). Call only where the "fused"
+    backend takes the call (attention/kernels.py declares what it takes)."""
+    ops: Ops = _state["ops"]  # type: ignore[assignment]
+    if _first_columns(v, k):
+        return ops.mla_decode(q, k, v.shape[-1], scale)
+    return ops.decode(q, k, v, scale)
+
+
+def _first_columns(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``v`` is ``k[..., :n]``: views of one tensor at the same offset and strides. Under ``torch.compile``,
+    whose tracing knows no storage offsets, always False: MLA's step then runs as ``decode`` with v a view of k (the
+    same kernel, under the other name)."""
+    if torch.compiler.is_compiling():
+        return False
+    root_v = v if v._base is None else v._base
+    root_k = k if k._base is None else k._base
+    return (
+        root_v is root_k
+        and v.storage_offset() == k.storage_offset()
+        and v.stride() == k.stride()
+        and v.shape[:-1] == k.shape[:-1]
+    )
 
 
 def paged_decode(
@@ -354,22 +511,18 @@ def paged_decode(
     The runs become a table of equal blocks: every run but a row's last starts and ends on a multiple of the
     cache's block size, so the greatest common divisor of those starts and lengths is a block size too.
     """
-    k_pool, v_pool = _rows(k_pool), _rows(v_pool)
     bounds = [
         x for row in runs for i, (start, n) in enumerate(row) for x in (start, n if i < len(row) - 1 else 0)
     ]
     block = math.gcd(*bounds) or max([1, *lengths])
     per_row = [[start + j for start, n in row for j in range(0, n, block)] for row in runs]
     width = max([1, *map(len, per_row)])
-    flat = [0] * (len(runs) * width)  # a C array straight from the ints: building tensors took ~27 us a step
+    table = [0] * (len(runs) * width)
     for i, slots in enumerate(per_row):
-        flat[i * width : i * width + len(slots)] = slots
-    table = _int64s(flat)
-    n_kv = k_pool.shape[0]
-    ks = (0, k_pool.stride(0), k_pool.stride(1), n_kv)
-    vs = (0, v_pool.stride(0), v_pool.stride(1), n_kv)
+        table[i * width : i * width + len(slots)] = slots
     first = [0] * len(runs) if window is None else [max(0, n - window) for n in lengths]
-    return _call(q, k_pool, ks, v_pool, vs, table, width, block, _int64s(first), _int64s(lengths), scale)
+    ops: Ops = _state["ops"]  # type: ignore[assignment]
+    return ops.paged_decode(q, k_pool, v_pool, table, block, first, list(lengths), scale)
 
 
 # Rows of input up to which ``linear`` is used: it beats the BLAS product by 1.4-2.5x (float32) at 8 rows on the
@@ -379,8 +532,8 @@ LINEAR_MAX_ROWS = 8
 
 def linear_supports(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes these operands: a CPU float32/bfloat16 input of 1 to ``LINEAR_MAX_ROWS`` rows,
-    weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient, no compile
-    tracing; and the kernel built."""
+    weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient; and the kernel
+    built."""
     if x.dtype not in _DTYPES or x.numel() > LINEAR_MAX_ROWS * x.shape[-1] or x.numel() == 0:
         return False
     return _plain_operands((x, *params), (x.dtype,)) and available()
@@ -392,100 +545,30 @@ def linear(
     """``torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)`` for a few rows of input: x (..., K),
     weights (N_i, K) -> (..., sum N_i), every weight row streamed once for all rows, the weights in one parallel
     pass. Call only when ``linear_supports(x, *weights, *biases)``."""
-    biases = biases or [None] * len(weights)
-    k = x.shape[-1]
-    for w in weights:
-        if w.ndim != 2 or w.shape[1] != k:
-            raise ValueError(f"fused linear: weight of shape {tuple(w.shape)} for an input of width {k}")
-    x2 = x.reshape(-1, k).contiguous()
-    weights = [w.contiguous() for w in weights]
-    biases = [None if b is None else b.contiguous() for b in biases]
-    ns = [w.shape[0] for w in weights]
-    out = x.new_empty(*x.shape[:-1], sum(ns))
-    ptrs = (ctypes.c_void_p * len(ns))(*[w.data_ptr() for w in weights])
-    bias_ptrs = (ctypes.c_void_p * len(ns))(*[None if b is None else b.data_ptr() for b in biases])
-    rc = _state["lib"].attnlab_linear(  # type: ignore[union-attr]
-        _DTYPES[x.dtype], x2.data_ptr(), x2.shape[0], k, len(ns), ptrs, (ctypes.c_int64 * len(ns))(*ns),
-        bias_ptrs, out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"fused linear: bad shapes x {tuple(x.shape)}, weights {ns} (code {rc})")
-    return out
-
-
-def block_supports(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    """Whether ``BlockStep`` takes a decode step of ``x`` (B, 1, D): 1 to ``LINEAR_MAX_ROWS`` rows of one token,
-    CPU float32/bfloat16, every tensor (weights, biases, the cache) plain and of x's dtype, no gradient, no
-    compile tracing; and the kernel built."""
-    if x.dtype not in _DTYPES or x.ndim != 3 or x.shape[1] != 1 or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS:
-        return False
-    return _plain_operands((x, *tensors), (x.dtype,)) and available()
+    ops: Ops = _state["ops"]  # type: ignore[assignment]
+    return ops.linear(x, weights, biases or [None] * len(weights))
 
 
 class BlockStep:
-    """One pre-norm decoder block's decode step in one kernel call (``attnlab.model.Block``; see ``block`` in
-    fused.cpp): RMSNorm, q/k/v projections, RoPE, the cache write, attention over the cache, output projection and
-    residual, RMSNorm, SwiGLU MLP and residual.
+    """One pre-norm decoder block's decode step in one operator call (``block_step``; ``attnlab.model.Block``; see
+    csrc/block.h): RMSNorm, q/k/v projections, RoPE, the cache write, attention over the cache, output projection
+    and residual, RMSNorm, SwiGLU MLP and residual.
 
-    Built once from the block's tensors, whose shapes are checked here (the kernel trusts them) and whose
-    addresses are kept in the argument arrays, then called for every token: a layer's ~25 PyTorch ops and ~20
-    module attribute lookups become one call. ``qkv`` = (wq, wk, wv, bq, bk, bv), ``out_proj`` = (wo, bo),
-    ``mlp`` = (w1, w3, w2, b1, b3, b2) (gate, up, down), a bias None for none; all contiguous, of one dtype.
-    Use only while ``block_supports`` them; the caller rebuilds the step when a tensor is replaced.
+    Built once from the block's tensors (``BlockWeights``; their shapes are checked by the operator at every call),
+    then called for every token: a layer's ~25 PyTorch ops and ~20 module attribute lookups become one call. Use
+    only where the "fused" backend takes the block's step (``attnlab.model._FusedPlan`` asks the backend table);
+    the caller rebuilds the step when a tensor is replaced.
     """
 
-    def __init__(
-        self,
-        attn_norm: torch.Tensor,
-        qkv: tuple[torch.Tensor | None, ...],
-        out_proj: tuple[torch.Tensor, torch.Tensor | None],
-        ffn_norm: torch.Tensor,
-        mlp: tuple[torch.Tensor | None, ...],
-        *,
-        head_dim: int,
-        eps: float,
-        scale: float,
-    ) -> None:
-        wq, wk, wv, bq, bk, bv = qkv
-        wo, bo = out_proj
-        w1, w3, w2, b1, b3, b2 = mlp
-        d = attn_norm.shape[0]
-        self.n_heads, self.n_kv, self.head_dim = wq.shape[0] // head_dim, wk.shape[0] // head_dim, head_dim
-        ffn, qw, kw = w1.shape[0], wq.shape[0], wk.shape[0]
-        expect = {
-            "attention norm": (attn_norm, (d,)),
-            "wq": (wq, (self.n_heads * head_dim, d)),
-            "wk": (wk, (self.n_kv * head_dim, d)),
-            "wv": (wv, (kw, d)),
-            "wo": (wo, (d, qw)),
-            "ffn norm": (ffn_norm, (d,)),
-            "w1": (w1, (ffn, d)),
-            "w3": (w3, (ffn, d)),
-            "w2": (w2, (d, ffn)),
-        }
-        for name, bias, n in (("bq", bq, qw), ("bk", bk, kw), ("bv", bv, kw), ("bo", bo, d)):
-            if bias is not None:
-                expect[name] = (bias, (n,))
-        for name, bias, n in (("b1", b1, ffn), ("b3", b3, ffn), ("b2", b2, d)):
-            if bias is not None:
-                expect[name] = (bias, (n,))
-        for name, (t, shape) in expect.items():
-            if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != wq.dtype:
-                raise ValueError(
-                    f"fused block step: {name} is {tuple(t.shape)} {t.dtype}, expected contiguous {shape} {wq.dtype}"
-                )
-        if self.n_heads == 0 or self.n_kv == 0 or self.n_heads % self.n_kv or head_dim % 2:
-            raise ValueError(
-                f"fused block step: {self.n_heads} query heads over {self.n_kv} KV heads of dim {head_dim}"
-            )
-        self.dtype, self.d_model = wq.dtype, d
-        self._tensors = (attn_norm, wq, wk, wv, bq, bk, bv, wo, bo, ffn_norm, w1, w3, w2, b1, b3, b2)
-        # pointers: x, the 16 above, cos, sin, cache keys, cache values, out (the per-call ones set in __call__)
-        self._ptrs = (ctypes.c_void_p * 22)(
-            None, *[None if t is None else t.data_ptr() for t in self._tensors]
+    def __init__(self, weights: BlockWeights, *, head_dim: int, eps: float, scale: float) -> None:
+        self.weights = weights
+        self.n_heads, self.n_kv, self.head_dim = (
+            weights.wq.shape[0] // head_dim,
+            weights.wk.shape[0] // head_dim,
+            head_dim,
         )
-        self._dims = (ctypes.c_int64 * 14)(0, d, self.n_heads, self.n_kv, head_dim, ffn)
-        self._eps, self._scale = ctypes.c_float(eps), ctypes.c_float(scale)
+        self.dtype, self.d_model = weights.wq.dtype, weights.attn_norm.shape[0]
+        self.eps, self.scale = eps, scale
 
     def __call__(
         self,
@@ -499,50 +582,6 @@ class BlockStep:
         or (B, 1, head_dim) per row; None: no RoPE. ``cache_k``/``cache_v`` (B, n_kv, max_seq_len, head_dim) with
         contiguous rows: the new key (after RoPE) and value are written at ``pos``, and every row attends to its
         tokens 0 .. ``pos``."""
-        b = x.shape[0]
-        if (
-            x.shape != (b, 1, self.d_model)
-            or not x.is_contiguous()
-            or cache_k.shape[:2] != (b, self.n_kv)
-            or cache_k.shape[3] != self.head_dim
-            or cache_v.shape != cache_k.shape
-            or cache_k.stride(-1) != 1
-            or cache_v.stride(-1) != 1
-            or not 0 <= pos < cache_k.shape[2]
-        ):
-            raise ValueError(
-                f"fused block step: x {tuple(x.shape)}, cache {tuple(cache_k.shape)} at position {pos} for "
-                f"{self.n_kv} KV heads of dim {self.head_dim} and width {self.d_model}"
-            )
-        out = torch.empty_like(x)
-        ptrs, dims = self._ptrs, self._dims
-        ptrs[0], ptrs[19], ptrs[20], ptrs[21] = (
-            x.data_ptr(),
-            cache_k.data_ptr(),
-            cache_v.data_ptr(),
-            out.data_ptr(),
-        )
-        dims[0], dims[6] = b, pos
-        dims[7:10], dims[10:13] = cache_k.stride()[:3], cache_v.stride()[:3]
-        if rope is None:
-            ptrs[17] = ptrs[18] = None
-        else:
-            cos, sin = rope
-            rows = cos.numel() // self.head_dim
-            if (
-                cos.dtype != torch.float32
-                or not cos.is_contiguous()
-                or not sin.is_contiguous()
-                or rows not in (1, b)
-            ):
-                raise ValueError(
-                    f"fused block step: cos/sin must be contiguous float32 (1 or {b} rows), got {cos.shape}"
-                )
-            ptrs[17], ptrs[18] = cos.data_ptr(), sin.data_ptr()
-            dims[13] = self.head_dim if rows > 1 else 0
-        rc = _state["lib"].attnlab_block(  # type: ignore[union-attr]
-            _DTYPES[self.dtype], dims, ptrs, self._eps, self._scale, torch.get_num_threads()
-        )
-        if rc != 0:
-            raise ValueError(f"fused block step: the kernel rejected dims {list(dims)} (code {rc})")
-        return out
+        cos, sin = (None, None) if rope is None else rope
+        ops: Ops = _state["ops"]  # type: ignore[assignment]
+        return ops.block_step(x, *self.weights, cos, sin, cache_k, cache_v, pos, self.eps, self.scale)

@@ -1,4 +1,4 @@
-"""The attention math, behind one function and three backends.
+"""The attention math, behind one function and four backends chosen from one table.
 
 Shapes (one convention for the whole package):
     q: (B, n_heads, T_q, D)       k: (B, n_kv_heads, T_k, D)       v: (B, n_kv_heads, T_k, D_v)
@@ -11,27 +11,27 @@ Query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``. ``k`` an
 the ``window`` positions ending at its own, ``T_k - T_q + i - window < j``: a decode step reads just the last
 ``window`` keys (a view, or for paged rows a start offset), a prefill adds the band to the mask. ``softcap`` (Gemma
 2) turns each scaled score ``s`` into ``softcap * tanh(s / softcap)`` before the softmax; SDPA and the fused
-kernel have no such step, so "auto" then runs "grouped". ``is_causal`` aligns the causal mask to the bottom right: query ``i`` sits at position
-``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs (for paged K/V:
-per row, with that row's length). (SDPA's own ``is_causal`` aligns to the top left, so it is only used when
-``T_q == T_k``.) When both are given, a key is attended only if both allow it. A query row with no key to attend
+kernel have no such step, so they refuse it. ``is_causal`` aligns the causal mask to the bottom right: query ``i``
+sits at position ``T_k - T_q + i``, which is what a query block appended to a cache of ``T_k - T_q`` tokens needs (for
+paged K/V: per row, with that row's length). (SDPA's own ``is_causal`` aligns to the top left, so it is only used
+when ``T_q == T_k``.) When both are given, a key is attended only if both allow it. A query row with no key to attend
 yields zeros, not NaN, whatever the masked-out keys and values hold (inf and NaN included); keys that no query
 attends never reach an output.
 
-Backends:
-    "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read.
-    "sdpa"       ``F.scaled_dot_product_attention(enable_gqa=...)``.
+Backends (each a ``backends.Backend`` declaring what it takes, registered in ``backends.BACKENDS`` below):
+    "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read. Takes anything.
+    "sdpa"       ``F.scaled_dot_product_attention(enable_gqa=...)``; no soft-capping.
     "grouped"    no repetition: the queries of one group are stacked and multiplied against their unrepeated
                  KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k); for one
                  query per head (decode) ``decode.grouped_decode``: split-K over the context, log-sum-exp merge;
-                 over paged K/V ``decode.paged_decode``, which reads each run of blocks in place.
-    "fused"      the C++ decode kernel of ``fused`` (CPU, float32/bfloat16, one query per head, no mask, no
-                 gradient): scores, online softmax and weighted sum in one pass over each KV block, paged rows
-                 all in one call. Where it cannot run (not built, other inputs) "grouped" runs instead, but for
-                 a paged prefill (several queries per row), which "sdpa" runs over the gathered rows.
-    "auto"       ``choose_backend``: by device type, dtype and phase, in one table.
-"reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length (none when every
-row is a fresh prompt of one length: then the plain causal rule).
+                 over paged K/V ``decode.paged_decode``, which reads each run of blocks in place. Takes anything.
+    "fused"      the C++ decode operators of ``fused`` (CPU, float32/bfloat16, one query per head; no mask,
+                 dropout, gradient, soft-capping or tensor subclass; built): scores, online softmax and weighted sum
+                 in one pass over each KV block, paged rows all in one call; and whole decoder-block steps.
+    "auto"       the first backend of ``backends.AUTO`` for the device type and phase that takes the call.
+``attend`` asks ``backends.choose`` once per call; a named backend that cannot take a call hands it on as "auto"
+would. "reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length (none when
+every row is a fresh prompt of one length: then the plain causal rule). ``ATTNLAB_BACKENDS=1`` logs each choice.
 
 Host syncs: a data-dependent branch (``bool(tensor)``) is free on a CPU in eager mode, and the kernels use it to
 skip work nobody needs; on a GPU it stalls the stream and under ``torch.compile`` it breaks the graph, so there
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 
 from ..cache import PagedView
 from . import fused
+from .backends import AUTO, Backend, Call, choose, register
 from .decode import grouped_decode, paged_decode
 
-BACKEND_NAMES = ("reference", "sdpa", "grouped", "fused")
-PHASES = ("prefill", "decode", "paged")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def attend(
@@ -80,42 +80,123 @@ def attend(
         else:
             band = sliding_band(t_q, k.shape[2], window, q.device)
             attn_mask = band if attn_mask is None else attn_mask & band
-    if backend == "auto":
-        backend = choose_backend(q.device.type, q.dtype, phase(t_q, paged))
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of auto, {', '.join(BACKEND_NAMES)}; got {backend!r}")
-    if softcap is not None and backend in ("sdpa", "fused"):
-        backend = "grouped"  # neither has a soft-capping step
-    if backend == "fused":
-        if attn_mask is None and fused.supports(q, k.pool if paged else k, v.pool if paged else v, dropout_p):
-            if paged:
-                if t_q == 1:
-                    return fused.paged_decode(
-                        q, k.pool, v.pool, k.runs, k.lengths, scale=scale, window=window
-                    )
-            else:
-                return fused.decode(q, k, v, scale=scale)
-        # A paged prefill (several queries per row): SDPA's flash kernel over the gathered rows beats the grouped
-        # kernel's blocks of queries, by far in bfloat16. Anything else the fused kernel cannot take: grouped.
-        backend = "sdpa" if paged and t_q > 1 else "grouped"
-    if paged:
-        if backend == "grouped":
-            return paged_decode(
-                q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p, window=window, softcap=softcap
-            )
-        k, v, attn_mask = _gathered(q, k, v, is_causal, window)
-        is_causal = is_causal and attn_mask is None
-    if attn_mask is not None and not _may_sync(q):
-        # Masked-out slots may hold anything (padding, an unused cache slot: inf, NaN), but 0 * inf is NaN in any
-        # matmul: without a host sync to test the output, zero the keys and values no query attends, up front.
-        k, v = _zero_unattended(k, v, attn_mask)
-    out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p, softcap)
-    if attn_mask is not None and _may_sync(q) and not bool(torch.isfinite(out).all()):
-        # The same, only when needed: it costs nothing when the output is finite, which is always the case when
-        # the attended values are.
-        k, v = _zero_unattended(k, v, attn_mask)
-        out = _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p, softcap)
-    return out
+    chosen = choose(call_of(q, k, v, attn_mask, dropout_p, softcap), backend).backend
+    return chosen.run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap)  # type: ignore[union-attr]
+
+
+def call_of(
+    q: torch.Tensor,
+    k: torch.Tensor | PagedView,
+    v: torch.Tensor | PagedView,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    softcap: float | None = None,
+) -> Call:
+    """What an ``attend`` call with these operands asks of a backend."""
+    paged = isinstance(k, PagedView)
+    kt, vt = (k.pool, v.pool) if paged else (k, v)  # type: ignore[union-attr]
+    return Call(
+        device=q.device.type,
+        dtype=q.dtype,
+        phase="decode" if q.shape[2] == 1 else "prefill",
+        paged=paged,
+        mask=attn_mask is not None,
+        dropout=dropout_p > 0.0,
+        grad=torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad or vt.requires_grad),
+        softcap=softcap is not None,
+        subclass=type(q) not in _PLAIN or type(kt) not in _PLAIN or type(vt) not in _PLAIN,
+    )
+
+
+def _dense(kernel):
+    """A backend's ``run`` around ``kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap)`` over tensors:
+    paged K/V gathered first, and masked-out slots kept from reaching the output."""
+
+    def run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+        if isinstance(k, PagedView):
+            k, v, attn_mask = _gathered(q, k, v, is_causal, window)
+            is_causal = is_causal and attn_mask is None
+        if attn_mask is not None and not _may_sync(q):
+            # Masked-out slots may hold anything (padding, an unused cache slot: inf, NaN), but 0 * inf is NaN in
+            # any matmul: without a host sync to test the output, zero the keys and values no query attends, up
+            # front.
+            k, v = _zero_unattended(k, v, attn_mask)
+        out = kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap)
+        if attn_mask is not None and _may_sync(q) and not bool(torch.isfinite(out).all()):
+            # The same, only when needed: it costs nothing when the output is finite, which is always the case
+            # when the attended values are.
+            k, v = _zero_unattended(k, v, attn_mask)
+            out = kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap)
+        return out
+
+    return run
+
+
+def _reference_kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap):
+    mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
+    return _reference(q, k, v, mask, scale, dropout_p, softcap)
+
+
+def _sdpa_kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap):
+    return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
+
+
+def _grouped_kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap):
+    mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
+    if q.shape[2] == 1:  # decode: the cache-as-left-operand split-K kernel
+        return grouped_decode(q, k, v, scale=scale, mask=mask, dropout_p=dropout_p, softcap=softcap)
+    return _grouped(q, k, v, mask, scale, dropout_p, softcap)
+
+
+def _grouped_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+    if isinstance(k, PagedView):  # read in place, run by run
+        return paged_decode(
+            q, k, v, scale=scale, is_causal=is_causal, dropout_p=dropout_p, window=window, softcap=softcap
+        )
+    return _grouped_dense(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap)
+
+
+_grouped_dense = _dense(_grouped_kernel)
+
+
+def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+    if isinstance(k, PagedView):  # every row in one call, its window a start offset
+        return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale, window=window)
+    return fused.decode(q, k, v, scale=scale)
+
+
+register(Backend("reference", _dense(_reference_kernel)))
+register(Backend("sdpa", _dense(_sdpa_kernel), softcap=False))
+register(Backend("grouped", _grouped_run))
+register(
+    Backend(
+        "fused",
+        _fused_run,
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32, torch.bfloat16}),
+        phases=frozenset({"decode"}),
+        mask=False,
+        dropout=False,
+        grad=False,
+        softcap=False,
+        subclass=False,
+        block_rows=fused.LINEAR_MAX_ROWS,
+        available=fused.available,
+    )
+)
+
+# "auto", by device type and phase. CPU, measured on this project's machines (docs/performance.md): for one query
+# per head the fused C++ kernel (one pass over the cache, online softmax) beats the grouped kernel and SDPA in
+# float32 and, far more, in bfloat16 (whose library matmuls are slow here), and reads paged rows in place, all rows in
+# one call; where it cannot run, the grouped kernel. For prefill SDPA's fused flash kernel wins, paged rows gathered
+# (over the grouped kernel's blocks of queries, by far in bfloat16). Any other device (CUDA, ...): SDPA, whose fused
+# kernels read each KV head once without repeating it and never sync with the host, while the grouped kernels loop in
+# Python over (batch, KV head) pairs for 16-bit dtypes; paged K/V are then gathered into one contiguous copy (a
+# block-table kernel such as FlexAttention would avoid the copy). The dtype does not change the order on either
+# device today; the backends' dtypes decide where one cannot run. Soft-capping: the grouped kernel, everywhere.
+AUTO[("cpu", "decode")] = ("fused", "grouped")
+AUTO[("cpu", "prefill")] = ("sdpa", "grouped")
+AUTO[("*", "decode")] = AUTO[("*", "prefill")] = ("sdpa", "grouped")
 
 
 def sliding_band(t_q: int, t_k: int, window: int, device: torch.device) -> torch.Tensor:
@@ -125,47 +206,9 @@ def sliding_band(t_q: int, t_k: int, window: int, device: torch.device) -> torch
     return torch.arange(t_k, device=device)[None, :] > newest - window
 
 
-def phase(t_q: int, paged: bool = False) -> str:
-    """ "paged" (K/V in a block pool), "decode" (one query per head) or "prefill" (several)."""
-    return "paged" if paged else ("decode" if t_q == 1 else "prefill")
-
-
-def choose_backend(device_type: str, dtype: torch.dtype, phase: str) -> str:
-    """The backend "auto" resolves to on ``device_type`` ("cpu", "cuda", ...) for ``dtype`` and ``phase``.
-
-    CPU, measured on this project's machines (docs/performance.md): for one query per head the fused C++ kernel
-    (one pass over the cache, online softmax) beats the grouped kernel and SDPA in float32 and, far more, in
-    bfloat16 (whose library matmuls are slow here), and reads paged rows in place, all rows in one call; where it
-    cannot run, "fused" runs the grouped kernel. For prefill SDPA's fused flash kernel wins. Any other device
-    (CUDA, ...): SDPA, whose fused kernels read each KV head once without repeating it and never sync with the
-    host, while the grouped kernels loop in Python over (batch, KV head) pairs for 16-bit dtypes; paged K/V are
-    then gathered into one contiguous copy (a block-table kernel such as FlexAttention would avoid the copy).
-    The dtype does not change the answer on either device today; it is an input so that a kernel that wins for
-    one dtype only goes in here.
-    """
-    if phase not in PHASES:
-        raise ValueError(f"phase must be one of {', '.join(PHASES)}; got {phase!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-    if device_type == "cpu":
-        return "sdpa" if phase == "prefill" else "fused"
-    return "sdpa"
-
-
 def _may_sync(t: torch.Tensor) -> bool:
     """Whether a data-dependent branch is cheap here: eager mode on a CPU (see the module docstring)."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def _dispatch(q, k, v, attn_mask, is_causal, scale, backend, dropout_p, softcap=None):
-    if backend == "sdpa":
-        return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
-    mask = combined_mask(attn_mask, is_causal, q.shape[2], k.shape[2], q.device)
-    if backend == "reference":
-        return _reference(q, k, v, mask, scale, dropout_p, softcap)
-    if q.shape[2] == 1:  # decode: the cache-as-left-operand split-K kernel
-        return grouped_decode(q, k, v, scale=scale, mask=mask, dropout_p=dropout_p, softcap=softcap)
-    return _grouped(q, k, v, mask, scale, dropout_p, softcap)
 
 
 def _gathered(

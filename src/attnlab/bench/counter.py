@@ -5,7 +5,9 @@ SDPA kernels, but it has no formula for the CPU fused kernel ``aten._scaled_dot_
 or its backward, so ``F.scaled_dot_product_attention`` on CPU counts 0 FLOPs. ``count_flops`` adds formulas
 for those, per query head (a GQA call, ``enable_gqa=True``, passes K/V with fewer heads: each query head
 still scores against all keys), and for ``aten._grouped_mm``, the grouped GEMM of mixture-of-experts layers
-(Hugging Face's DeepSeek experts run on it), which FlopCounterMode does not count either.
+(Hugging Face's DeepSeek experts run on it), which FlopCounterMode does not count either. attnlab's own kernels
+(``torch.ops.attnlab.decode``, ``linear``, ``block_step``, ...) carry their formulas themselves (registered by
+``attention/fused.py`` when attnlab is imported), so a plain FlopCounterMode counts them too.
 
 Backward is counted as the math of the gradients: ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K``,
 ``dK = dS^T Q``, twice the forward products, the same as the explicit matmuls of the "reference" backend.

@@ -1,0 +1,133 @@
+// Where the cached rows live, contiguous or in the pages of a block table, and how they are walked: runs of rows
+// at one stride (a page, or the whole row of a contiguous cache), the cache lines asked for ahead of use, and
+// rows staged (widened, padded) into float32 buffers.
+#pragma once
+
+#include "vectors.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace attnlab_fused {
+
+// Where the cached rows live: strided (table == nullptr), or paged: a pool (n_kv, slots, D) whose token t of
+// batch row b sits at slot table[b * table_stride + t / block] + t % block.
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t row_stride, head_stride, token_stride;  // in elements
+  const int64_t* table = nullptr;
+  int64_t table_stride = 0, block = 1;
+  int shift = -1;  // log2(block) for a power of two: a shift and a mask instead of a division (~25 cycles) per row
+
+  const T* at(int64_t b, int64_t h, int64_t t) const {
+    if (table == nullptr) return base + b * row_stride + h * head_stride + t * token_stride;
+    const int64_t page = shift >= 0 ? t >> shift : t / block, in = shift >= 0 ? t & (block - 1) : t % block;
+    return base + h * head_stride + (table[b * table_stride + page] + in) * token_stride;
+  }
+  // How many rows from t on lie at token_stride from at(b, h, t): the rest of its page (all, without a table).
+  int64_t run(int64_t t) const {
+    if (table == nullptr) return std::numeric_limits<int64_t>::max();
+    return block - (shift >= 0 ? t & (block - 1) : t % block);
+  }
+};
+
+// The rows t, t+1, ... of (b, h) one after another, a table lookup per page instead of per row.
+template <typename T>
+struct RowWalk {
+  const Rows<T>& rows;
+  int64_t b, h, t, left = 0;
+  const T* p = nullptr;
+  const T* next() {
+    if (left == 0) {
+      p = rows.at(b, h, t);
+      left = rows.run(t);
+    } else {
+      p += rows.token_stride;
+    }
+    --left;
+    ++t;
+    return p;
+  }
+};
+
+inline int log2_exact(int64_t x) {  // log2(x) for a power of two, else -1
+  int s = 0;
+  while (s < 62 && (int64_t{1} << s) < x) ++s;
+  return (int64_t{1} << s) == x ? s : -1;
+}
+
+struct Item {  // one chunk [lo, hi) of the context of batch row b, KV head h
+  int64_t b, h, lo, hi;
+};
+
+// Cache lines to ask for ahead of use, a few at every step of the tiles' inner loops. Spread like this, memory
+// streams while the FMAs run; asked for in bursts (a block's rows at a time), the requests fill the line-fill
+// buffers and the core waits for them to drain, so memory time and compute time add up. A 12-row queries-in-lanes
+// tile streaming its rows from memory (32 FMAs per line, 2 threads, scratch harness): 11.5 GB/s with one burst per
+// tile, 15.7 GB/s with one line per step of its dot products. The lines are kept as runs of consecutive lines (a
+// contiguous block's keys: one run; paged: one per page) rather than listed one by one: writing the list cost ~17 %
+// of a small group's time (3 queries of 64 dims, float32, one core, in cache: 66 -> 55 us per 1024 tokens; from
+// memory on two threads 1.07x; the 20 shapes of docs/performance.md 1.00-1.20x but for float32 groups of 8, which
+// measured 0.97-1.03x in the harness).
+struct Ahead {
+  struct Run {
+    const char* p;  // first line (64-byte aligned)
+    int64_t lines;
+  };
+  std::vector<Run> runs;
+  int64_t n_runs = 0, total = 0, per = 1;  // runs, and lines in them
+  int64_t r = 0, left = 0;                   // the run being asked for, and its lines not yet asked for
+  const char* at = nullptr;
+  // rows t0 .. t0+count-1 of `rows` (of `bytes` each) for item `it`, appended: one run per stretch of rows that
+  // lie back to back (a contiguous cache: the whole block; paged: a page), else one per row
+  template <typename T>
+  void add(const Rows<T>& rows, const Item& it, int64_t t0, int64_t count, int64_t bytes) {
+    const bool packed = rows.token_stride * static_cast<int64_t>(sizeof(T)) == bytes;
+    for (int64_t t = t0; t < t0 + count;) {
+      const int64_t m = packed ? std::min(t0 + count - t, rows.run(t)) : 1;
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(rows.at(it.b, it.h, t)), hi = lo + m * bytes;
+      const uintptr_t first = lo & ~uintptr_t{63};
+      if (static_cast<int64_t>(runs.size()) <= n_runs) runs.resize(2 * n_runs + 8);
+      runs[n_runs++] = {reinterpret_cast<const char*>(first), static_cast<int64_t>((hi - first + 63) / 64)};
+      total += runs[n_runs - 1].lines;
+      t += m;
+    }
+  }
+  // what was added, asked for over `steps` tile steps
+  void spread(int64_t steps) {
+    r = 0;
+    left = n_runs > 0 ? runs[0].lines : 0;
+    at = n_runs > 0 ? runs[0].p : nullptr;
+    per = std::max<int64_t>(1, (total + steps - 1) / std::max<int64_t>(1, steps));
+  }
+  inline void step() {
+    for (int64_t k = 0; k < per && left > 0; ++k) {
+      __builtin_prefetch(at, 0, 2);
+      at += 64;
+      if (--left == 0 && ++r < n_runs) {
+        at = runs[r].p;
+        left = runs[r].lines;
+      }
+    }
+  }
+  void clear() { n_runs = total = r = left = 0; }
+};
+
+// Tokens t0 .. t0+n-1 into float rows of `width` (>= dim; the padding columns stay zero from allocation).
+template <typename T>
+void stage(const Rows<T>& rows, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dim, float* dst,
+           int64_t width) {
+  RowWalk<T> walk{rows, b, h, t0};
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = walk.next();
+    float* out = dst + j * width;
+    int64_t d = 0;
+    for (; d + W <= dim; d += W) vstore(out + d, vload(src + d));
+    for (; d < dim; ++d) out[d] = widen(src[d]);
+  }
+}
+
+}  // namespace attnlab_fused

@@ -1,0 +1,207 @@
+"""Backends as objects in one table: what each declares, the one choice ``attend`` and the block plan make from it,
+and the report of that choice.
+
+Oracle for the choice: the rule itself, written out independently here over every combination of what a call can
+ask (device, dtype, phase, paged, mask, dropout, gradient, soft-capping, subclass): the first backend of the order
+whose declared capabilities cover the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnlab.attention.kernels as kernels
+from attnlab import AttentionConfig, GroupedQueryAttention, ModelConfig, config
+from attnlab import model as model_module
+from attnlab.attention import backends, fused
+from attnlab.attention.backends import AUTO, BACKENDS, Call, choose, explain
+from attnlab.model import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FLAGS = ("paged", "mask", "dropout", "grad", "softcap", "subclass")
+
+
+@pytest.fixture
+def fused_available(monkeypatch):
+    """The table's answers as where the kernels are built (this test is about the table, not the build)."""
+    monkeypatch.setitem(BACKENDS, "fused", dataclasses.replace(BACKENDS["fused"], available=None))
+
+
+def _covers(backend: backends.Backend, call: Call) -> bool:
+    return (
+        (backend.devices is None or call.device in backend.devices)
+        and (backend.dtypes is None or call.dtype in backend.dtypes)
+        and call.phase in backend.phases
+        and all(getattr(backend, flag) or not getattr(call, flag) for flag in FLAGS)
+    )
+
+
+def _calls():
+    for device, dtype, phase, *flags in itertools.product(
+        ("cpu", "cuda"), (torch.float32, torch.bfloat16, torch.float64), ("prefill", "decode"),
+        *[(False, True)] * len(FLAGS),
+    ):  # fmt: skip
+        yield Call(device, dtype, phase, **dict(zip(FLAGS, flags, strict=True)))
+
+
+def test_every_backend_is_registered_where_it_is_defined_and_named_in_the_config():
+    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused"]
+    assert ("auto", *BACKENDS) == config.BACKENDS
+    assert all(b.run.__module__ == kernels.__name__ for b in BACKENDS.values())
+    assert not hasattr(fused, "supports") and not hasattr(fused, "block_supports")  # no decision elsewhere
+
+
+@pytest.mark.usefixtures("fused_available")
+@pytest.mark.parametrize("asked", ["auto", *BACKENDS])
+def test_the_choice_is_the_first_backend_of_the_order_whose_capabilities_cover_the_call(asked):
+    for call in _calls():
+        auto = AUTO.get((call.device, call.phase)) or AUTO[("*", call.phase)]
+        tried = auto if asked == "auto" else (asked, *(n for n in auto if n != asked))
+        expected = next(n for n in tried if _covers(BACKENDS[n], call))
+        choice = choose(call, asked)
+        assert choice.backend.name == expected, (call, asked)
+        assert [n for n, _ in choice.skipped] == list(tried[: tried.index(expected)])
+        assert all(why for _, why in choice.skipped)
+
+
+@pytest.mark.usefixtures("fused_available")
+def test_auto_by_device_and_phase():
+    answers = {
+        Call("cpu", torch.float32, "decode"): "fused",
+        Call("cpu", torch.bfloat16, "decode", paged=True): "fused",
+        Call("cpu", torch.float32, "prefill"): "sdpa",
+        Call("cpu", torch.float32, "prefill", paged=True): "sdpa",  # the gathered rows: flash beats grouped
+        Call("cpu", torch.float32, "decode", mask=True): "grouped",
+        Call("cpu", torch.float32, "decode", grad=True): "grouped",
+        Call("cpu", torch.float16, "decode"): "grouped",
+        Call("cpu", torch.float32, "decode", softcap=True): "grouped",
+        Call("cpu", torch.float32, "prefill", softcap=True): "grouped",
+        Call("cpu", torch.float32, "decode", subclass=True): "grouped",  # a DTensor shard
+        Call("cuda", torch.float32, "decode"): "sdpa",
+        Call("cuda", torch.bfloat16, "prefill", paged=True): "sdpa",
+        Call("mps", torch.float32, "decode"): "sdpa",
+    }
+    assert {call: choose(call).backend.name for call in answers} == answers
+
+
+def test_an_unknown_backend_is_named():
+    with pytest.raises(
+        ValueError, match=r"backend must be one of auto, reference, sdpa, grouped, fused; got 'flash'"
+    ):
+        choose(Call("cpu", torch.float32, "decode"), "flash")
+
+
+def test_attend_asks_the_table_once_per_call_and_runs_its_answer(monkeypatch):
+    asked, ran = [], []
+
+    def spy(call, backend="auto"):
+        choice = choose(call, backend)
+        asked.append((call, backend))
+        ran.append(choice.backend.name)
+        return choice
+
+    monkeypatch.setattr(kernels, "choose", spy)
+    attn = GroupedQueryAttention(AttentionConfig(d_model=48, n_heads=6, n_kv_heads=2, head_dim=8)).eval()
+    with torch.no_grad():
+        for cache in (attn.new_cache(2, 8), attn.new_paged_cache(8, 2, 2)):
+            attn(torch.randn(2, 3, 48), cache=cache)
+            attn(torch.randn(2, 1, 48), cache=cache)
+    assert [(c.phase, c.paged) for c, _ in asked] == [
+        ("prefill", False), ("decode", False), ("prefill", True), ("decode", True)
+    ]  # fmt: skip
+    decode = "fused" if fused.available() else "grouped"
+    assert ran == ["sdpa", decode, "sdpa", decode]
+
+
+def test_a_named_backend_runs_when_it_can_and_hands_on_what_it_cannot(monkeypatch):
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.rand(2, 1, 1, 9, generator=torch.Generator().manual_seed(0)) > 0.3
+    seen = []
+    real = kernels.choose
+    monkeypatch.setattr(kernels, "choose", lambda call, b="auto": seen.append(real(call, b)) or seen[-1])
+    out = kernels.attend(q, k, v, attn_mask=mask, backend="fused")
+    assert seen[-1].backend.name == "grouped" and dict(seen[-1].skipped)["fused"] == "takes no masks"
+    torch.testing.assert_close(out, kernels.attend(q, k, v, attn_mask=mask, backend="reference"))
+    kernels.attend(q, k, v, backend="reference")
+    assert seen[-1].backend.name == "reference" and seen[-1].skipped == ()
+
+
+def _model(backend: str = "auto") -> Transformer:
+    attn = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, backend=backend)
+    model = Transformer(ModelConfig(vocab_size=50, n_layers=2, attention=attn, ffn_dim=48, max_seq_len=16))
+    model.init_weights(seed=0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "grouped", "sdpa"])
+def test_the_block_plan_asks_the_table_once_per_step_with_the_layers_backend(monkeypatch, backend):
+    asked = []
+    real = model_module.choose
+
+    def spy(call, b="auto"):
+        asked.append((call, b))
+        return real(call, b)
+
+    monkeypatch.setattr(model_module, "choose", spy)
+    steps = []
+    run = fused.BlockStep.__call__
+    monkeypatch.setattr(fused.BlockStep, "__call__", lambda s, *a: steps.append(1) or run(s, *a))
+    model = _model(backend)
+    caches = model.new_caches(3)
+    with torch.no_grad():
+        model(torch.randint(0, 50, (3, 4)), caches=caches)
+        asked.clear()
+        model(torch.randint(0, 50, (3, 1)), caches=caches)
+    assert [(c.block, c.phase, b) for c, b in asked] == [(3, "decode", backend)] * 2  # one per block
+    takes = backend in ("auto", "fused") and fused.available()
+    assert len(steps) == (2 if takes else 0)
+
+
+def test_explain_says_which_backend_runs_and_why_each_other_does_not(fused_available):
+    text = explain(Call("cpu", torch.float32, "decode", mask=True))
+    assert text.startswith("grouped for a cpu float32 decode with mask (asked: auto)")
+    assert "fused: takes no masks" in text
+    assert "reference: not in the order" in text and "sdpa: not in the order" in text
+    text = explain(Call("cpu", torch.float32, "decode", block=9))
+    assert text.startswith("none (module by module) for a cpu float32 9-row block step")
+    assert "fused: block steps of 8 rows at most" in text and "grouped: has no block step" in text
+    text = explain(Call("cpu", torch.float32, "prefill"), "fused")
+    assert (
+        text.startswith("sdpa for a cpu float32 prefill (asked: fused)")
+        and "fused: computes decode only" in text
+    )
+    assert "grouped: after sdpa in the order" in text
+
+
+LOGGED = """
+import torch
+from attnlab import AttentionConfig, GroupedQueryAttention
+attn = GroupedQueryAttention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2)).eval()
+cache = attn.new_cache(1, 8)
+with torch.no_grad():
+    attn(torch.randn(1, 3, 32), cache=cache)
+    for _ in range(3):
+        attn(torch.randn(1, 1, 32), cache=cache)
+"""
+
+
+def test_the_environment_variable_logs_each_distinct_choice_once():
+    env = dict(os.environ, ATTNLAB_BACKENDS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(fused.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", LOGGED], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("attnlab backend:")]
+    decode = "fused" if fused.available() else "grouped"
+    assert [line.split(" for ")[0] for line in lines] == [
+        "attnlab backend: sdpa",
+        f"attnlab backend: {decode}",
+    ]
+    assert "cpu float32 decode (asked: auto)" in lines[1]

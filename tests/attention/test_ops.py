@@ -1,0 +1,369 @@
+"""The C++ kernels as PyTorch operators: counted, compiled, profiled and checked like any op.
+
+Oracles: ``attnlab.cost`` for the FLOPs (the analytic model), the same modules counted with gradients on (where
+the PyTorch kernels run and torch's own formulas count them), eager mode for the compiled steps, and
+``torch.library.opcheck`` for the schemas and fake implementations.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, ModelConfig, MultiHeadLatentAttention
+from attnlab.attention import fused
+from attnlab.bench import count_flops
+from attnlab.cost import attention_flops, model_flops
+from attnlab.model import Transformer
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        os.environ.get("ATTNLAB_FUSED") == "0", reason="ATTNLAB_FUSED=0 turns the kernels off"
+    ),
+]
+OPS = torch.ops.attnlab
+# The issue's layer: 5 tokens of d_model 160, 8 heads over 2 KV heads of 24 dims (19,200 FLOPs counted without
+# gradients, 787,200 with, before the kernels were operators); MQA; MLA with and without query compression.
+LAYERS = {
+    "gqa": AttentionConfig(d_model=160, n_heads=8, n_kv_heads=2, head_dim=24),
+    "mqa": AttentionConfig(d_model=160, n_heads=8, n_kv_heads=1, head_dim=24, bias=True),
+    "mla": MLAConfig(d_model=160, n_heads=4, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "mla-qlora": MLAConfig(
+        d_model=160, n_heads=4, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        q_lora_rank=40,
+    ),
+}  # fmt: skip
+MODEL = ModelConfig(vocab_size=97, n_layers=2, attention=LAYERS["gqa"], ffn_dim=96, max_seq_len=32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    if not fused.available():
+        pytest.skip(fused.status())
+
+
+def _module(cfg):
+    torch.manual_seed(0)
+    module = GroupedQueryAttention(cfg) if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention(cfg)
+    module.init_weights(std=0.2)
+    return module.eval()
+
+
+def _flops(fn, grad: bool) -> tuple[int, dict[str, int]]:
+    with torch.set_grad_enabled(grad), count_flops() as fc:
+        fn()
+    return fc.total, fc.by_op
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_flops_are_the_same_with_and_without_gradients_and_equal_the_cost_model(name):
+    """A 5-token prefill (its projections in the few-row linear operator without gradients, nn.Linear with) and a
+    decode step over 6 cached tokens (the decode or MLA operator without gradients, the grouped kernel with)."""
+    cfg = LAYERS[name]
+    module = _module(cfg)
+    x = torch.randn(1, 5, cfg.d_model)  # 5 rows: the few-row operator's (up to fused.LINEAR_MAX_ROWS)
+    counts = {grad: _flops(lambda: module(x), grad) for grad in (False, True)}
+    assert counts[False][0] == counts[True][0] == attention_flops(cfg, 1, 5, 5).total, counts
+    assert "attnlab.linear" in counts[False][1] and "attnlab.linear" not in counts[True][1]
+
+    step = torch.randn(2, 1, cfg.d_model)
+    totals = {}
+    for grad in (False, True):
+        cache = module.new_cache(2, 8)
+        with torch.no_grad():
+            module(torch.randn(2, 5, cfg.d_model), cache=cache)
+        totals[grad], by_op = _flops(lambda c=cache: module(step, cache=c), grad)
+        kernel = "attnlab.mla_decode" if name.startswith("mla") else "attnlab.decode"
+        assert (kernel in by_op) == (not grad), by_op
+    assert totals[False] == totals[True] == attention_flops(cfg, 2, 1, 6).total, totals
+
+
+def test_a_model_decode_step_counts_as_the_cost_model_with_and_without_gradients():
+    """Without gradients through the decode and linear operators, with them through PyTorch's kernels; torch's own
+    FlopCounterMode, no extra formulas. (A counter hooks every module, so the blocks run module by module under it:
+    ``block_step``'s own formula is checked below.)"""
+    torch.manual_seed(0)
+    model = Transformer(MODEL).eval()
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 7))
+    totals = {}
+    for grad in (False, True):
+        caches = model.new_caches(2, 16)
+        with torch.no_grad():
+            model(tokens[:, :6], caches=caches)
+        with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as fc:
+            model(tokens[:, 6:], caches=caches)
+        totals[grad] = fc.get_total_flops()
+        ops = {str(op) for op in fc.get_flop_counts()["Global"]}
+        assert ("attnlab.decode" in ops) == (not grad), ops
+    assert totals[False] == totals[True] == model_flops(MODEL, 2, 1, 7).total, totals
+
+
+FIRST_USE = """
+import torch
+from attnlab import AttentionConfig, GroupedQueryAttention
+from attnlab.attention import fused
+from attnlab.bench import count_flops
+from attnlab.cost import attention_flops
+
+cfg = AttentionConfig(d_model=160, n_heads=8, n_kv_heads=2, head_dim=24)
+module = GroupedQueryAttention(cfg).eval()
+with torch.no_grad(), count_flops() as fc:  # its FlopCounterMode opened before the kernels are loaded
+    module(torch.randn(1, 5, 160))
+assert fused.status().startswith("fused C++ kernel"), fused.status()
+print(fc.total, attention_flops(cfg, 1, 5, 5).total, "attnlab.linear" in fc.by_op)
+"""
+
+
+def test_a_flop_counter_opened_before_the_first_use_counts_the_operators():
+    """The operators and their formulas are defined when attnlab is imported, not when the kernels load: a counter
+    copies the formulas it knows when it is opened. A fresh process loads the kernels inside the counter."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(fused.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    counted, expected, linear_op = proc.stdout.split()
+    assert counted == expected and linear_op == "True"
+
+
+def _decode_operands(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 2, 37, 16, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _block_operands():
+    gen = torch.Generator().manual_seed(1)
+    d, hd, n_heads, n_kv, ffn = 32, 8, 4, 2, 48
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    weights = fused.BlockWeights(
+        attn_norm=r(d) + 1, wq=r(n_heads * hd, d), wk=r(n_kv * hd, d), wv=r(n_kv * hd, d), bq=r(n_heads * hd),
+        bk=None, bv=r(n_kv * hd), wo=r(d, n_heads * hd), bo=None, ffn_norm=r(d) + 1, w1=r(ffn, d), w3=r(ffn, d),
+        w2=r(d, ffn), b1=None, b3=r(ffn), b2=None,
+    )  # fmt: skip
+    x = r(3, 1, d)
+    cos, sin = torch.cos(r(3, 1, hd)), torch.sin(r(3, 1, hd))
+    cache_k, cache_v = r(3, n_kv, 10, hd), r(3, n_kv, 10, hd)
+    return (x, *weights, cos, sin, cache_k, cache_v, 4, 1e-5, hd**-0.5)
+
+
+def _paged_operands():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k_pool, v_pool = (torch.randn(2, 24, 16, generator=gen) for _ in range(2))
+    # row 0: slots 8..11 then 0..3 (8 tokens, from its 2nd); row 1: slots 16..19 (3 tokens)
+    return (q, k_pool, v_pool, [8, 0, 16, 0], 4, [1, 0], [8, 3], 0.25)
+
+
+def _operands():
+    q, k, v = _decode_operands()
+    rows = torch.randn(2, 1, 37, 24)
+    x = torch.randn(3, 32)
+    return {
+        "decode": (q, k, v, 0.25),
+        "decode bf16": (*(t.bfloat16() for t in (q, k, v)), 0.25),
+        "decode strided": (q, k[:, :, :20], v[:, :, 3:23], 0.25),
+        "mla_decode": (torch.randn(2, 4, 1, 24), rows, 16, 0.2),
+        "paged_decode": _paged_operands(),
+        "linear": (x, [torch.randn(16, 32), torch.randn(8, 32)], [torch.randn(16), None]),
+        "block_step": _block_operands(),
+    }
+
+
+@pytest.mark.parametrize("case", list(_operands()))
+def test_the_operators_pass_opcheck(case):
+    """Schema (what each op mutates: only block_step's caches), fake implementations against the real outputs,
+    the autograd registration, and AOT dispatch with dynamic shapes."""
+    args = _operands()[case]
+    torch.library.opcheck(getattr(OPS, case.split()[0]).default, args)
+
+
+def test_the_operators_equal_the_pytorch_kernels():
+    """The ops called directly: the decode family against the reference backend, linear against F.linear, the
+    paged op against the rows it reads gathered, block_step's cache write where it belongs."""
+    from attnlab.attention.kernels import attend
+
+    ops = _operands()
+    q, k, v, scale = ops["decode strided"]
+    ref = attend(q, k, v, scale=scale, backend="reference")
+    torch.testing.assert_close(OPS.decode(q, k, v, scale), ref, rtol=1e-5, atol=1e-5)
+    q, rows, dv, scale = ops["mla_decode"]
+    ref = attend(q, rows, rows[..., :dv], scale=scale, backend="reference")
+    torch.testing.assert_close(OPS.mla_decode(q, rows, dv, scale), ref, rtol=1e-5, atol=1e-5)
+    q, k_pool, v_pool, table, block, first, lengths, scale = ops["paged_decode"]
+    out = OPS.paged_decode(*ops["paged_decode"])
+    for b in range(2):
+        slots = [s + j for s in table[2 * b : 2 * b + 2] for j in range(block)][first[b] : lengths[b]]
+        ref = attend(
+            q[b : b + 1], k_pool[None, :, slots], v_pool[None, :, slots], scale=scale, backend="reference"
+        )
+        torch.testing.assert_close(out[b : b + 1], ref, rtol=1e-5, atol=1e-5)
+    x, ws, bs = ops["linear"]
+    ref = torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs, strict=True)], -1)
+    torch.testing.assert_close(OPS.linear(x, ws, bs), ref, rtol=1e-5, atol=1e-5)
+    args = ops["block_step"]
+    before = args[19].clone()
+    out = OPS.block_step(*args)
+    assert out.shape == args[0].shape and torch.isfinite(out).all()
+    changed = (args[19] != before).any(dim=-1)  # (B, n_kv, slots): the new key went to position 4 only
+    assert changed[:, :, 4].all() and changed.sum() == changed[:, :, 4].numel()
+
+
+def test_bad_operands_are_refused_by_name():
+    q, k, v = _decode_operands()
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        OPS.decode(q, k[:, :1], v, 0.25)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        OPS.decode(q.double(), k.double(), v.double(), 0.25)
+    args = list(_block_operands())
+    args[2] = args[2][:, :-1]  # wq one column short
+    with pytest.raises(ValueError, match="wq"):
+        OPS.block_step(*args)
+    paged = list(_paged_operands())
+    paged[3] = [8, 0, 22, 0]  # a slot whose block runs past the pool
+    with pytest.raises(ValueError, match="outside the pool"):
+        OPS.paged_decode(*paged)
+
+
+def test_the_kernels_read_the_arguments_the_schemas_pass(monkeypatch):
+    """csrc/ops.cpp reads each argument by a name; fused.py's schemas are the one definition of those names and
+    their order. The loaded library agrees (checked at every load), and a disagreement refuses the library."""
+    ops = fused._library()
+    fused.check_signatures(ops)
+    assert (
+        fused._argument_names(
+            "block_step(Tensor x, Tensor? bq, Tensor(a!) cache_k, int[] table, int pos) -> Tensor"
+        )
+        == "block_step(x, bq, cache_k, table, pos)"
+    )
+    schemas = fused._schemas()
+    swapped = dict(schemas, decode="decode(Tensor q, Tensor v, Tensor k, float scale) -> Tensor")
+    monkeypatch.setattr(fused, "_schemas", lambda: swapped)
+    with pytest.raises(RuntimeError, match=r"the kernels read arguments .*decode\(q, k, v, scale\)"):
+        fused.check_signatures(ops)
+
+
+class _Graphs:
+    """A torch.compile backend that keeps the call targets of each graph and runs it as it is."""
+
+    def __init__(self) -> None:
+        self.targets: set = set()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.targets |= {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        return gm.forward
+
+
+def _compiled(fn, *args):
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    out = torch.compile(fn, fullgraph=True, backend=graphs)(*args)
+    return out, graphs.targets
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "paged"])
+def test_a_compiled_decode_step_has_the_operators_in_its_graph_and_equals_eager(kind):
+    cfg = LAYERS["mla" if kind == "mla" else "gqa"]
+    module = _module(cfg)
+    caches = []
+    for _ in range(2):
+        cache = module.new_paged_cache(8, 4, 2) if kind == "paged" else module.new_cache(2, 16)
+        with torch.no_grad():
+            module(torch.randn(2, 5, cfg.d_model, generator=torch.Generator().manual_seed(3)), cache=cache)
+        caches.append(cache)
+    x = torch.randn(2, 1, cfg.d_model)
+    with torch.no_grad():
+        eager = module(x, cache=caches[0])
+        compiled, targets = _compiled(lambda x: module(x, cache=caches[1]), x)
+    kernel = {"gqa": OPS.decode, "mla": OPS.decode, "paged": OPS.paged_decode}[
+        kind
+    ]  # (MLA: see fused.decode)
+    assert kernel.default in targets and OPS.linear.default in targets, targets
+    assert torch.equal(compiled, eager)
+
+
+def test_tracing_never_builds_the_kernels(monkeypatch):
+    """Compiling before the first eager call: tracing does not run a build (seconds, a lock, a subprocess) but takes
+    the PyTorch kernels, without a graph break; the eager call after it builds (here: loads) the kernels."""
+    for key, value in fused._state.items():  # restored after the test: the loaded kernels stay in use
+        monkeypatch.setitem(fused._state, key, value)
+    fused.reset()
+    module = _module(LAYERS["gqa"])
+    cache = module.new_cache(2, 16)
+    x = torch.randn(2, 1, 160)
+    with torch.no_grad():
+        module(torch.randn(2, 5, 160), cache=cache)  # a prefill: SDPA, the kernels not asked for
+        assert fused.status() == "not built yet"
+        _, targets = _compiled(lambda x: module(x, cache=cache), x)
+        assert fused.status() == "not built yet"
+        assert not any(str(t).startswith("attnlab.") for t in targets), targets
+        module(x, cache=cache)
+    assert fused.status().startswith("fused C++ kernel")
+
+
+def test_a_compiled_model_decode_step_equals_eager():
+    """The whole model's step: its blocks run module by module under compile (the block plan reads data pointers),
+    through the decode and linear operators, in one graph."""
+    torch.manual_seed(0)
+    model = Transformer(MODEL).eval()
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 7))
+    caches = [model.new_caches(2, 16) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(tokens[:, :6], caches=c)
+        eager = model(tokens[:, 6:], caches=caches[0])
+        compiled, targets = _compiled(lambda t: model(t, caches=caches[1]), tokens[:, 6:])
+    assert {OPS.decode.default, OPS.linear.default} <= targets, targets
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_step_compiles_with_its_cache_writes_and_equals_eager():
+    """``block_step`` mutates the caches (its schema says so): through AOT autograd's functionalization the compiled
+    call writes the same cache entries and returns the same output."""
+    eager_args, compiled_args = _block_operands(), _block_operands()
+    eager = OPS.block_step(*eager_args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: OPS.block_step(*a), fullgraph=True, backend="aot_eager")(
+        *compiled_args
+    )
+    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled_args[19], eager_args[19]) and torch.equal(compiled_args[20], eager_args[20])
+
+
+def test_the_block_step_counts_as_the_cost_model_of_its_block():
+    args = _block_operands()
+    x, weights, pos = args[0], fused.BlockWeights(*args[1:17]), args[21]
+    n_kv, head_dim = args[19].shape[1], args[19].shape[3]
+    d, ffn = x.shape[-1], weights.w1.shape[0]
+    attn = AttentionConfig(
+        d_model=d, n_heads=weights.wq.shape[0] // head_dim, n_kv_heads=n_kv, head_dim=head_dim
+    )
+    with FlopCounterMode(display=False) as fc:
+        OPS.block_step(*args)
+    mlp = 3 * 2 * d * ffn * x.shape[0]  # gate, up and down projections of every row
+    assert fc.get_total_flops() == attention_flops(attn, x.shape[0], 1, pos + 1).total + mlp
+
+
+def test_the_profiler_lists_each_operator_by_name():
+    ops = _operands()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for case in ("decode", "mla_decode", "paged_decode", "linear", "block_step"):
+            getattr(OPS, case)(*ops[case])
+    names = {event.key for event in prof.key_averages()}
+    assert {
+        f"attnlab::{op}" for op in ("decode", "mla_decode", "paged_decode", "linear", "block_step")
+    } <= names
