@@ -585,7 +585,15 @@ FAMILY_CASES: dict[str, FamilyCase] = {
             '48, 96"); an added <|user|> token',
         ),
         FamilyCase("glm4", added_tokens=GLM_TOKENS, note="an added <|user|> token"),
-        FamilyCase("chatglm", added_tokens=GLM_TOKENS, note="an added <|user|> token"),
+        FamilyCase(
+            "chatglm",
+            {"vocab_size": 320},  # the number is the tokenizer's (family_checkpoint)
+            GLM_TOKENS,
+            note="vocab_size beside padded_vocab_size, as THUDM's ChatGLMConfig sets it: ChatGLMModel.set_vocab "
+            '(conversion/chatglm.py) evaluates hparams["vocab_size"] even where padded_vocab_size is there, and '
+            "without THUDM's remote code the converter reads config.json as it is (\"KeyError: 'vocab_size'\" "
+            "otherwise); an added <|user|> token",
+        ),
     )
 }
 
@@ -604,8 +612,16 @@ def family_checkpoint(case: FamilyCase, dst: Path, tokenizer, window: int) -> Pa
     from attnlab.model import Transformer
 
     fam = FAMILIES[case.family]
+    tok = tokenizer.from_str(tokenizer.to_str())  # a copy: the added tokens are this checkpoint's
+    tok.add_special_tokens(list(case.added_tokens))
     hf = dict(fam.example) | case.config
-    hf["seq_length" if "seq_length" in hf else "max_position_embeddings"] = window
+    chatglm = "padded_vocab_size" in hf
+    hf["seq_length" if chatglm else "max_position_embeddings"] = window
+    # as many embeddings as tokens: Gemma3Model.modify_tensors (conversion/gemma.py) cuts the embedding to
+    # tokenizer.json's vocabulary plus its added tokens (the end token, in both, counted twice) while the token
+    # list is padded to vocab_size; a larger vocab_size leaves them unequal and the loader refuses the model
+    for key in [k for k in ("vocab_size", "padded_vocab_size") if k in hf]:
+        hf[key] = tok.get_vocab_size()
     model = Transformer(from_hf_config(hf))
     model.init_weights(std=0.15, seed=3)
     gains = torch.Generator().manual_seed(4)
@@ -614,8 +630,6 @@ def family_checkpoint(case: FamilyCase, dst: Path, tokenizer, window: int) -> Pa
             if p.ndim == 1:
                 p += 0.2 * torch.randn(p.shape, generator=gains)
     save_model(model, dst, fam.model_types[0], base_config=hf)
-    tok = tokenizer.from_str(tokenizer.to_str())  # a copy: the added tokens are this checkpoint's
-    tok.add_special_tokens(list(case.added_tokens))
     save_tokenizer(tok, dst)
     if case.tokenizer_class:
         spec = json.loads((dst / "tokenizer_config.json").read_text())
