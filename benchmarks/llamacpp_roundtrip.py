@@ -27,6 +27,11 @@ What runs, in order (every step cached under benchmarks/.cache/llamacpp/, so a r
     python benchmarks/llamacpp_roundtrip.py --quick       # a part of the text, one repetition: .cache/quick/
     python benchmarks/llamacpp_roundtrip.py --build-only  # just the build (for ATTNLAB_LLAMA_CPP)
     python benchmarks/llamacpp_roundtrip.py --from-json   # rewrite the page from the JSON
+    python benchmarks/llamacpp_roundtrip.py --families    # only the other families (below); the rest of the JSON kept
+
+``--families``: each other family attnlab converts (``llamacpp.FAMILY_CASES``): a tiny random-weight checkpoint
+written by attnlab and its conversion to fewer KV heads, both through llama.cpp beside attnlab on the start of the
+held-out play (``run_families``). A full run keeps that section of the JSON, and ``--families`` the rest.
 
 Targets (issue 31): llama.cpp loads every conversion; its f32 perplexity within 0.5% of ``attnlab eval``; the first
 32 greedy tokens equal; the MLA cache (kv_lora_rank + rope_dim) values per token and layer.

@@ -1,9 +1,10 @@
 """attnlab's conversions in llama.cpp: converted by llama.cpp's own ``convert_hf_to_gguf.py``, loaded, and computing
-what attnlab computes (perplexity on the same windows, greedy text, KV cache per token).
+what attnlab computes (perplexity on the same windows, greedy text, KV cache per token): a Llama and its GQA, MQA
+and MLA conversions, and each other family attnlab converts to fewer KV heads (``llamacpp.FAMILY_CASES``).
 
 The round trip needs a llama.cpp build: ``ATTNLAB_LLAMA_CPP=DIR`` names one made by
 ``python benchmarks/llamacpp_roundtrip.py --build-only`` (DIR = benchmarks/.cache/llamacpp; ``benchmarks/llamacpp.py``
-says what it holds). Without it that test is skipped, saying so. The checks of ``benchmarks/llamacpp.py``'s own
+says what it holds). Without it those tests are skipped, saying so. The checks of ``benchmarks/llamacpp.py``'s own
 parsing run always.
 """
 
