@@ -19,7 +19,7 @@ Why the sdist is fetched with the PyPI JSON API rather than ``pip download``: ev
 version 0.0.0 in its built metadata, so pip discards each sdist it downloads as inconsistent and tries the next.
 
 The source gets one patch before it is built (``LOG_PATCH``: the tools' logging thread is stopped at exit, so that
-they no longer lose their last output), and the converter two additions for gaps it has, both made by
+they no longer lose their last output), and the converter three additions for gaps it has, all made by
 ``converter_main`` (which runs the converter unchanged otherwise) and reported in the results (``to_gguf``'s
 ``added``):
 
@@ -39,6 +39,14 @@ they no longer lose their last output), and the converter two additions for gaps
   ``converter_main`` writes it as 0, which the loader reads as "no query compression" (it then builds ``attn_q``,
   as for V2-Lite). The config itself has nothing to change: null is what transformers and vLLM read as no
   compression, and any number would declare a ``q_a_proj`` the checkpoint does not have.
+- **GPT-NeoX under transformers 5.** ``GPTNeoXModel.set_gguf_parameters`` reads ``hparams["rotary_pct"]``, but the
+  converter's hparams are transformers' ``to_dict()`` and transformers 5's ``GPTNeoXConfig`` moves ``rotary_pct``
+  into ``rope_parameters["partial_rotary_factor"]`` (a ``KeyError: 'rotary_pct'`` for every GPT-NeoX checkpoint,
+  Pythia's included). ``converter_main`` puts it back from there.
+
+``FAMILY_CASES`` and ``family_checkpoint`` make a tiny checkpoint of each other family attnlab converts, as llama.cpp
+can take it (what its converter needs of the tokenizer, where llama.cpp computes another model, which it refuses);
+``round_trip`` compares one checkpoint in both engines.
 
 The config rules the DeepSeek-V3 export follows for these loaders are attnlab's side
 (``attnlab.families.deepseek``), tested in tests/convert/test_export_rules.py.
@@ -57,7 +65,7 @@ import tarfile
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,6 +304,20 @@ def converter_main(src: str, argv: list[str]) -> None:
             _note("q_lora_rank is null: wrote deepseek2.attention.q_lora_rank = 0")
 
     deepseek.DeepseekV2Model.set_gguf_parameters = set_gguf_parameters
+
+    import conversion.gptneox as gptneox
+
+    neox_parameters = gptneox.GPTNeoXModel.set_gguf_parameters
+
+    def neox_set_gguf_parameters(self) -> None:
+        if "rotary_pct" not in self.hparams:  # transformers 5 moved it (GPTNeoXConfig.__init__)
+            self.hparams["rotary_pct"] = self.rope_parameters["partial_rotary_factor"]
+            _note(
+                "rotary_pct read from rope_parameters' partial_rotary_factor (transformers 5 keeps it there)"
+            )
+        neox_parameters(self)
+
+    gptneox.GPTNeoXModel.set_gguf_parameters = neox_set_gguf_parameters
     sys.argv = ["convert_hf_to_gguf.py", *argv]
     runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
 
@@ -476,3 +498,179 @@ def bench(
         raise RuntimeError(f"llama-bench failed:\n{(out.stdout + out.stderr)[-3000:]}")
     rows = json.loads(out.stdout)
     return {int(r["n_depth"]): float(r["avg_ts"]) for r in rows if r["n_gen"] == n_gen}
+
+
+# ---- attnlab's other families ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """How a family's tiny random-weight checkpoint is made for llama.cpp: ``config``, changes to the family's
+    example config.json (``attnlab.families``); what its converter needs of the tokenizer beside attnlab's
+    byte-level BPE (``added_tokens``, ``tokenizer_class`` in tokenizer_config.json); ``refused``, the converter's
+    message where llama.cpp cannot take the family at all; ``note``: why, citing llama.cpp."""
+
+    family: str
+    config: dict = field(default_factory=dict)
+    added_tokens: tuple[str, ...] = ()
+    tokenizer_class: str | None = None
+    refused: str | None = None
+    note: str = ""
+    limit: str = (
+        ""  # a case that shows a llama.cpp limit (it computes another model): what differs; not a target
+    )
+
+    @property
+    def key(self) -> str:
+        return f"{self.family} ({self.limit})" if self.limit else self.family
+
+
+# ChatGLM's and GLM-4's set_vocab (conversion/chatglm.py, ChatGLMModel; conversion/glm.py, Glm4Model) look up
+# tokenizer.get_added_vocab()["<|user|>"] as the end-of-turn token: a KeyError without it.
+GLM_TOKENS = ("<|user|>",)
+SPM_ONLY = (
+    "set_vocab calls _set_vocab_sentencepiece (conversion/gemma.py), which reads only a SentencePiece "
+    "tokenizer.model: no byte-level BPE is accepted, and attnlab tokenises with tokenizer.json, so no text can be "
+    "compared"
+)
+FAMILY_CASES: dict[str, FamilyCase] = {
+    case.key: case
+    for case in (
+        FamilyCase(
+            "mistral",
+            {"sliding_window": None},
+            note="no sliding window, as Mistral-7B-v0.2 and later ship (the next case says why)",
+        ),
+        FamilyCase(
+            "mistral",
+            {"sliding_window": 8},
+            limit="sliding window 8",
+            note="llama.cpp's llama architecture has no sliding window (the converter's "
+            "LlamaModel writes none for MistralForCausalLM, src/models/llama.cpp attends to the whole context), so "
+            "a window shorter than the context is computed as full attention",
+        ),
+        FamilyCase("qwen2"),
+        FamilyCase("qwen3"),
+        FamilyCase("gemma", refused="tokenizer.model", note=f"GemmaModel.{SPM_ONLY}"),
+        FamilyCase("gemma2", refused="tokenizer.model", note=f"Gemma2Model.{SPM_ONLY}"),
+        FamilyCase(
+            "gemma3_text",
+            {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+            note="6 layers, every 6th global as in Gemma 3 (the next case says why)",
+        ),
+        FamilyCase(
+            "gemma3_text",
+            limit="layers sliding, global",
+            note="the example's layers: Gemma3Model.set_gguf_parameters writes no "
+            "sliding_window_pattern from layer_types and the loader (src/models/gemma3.cpp, load_swa_pattern(ml, "
+            "6)) then makes every 6th layer global and the others sliding, whatever layer_types said",
+        ),
+        FamilyCase(
+            "phi3",
+            tokenizer_class="GPT2Tokenizer",
+            note="tokenizer_config.json names GPT2Tokenizer: Phi3MiniModel.set_vocab (conversion/phi.py) takes a "
+            "byte-level BPE only then (as Phi-4's), else it wants a SentencePiece tokenizer.model",
+        ),
+        FamilyCase("olmo2"),
+        FamilyCase(
+            "gpt_neox", note="MHA layout: each KV head written repeated for its group (no KV-head field)"
+        ),
+        FamilyCase(
+            "glm",
+            {"head_dim": 8},
+            GLM_TOKENS,
+            note="head_dim = hidden_size / heads: the converter takes GlmForCausalLM as ChatGLM (conversion/"
+            "chatglm.py) and writes no key_length, so the loader assumes that head size (the example's head_dim 16 "
+            "is refused: \"check_tensor_dims: tensor 'blk.0.attn_q.weight' has wrong shape; expected 48, 48, got "
+            '48, 96"); an added <|user|> token',
+        ),
+        FamilyCase("glm4", added_tokens=GLM_TOKENS, note="an added <|user|> token"),
+        FamilyCase(
+            "chatglm",
+            {"vocab_size": 320},  # the number is the tokenizer's (family_checkpoint)
+            GLM_TOKENS,
+            note="vocab_size beside padded_vocab_size, as THUDM's ChatGLMConfig sets it: ChatGLMModel.set_vocab "
+            '(conversion/chatglm.py) evaluates hparams["vocab_size"] even where padded_vocab_size is there, and '
+            "without THUDM's remote code the converter reads config.json as it is (\"KeyError: 'vocab_size'\" "
+            "otherwise); an added <|user|> token",
+        ),
+    )
+}
+
+
+def family_checkpoint(case: FamilyCase, dst: Path, tokenizer, window: int) -> Path:
+    """A checkpoint of ``case``'s family written by attnlab (``attnlab.hf.causal_lm.save_model``) from its example
+    config with ``case.config`` and room for ``window`` positions: random weights far enough from zero that greedy
+    choices are clear, norm gains and biases moved off their init so that a misplaced one shows; ``tokenizer``
+    (``train_byte_bpe``'s, not changed) with ``case``'s additions."""
+    import torch
+
+    from attnlab.data import save_tokenizer
+    from attnlab.families import FAMILIES
+    from attnlab.hf.causal_lm import save_model
+    from attnlab.hf_config import from_hf_config
+    from attnlab.model import Transformer
+
+    fam = FAMILIES[case.family]
+    tok = tokenizer.from_str(tokenizer.to_str())  # a copy: the added tokens are this checkpoint's
+    tok.add_special_tokens(list(case.added_tokens))
+    hf = dict(fam.example) | case.config
+    chatglm = "padded_vocab_size" in hf
+    hf["seq_length" if chatglm else "max_position_embeddings"] = window
+    # as many embeddings as tokens: Gemma3Model.modify_tensors (conversion/gemma.py) cuts the embedding to
+    # tokenizer.json's vocabulary plus its added tokens (the end token, in both, counted twice) while the token
+    # list is padded to vocab_size; a larger vocab_size leaves them unequal and the loader refuses the model
+    for key in [k for k in ("vocab_size", "padded_vocab_size") if k in hf]:
+        hf[key] = tok.get_vocab_size()
+    model = Transformer(from_hf_config(hf))
+    model.init_weights(std=0.15, seed=3)
+    gains = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p += 0.2 * torch.randn(p.shape, generator=gains)
+    save_model(model, dst, fam.model_types[0], base_config=hf)
+    save_tokenizer(tok, dst)
+    if case.tokenizer_class:
+        spec = json.loads((dst / "tokenizer_config.json").read_text())
+        (dst / "tokenizer_config.json").write_text(
+            json.dumps(spec | {"tokenizer_class": case.tokenizer_class})
+        )
+    return dst
+
+
+def round_trip(
+    b: Build, ckpt: Path, text: Path, prompt: str, window: int, n_new: int, threads: int = 1
+) -> dict:
+    """``ckpt`` to GGUF (f32), then llama.cpp (computing in float32) beside attnlab on the same text: token ids of
+    the whole text, perplexity on the same windows (``perplexity``), ``n_new`` greedy tokens after ``prompt``."""
+    import contextlib
+    import io
+
+    from attnlab.bench.generate import run_generate
+    from attnlab.data import load_stream, load_tokenizer
+    from attnlab.train.evaluate import evaluate_checkpoint
+
+    gguf = ckpt.with_suffix(".gguf")
+    converted = to_gguf(b, ckpt, gguf, "f32")
+    ours = evaluate_checkpoint(ckpt, text, seq_len=window - 1)
+    theirs = perplexity(b, gguf, text, window, threads, float32=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # run_generate prints its JSON
+        gen = run_generate(
+            ckpt, [prompt], max_new=n_new, temperature=0.0, top_k=None, top_p=None, seed=0, stop=[],
+            ignore_eos=False, dtype="fp32", as_json=True,
+        )["outputs"][0]  # fmt: skip
+    done = complete(b, gguf, prompt, n_new, 4 * window, threads, float32=True)
+    return {
+        "added": converted["added"],
+        "tokens_equal": tokenize(b, gguf, text) == load_stream(ckpt, text, 1).tokens.tolist(),
+        "attnlab_ppl": ours["perplexity"],
+        "llamacpp_ppl": theirs["perplexity"],
+        "ppl_rel_diff": abs(theirs["perplexity"] - ours["perplexity"]) / ours["perplexity"],
+        "windows": [ours["windows"], theirs["windows"]],
+        "prompt_ids_equal": done["prompt_ids"] == load_tokenizer(ckpt).encode(prompt).ids,
+        "attnlab_text": gen["text"],
+        "llamacpp_text": done["text"],
+        "greedy_tokens": len(gen["tokens"]),
+        "greedy_equal": (done["text"], done["stopped"]) == (gen["text"], gen["stopped"]),
+    }

@@ -27,6 +27,11 @@ What runs, in order (every step cached under benchmarks/.cache/llamacpp/, so a r
     python benchmarks/llamacpp_roundtrip.py --quick       # a part of the text, one repetition: .cache/quick/
     python benchmarks/llamacpp_roundtrip.py --build-only  # just the build (for ATTNLAB_LLAMA_CPP)
     python benchmarks/llamacpp_roundtrip.py --from-json   # rewrite the page from the JSON
+    python benchmarks/llamacpp_roundtrip.py --families    # only the other families (below); the rest of the JSON kept
+
+``--families``: each other family attnlab converts (``llamacpp.FAMILY_CASES``): a tiny random-weight checkpoint
+written by attnlab and its conversion to fewer KV heads, both through llama.cpp beside attnlab on the start of the
+held-out play (``run_families``). A full run keeps that section of the JSON, and ``--families`` the rest.
 
 Targets (issue 31): llama.cpp loads every conversion; its f32 perplexity within 0.5% of ``attnlab eval``; the first
 32 greedy tokens equal; the MLA cache (kv_lora_rank + rope_dim) values per token and layer.
@@ -84,6 +89,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="A fifth of the text, one repetition.")
     parser.add_argument("--build-only", action="store_true", help="Only build llama.cpp, then stop.")
     parser.add_argument("--from-json", action="store_true", help="Only rewrite the page from the JSON.")
+    parser.add_argument(
+        "--families",
+        action="store_true",
+        help="Only the other families' round trips (their section of the JSON; the rest is kept).",
+    )
     parser.add_argument("--json", type=Path, help=f"Default: {RESULTS.relative_to(ROOT)}.")
     parser.add_argument("--doc", type=Path, help=f"Default: {DOC.relative_to(ROOT)}.")
     args = parser.parse_args(argv)
@@ -301,11 +311,137 @@ def run(args) -> dict:
     return result
 
 
+# ---- the other families ----------------------------------------------------------------------------------------
+
+
+def run_families(args) -> dict:
+    """Each of ``llamacpp.FAMILY_CASES``: a tiny random-weight checkpoint of the family (``family_checkpoint``), its
+    conversion to fewer KV heads (``attnlab convert --kv-heads N --method mean``: 1 of 2, or 2 of GPT-NeoX's 4), both
+    through ``llamacpp.round_trip`` on the held-out text (windows of 256 tokens), or the converter's refusal."""
+    import shutil
+
+    from attnlab.data import shakespeare, split_held_out, text_files, train_byte_bpe
+    from attnlab.hf import convert_checkpoint
+    from attnlab.hf.causal_lm import model_config
+
+    started = time.time()
+    torch.set_num_threads(args.threads)
+    b = llamacpp.build(args.llama_cpp)
+    train, held_out = split_held_out(text_files(shakespeare()), 0.1)  # tiny_model.py's split, as run()
+    window = 256
+    # the first 30,000 characters of the play (a tenth with --quick), cut at a line end: random tiny models, where
+    # what is measured is equality, not quality
+    cut = held_out[0].read_text()[: 3000 if args.quick else 30_000]
+    text = WORK / "families_text.txt"
+    text.parent.mkdir(parents=True, exist_ok=True)
+    text.write_text(cut[: cut.rfind("\n") + 1])
+    body = text.read_text()
+    prompt = body[2000 : 2000 + body[2000:].find("\n", 200)]  # as run()
+    tok = train_byte_bpe([train[0].read_text()[:100_000]], 320)
+    work = WORK / "families"
+    shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for key, case in llamacpp.FAMILY_CASES.items():
+        d = work / "-".join(key.replace("(", "").replace(")", "").replace(",", "").split())
+        src = llamacpp.family_checkpoint(case, d / "src", tok, window)
+        n_kv = model_config(src).attention.n_kv_heads
+        summary = convert_checkpoint(src, d / "gqa", 1 if n_kv < 4 else 2, "mean")
+        row = {"case": key, "family": case.family, "config": case.config, "added_tokens": list(case.added_tokens),
+               "tokenizer_class": case.tokenizer_class, "limit": case.limit, "note": case.note,
+               "kv_heads": [summary["n_kv_heads_before"], summary["n_kv_heads_after"]], "layout": summary["layout"],
+               "refused": None}  # fmt: skip
+        for name in ("src", "gqa"):
+            try:
+                row[name] = llamacpp.round_trip(b, d / name, text, prompt, window, GREEDY, args.threads)
+            except RuntimeError as err:  # the converter's or the loader's last word, the directory left out
+                lines = [line.strip() for line in str(err).replace(str(d / name), "CHECKPOINT").splitlines()]
+                row["refused"] = next(
+                    (line for line in reversed(lines) if case.refused and case.refused in line), lines[-1]
+                )
+                break
+        rows.append(row)
+        done = row.get("gqa")
+        said = row["refused"] or (
+            f"ppl attnlab {done['attnlab_ppl']:.4f}, llama.cpp {done['llamacpp_ppl']:.4f}; "
+            f"greedy equal {done['greedy_equal']}"
+        )
+        print(f"{key}: {said}", flush=True)
+    return {
+        "command": "python benchmarks/llamacpp_roundtrip.py --families" + (" --quick" if args.quick else ""),
+        "play": held_out[0].name,
+        "text_bytes": len(body.encode()),
+        "window": window,
+        "prompt": prompt,
+        "tokenizer_vocab": tok.get_vocab_size(),
+        "seconds": round(time.time() - started),
+        "rows": rows,
+    }
+
+
+def family_verdicts(fams: dict) -> dict[str, bool]:
+    """The issue's targets over the families llama.cpp supports (no refusal, no case showing one of its limits)."""
+    runs = [r[k] for r in fams["rows"] if not r["limit"] and not r["refused"] for k in ("src", "gqa")]
+    supported = [r for r in fams["rows"] if not r["limit"] and not llamacpp.FAMILY_CASES[r["case"]].refused]
+    return {
+        "families_load": all(not r["refused"] for r in supported) and bool(runs),
+        "families_ppl_within_0.5%": all(
+            r["ppl_rel_diff"] <= TARGET_PPL and r["windows"][0] == r["windows"][1] for r in runs
+        ),
+        "families_greedy_32_equal": all(
+            r["greedy_equal"] and r["prompt_ids_equal"] and r["tokens_equal"] for r in runs
+        ),
+    }
+
+
+def families_markdown(fams: dict) -> list[str]:
+    yes = {True: "yes", False: "**no**"}
+    lines = [
+        "## attnlab's other families",
+        "",
+        f"Generated by `{fams['command']}` (its own section of the JSON, {fams['seconds']} s). For each family "
+        "attnlab converts beside Llama: a tiny checkpoint written by attnlab from the family's example config "
+        "(`attnlab families`; the changes are listed) with random weights, a byte-level BPE of "
+        f"{fams['tokenizer_vocab']} tokens (`attnlab.data.train_byte_bpe`; what a family's converter needs beside it "
+        "is listed), and its conversion to fewer KV heads (`attnlab convert --kv-heads N --method mean`). Both go "
+        "through llama.cpp's converter (f32) and run in llama.cpp computing in float32, beside `attnlab eval` and "
+        f"`attnlab generate` on the start of `{fams['play']}` ({fams['text_bytes']} bytes), windows of {fams['window']} tokens, "
+        f"{GREEDY} greedy tokens after {fams['prompt'][:40]!r}.... Rows marked *limit* show where llama.cpp "
+        "computes another model than the checkpoint's; they are not targets. `benchmarks/llamacpp.py`'s "
+        "`FAMILY_CASES` holds each case and its reasons.",
+        "",
+        "| case | loads in llama.cpp | KV heads | ppl attnlab (conversion) | llama.cpp | rel. diff | source's rel. diff | greedy equal (source, conversion) | what it took / why |",
+        "|---|---|---|---:|---:|---:|---:|---|---|",
+    ]  # fmt: skip
+    for r in fams["rows"]:
+        given = [f"config {json.dumps(r['config'])}"] if r["config"] else []
+        given += [f"added token {t}" for t in r["added_tokens"]]
+        given += [f"tokenizer_class {r['tokenizer_class']}"] if r["tokenizer_class"] else []
+        why = "; ".join(given + ([r["note"]] if r["note"] else []))
+        case = f"{r['case']} (*limit*)" if r["limit"] else r["case"]
+        heads = f"{r['kv_heads'][0]} → {r['kv_heads'][1]}" + (", MHA layout" if r["layout"] != "gqa" else "")
+        if r["refused"]:
+            lines.append(f"| {case} | no: `{r['refused']}` | {heads} | | | | | | {why} |")
+            continue
+        src, gqa = r["src"], r["gqa"]
+        greedy = ", ".join(yes[x["greedy_equal"]] for x in (src, gqa))
+        lines.append(
+            f"| {case} | yes | {heads} | {gqa['attnlab_ppl']:.4f} | {gqa['llamacpp_ppl']:.4f} | "
+            f"{gqa['ppl_rel_diff']:.1e} | {src['ppl_rel_diff']:.1e} | {greedy} | {why} |"
+        )
+    added = sorted({n for r in fams["rows"] for k in ("src", "gqa") if k in r for n in r[k]["added"]})
+    lines += ["", "What the converter was given beside the checkpoints (`benchmarks/llamacpp.py`):", ""]
+    lines += [f"- {note}" for note in added] + [""]
+    return lines
+
+
 # ---- the page --------------------------------------------------------------------------------------------------
 
 
 def verdicts(result: dict) -> dict[str, bool]:
     """The issue's targets, each true or false, from the JSON."""
+    fams = family_verdicts(result["families"]) if "families" in result else {}
+    if "rows" not in result:  # a JSON of --families alone
+        return fams
     rows = result["rows"]
     mla = [r for r in rows if r["attention"].get("kv_lora_rank")]
     f32 = [r["llamacpp"]["f32"] for r in rows]
@@ -325,10 +461,12 @@ def verdicts(result: dict) -> dict[str, bool]:
             for k in ("f32", "f32_defaults")
         ),
         "tokenization_equal": result["tokenization"]["equal"],
-    }
+    } | fams
 
 
 def markdown(result: dict, json_path: Path) -> str:
+    if "rows" not in result:  # a JSON of --families alone
+        return "\n".join(["# attnlab's conversions in llama.cpp", "", *families_markdown(result["families"])])
     rows, lc = result["rows"], result["llama_cpp"]
     v = verdicts(result)
     yes = {True: "yes", False: "**no**"}
@@ -353,6 +491,14 @@ def markdown(result: dict, json_path: Path) -> str:
         f"| MLA cache in llama.cpp = (kv_lora_rank + rope_dim) values per token and layer | {yes[v['mla_latent_cache']]} |",
         f"| llama.cpp's KV bytes per token = attnlab's cost model (f16 and f32 caches) | {yes[v['kv_bytes_as_cost_model']]} |",
         f"| llama.cpp tokenises the text as attnlab does ({result['tokenization']['attnlab_tokens']} tokens) | {yes[v['tokenization_equal']]} |",
+    ]  # fmt: skip
+    if "families" in result:
+        lines += [
+            f"| the other families llama.cpp supports (below): every conversion loads | {yes[v['families_load']]} |",
+            f"| ... perplexity within 0.5% | {yes[v['families_ppl_within_0.5%']]} |",
+            f"| ... the first {GREEDY} greedy tokens and all token ids equal | {yes[v['families_greedy_32_equal']]} |",
+        ]  # fmt: skip
+    lines += [
         "",
         f"## Quality: `{result['text']}` ({result['text_bytes']} bytes), windows of {result['window']} tokens",
         "",
@@ -442,6 +588,8 @@ def markdown(result: dict, json_path: Path) -> str:
         "attnlab's exports follow for transformers, llama.cpp and vLLM are pinned by tests/convert/test_export_rules.py.",
         "",
     ]  # fmt: skip
+    if "families" in result:
+        lines += families_markdown(result["families"])
     return "\n".join(lines)
 
 
@@ -458,10 +606,14 @@ def main(argv: list[str] | None = None) -> None:
         b = llamacpp.build(args.llama_cpp)
         print(f"llama.cpp {llamacpp.VERSION} at {b.root}: {b.info()}")
         return
+    previous = json.loads(args.json.read_text()) if args.json.is_file() else {}
     if args.from_json:
-        result = json.loads(args.json.read_text())
+        result = previous
     else:
-        result = run(args)
+        if args.families:  # the rest of the JSON kept as it is
+            result = previous | {"families": run_families(args)}
+        else:  # the families' section kept as it is
+            result = run(args) | ({"families": previous["families"]} if "families" in previous else {})
         write_atomic(args.json, json.dumps(result, indent=1) + "\n", ours=own_path(args.json))
     write_atomic(args.doc, markdown(result, args.json), ours=own_path(args.doc))
     wrote = _rel(args.doc) if args.from_json else f"{_rel(args.json)} and {_rel(args.doc)}"

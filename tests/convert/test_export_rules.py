@@ -221,3 +221,20 @@ def test_gqa_export_changes_only_the_kv_heads(fam):
         if ".layers.0." in name and name.endswith(("q_proj", "k_proj", "v_proj", "qkv_proj"))
     )
     assert rows == (cfg.attention.n_heads + 2) * cfg.attention.head_dim
+
+
+@pytest.mark.parametrize("fam", [fam for fam in REGISTERED if fam.write is not None], ids=lambda f: f.name)
+def test_every_written_config_names_its_class(fam):
+    # llama.cpp's converter picks its converter class by architectures[0] and nothing else (conversion/base.py,
+    # get_model_architecture): without it "ValueError: Failed to detect model architecture". ChatGLM has no
+    # transformers class, so its name is THUDM's (ChatGLMModel: chatglm2/3-6b and glm-4-9b-chat's config.json,
+    # registered by conversion/chatglm.py, ChatGLMModel); a source's own name is kept.
+    cfg = example_config(fam)
+    example = {k: v for k, v in fam.example.items() if k != "architectures"}
+    written = fam.write(cfg, dict(example))
+    assert written["architectures"] == [fam.architectures.get(fam.model_types[0], "ChatGLMModel")], fam.name
+    if (
+        not fam.architectures
+    ):  # no transformers class: the source's name (another class of the same code) is kept
+        kept = fam.write(cfg, example | {"architectures": ["ChatGLMForConditionalGeneration"]})
+        assert kept["architectures"] == ["ChatGLMForConditionalGeneration"]

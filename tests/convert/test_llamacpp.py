@@ -1,9 +1,10 @@
 """attnlab's conversions in llama.cpp: converted by llama.cpp's own ``convert_hf_to_gguf.py``, loaded, and computing
-what attnlab computes (perplexity on the same windows, greedy text, KV cache per token).
+what attnlab computes (perplexity on the same windows, greedy text, KV cache per token): a Llama and its GQA, MQA
+and MLA conversions, and each other family attnlab converts to fewer KV heads (``llamacpp.FAMILY_CASES``).
 
 The round trip needs a llama.cpp build: ``ATTNLAB_LLAMA_CPP=DIR`` names one made by
 ``python benchmarks/llamacpp_roundtrip.py --build-only`` (DIR = benchmarks/.cache/llamacpp; ``benchmarks/llamacpp.py``
-says what it holds). Without it that test is skipped, saying so. The checks of ``benchmarks/llamacpp.py``'s own
+says what it holds). Without it those tests are skipped, saying so. The checks of ``benchmarks/llamacpp.py``'s own
 parsing run always.
 """
 
@@ -22,6 +23,7 @@ from attnlab import AttentionConfig, ModelConfig
 from attnlab.bench.generate import run_generate
 from attnlab.cost import kv_cache_bytes
 from attnlab.data import load_stream, load_tokenizer, save_tokenizer, shakespeare, train_byte_bpe
+from attnlab.families import REGISTERED
 from attnlab.hf import convert_checkpoint, convert_checkpoint_to_mla, save_llama
 from attnlab.hf.causal_lm import model_config
 from attnlab.model import Transformer
@@ -99,11 +101,13 @@ def _source(path: Path) -> tuple[Path, Path]:
     return src, text
 
 
-@pytest.mark.skipif(
-    not BUILD,
-    reason="ATTNLAB_LLAMA_CPP is not set: build llama.cpp with `python benchmarks/llamacpp_roundtrip.py "
-    "--build-only` and set ATTNLAB_LLAMA_CPP=benchmarks/.cache/llamacpp",
+NO_BUILD = (
+    "ATTNLAB_LLAMA_CPP is not set: build llama.cpp with `python benchmarks/llamacpp_roundtrip.py --build-only` and "
+    "set ATTNLAB_LLAMA_CPP=benchmarks/.cache/llamacpp"
 )
+
+
+@pytest.mark.skipif(not BUILD, reason=NO_BUILD)
 @pytest.mark.usefixtures("one_thread")  # llama.cpp runs on one thread too
 def test_conversions_run_in_llamacpp_as_in_attnlab(llamacpp, tmp_path):
     build = llamacpp.locate(BUILD)  # set but incomplete: fails, naming what is missing
@@ -148,3 +152,48 @@ def test_conversions_run_in_llamacpp_as_in_attnlab(llamacpp, tmp_path):
         if name in latent:  # the latent cache: (kv_lora_rank + rope_dim) values per token and layer, K only
             assert kv["bytes_per_token"] / 4 / kv["layers"] == pytest.approx(latent[name], abs=0.5)
             assert kv["v_mib"] == 0
+
+
+# ---- every other family attnlab converts -----------------------------------------------------------------------
+
+# the causal-LM families whose KV heads attnlab converts (the Llama one is the test above)
+CONVERTED = [f.name for f in REGISTERED if f.causal_lm and f.gqa is not None and f.name != "llama"]
+
+
+def test_every_converted_family_has_a_llamacpp_case(llamacpp):
+    cases = {case.family for case in llamacpp.FAMILY_CASES.values()}
+    assert cases == set(CONVERTED)
+
+
+@pytest.fixture(scope="module")
+def family_text(tmp_path_factory) -> tuple[object, Path, str]:
+    """(a byte-level BPE, a short held-out text, a prompt from it)."""
+    plays = sorted(shakespeare().glob("*.txt"))
+    tok = train_byte_bpe([plays[0].read_text()[:100_000]], 320)
+    text = tmp_path_factory.mktemp("text") / "text.txt"
+    body = plays[1].read_text()[:6000]
+    text.write_text(body[: body.rfind("\n") + 1])
+    return tok, text, body[1000 : 1000 + body[1000:].find("\n", 100)]
+
+
+@pytest.mark.skipif(not BUILD, reason=NO_BUILD)
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", CONVERTED)
+def test_family_conversions_run_in_llamacpp_as_in_attnlab(llamacpp, family_text, name, tmp_path):
+    build = llamacpp.locate(BUILD)
+    tok, text, prompt = family_text
+    case = llamacpp.FAMILY_CASES[name]
+    src = llamacpp.family_checkpoint(case, tmp_path / "src", tok, WINDOW)
+    # the KV heads attnlab can lose: 1 of 2, or of GPT-NeoX's 4 heads 2 (its MHA layout repeats them)
+    n_kv = model_config(src).attention.n_kv_heads
+    summary = convert_checkpoint(src, tmp_path / "gqa", 1 if n_kv < 4 else 2, "mean")
+    if case.refused:  # llama.cpp's converter takes no checkpoint of this family (FamilyCase.note says why)
+        with pytest.raises(RuntimeError, match=case.refused):
+            llamacpp.to_gguf(build, tmp_path / "gqa", tmp_path / "gqa.gguf", "f32")
+        return
+    assert summary["n_kv_heads_after"] < summary["n_kv_heads_before"], summary
+    got = llamacpp.round_trip(build, tmp_path / "gqa", text, prompt, WINDOW, 32)
+    assert got["tokens_equal"] and got["prompt_ids_equal"], got
+    assert got["windows"][0] == got["windows"][1] > 0, got
+    assert got["ppl_rel_diff"] <= 1e-4, got  # llama-perplexity prints 4 decimals: ~1e-7 of these
+    assert got["greedy_equal"] and got["greedy_tokens"] == 32, got

@@ -63,6 +63,9 @@ BASE_THETA = 10000.0  # THUDM's RotaryEmbedding base, multiplied by rope_ratio
 DEFAULT_KV_CHANNELS = 128
 DEFAULT_SEQ_LENGTH = 2048
 DEFAULT_EPS = 1e-5
+ARCHITECTURE = (
+    "ChatGLMModel"  # the class THUDM's config.json files name (its remote code; transformers has none)
+)
 
 
 def _rules(qkv: Transform) -> tuple[Rule, ...]:
@@ -188,6 +191,10 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"a chatglm checkpoint has {why}")
     attn = cfg.attention
     hf = dict(base, model_type="chatglm")
+    # THUDM's config.json files name their class (chatglm2/3-6b, glm-4-9b-chat: ChatGLMModel); llama.cpp's converter
+    # picks its converter by architectures[0] alone (conversion/base.py, get_model_architecture: "Failed to detect
+    # model architecture" without it). A source's own name is kept.
+    hf.setdefault("architectures", [ARCHITECTURE])
     put(hf, "hidden_size", attn.d_model)
     put(hf, "num_attention_heads", attn.n_heads)
     put(hf, "kv_channels", attn.head_dim, DEFAULT_KV_CHANNELS)
