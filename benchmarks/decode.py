@@ -355,7 +355,7 @@ def write_docs(result: dict, command: str, doc: Path = DOC, png: Path = RESULTS 
     from attnlab.bench.report import performance_page, plot
 
     # The page links the plot where the repository keeps it, wherever this copy of the plot is written.
-    plot(result, png)
+    plot(result, png, ours=own_path(png))  # the committed plot predates attnlab's mark in PNGs
     rel = os.path.relpath(RESULTS / "decode.png", DOC.parent)
     page = performance_page(result, plot_path=rel, command=command, notes=notes(result, command))
     write_atomic(doc, with_generation_section(page), ours=own_path(doc))

@@ -8,7 +8,10 @@ the reference does). The kernel is built once per session (a few seconds; then r
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,7 +273,9 @@ def avx2_kernel():
     tiles. This machine's build takes the 16-lane path; only this one runs the other."""
     if not fused.available():
         pytest.skip(fused.status())
-    return fused.load_library(flags=("-mno-avx512f",), namespace="attnlab_avx2")  # beside the package's own
+    return fused.load_library(
+        flags=fused._ISA_FLAGS["avx2"], namespace="attnlab_avx2"
+    )  # beside the package's own
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -283,7 +288,7 @@ def test_the_kernel_built_without_avx512_equals_the_reference(avx2_kernel, monke
     contiguous and paged (pages of 16 rows) alike."""
     dk, dv, heads, group = dims
     dt, latent = DTYPES[dtype], dv != dk
-    assert avx2_kernel.amx(-1) == 0  # no AMX in an AVX2 build
+    assert fused._isa(avx2_kernel) == "avx2"  # 8 lanes, no AMX
     monkeypatch.setitem(fused._state, "ops", avx2_kernel)
     gen = torch.Generator().manual_seed(dk * group)
     lengths = [300, 77]
@@ -351,3 +356,43 @@ def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monke
         step = model(tokens[:, 5:], caches=caches)
         whole = model(tokens)[:, 5:]
     torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(
+    not Path("/proc/cpuinfo").is_file(), reason="no /proc/cpuinfo to read the CPU's flags from"
+)
+def test_the_isa_is_the_cpus_and_named_in_the_status():
+    if not fused.available():
+        pytest.skip(fused.status())
+    flags = _cpu_flags()
+    want = {"avx512"} if "avx512f" in flags else {"avx2"} if "avx2" in flags else {"generic"}
+    if "amx_tile" in flags and "avx512f" in flags:
+        want.add("amx")  # when the OS grants the tiles
+    assert fused.isa() in want
+    assert ("AVX-512" if "avx512f" in flags else "AVX2") in fused.status()
+
+
+def test_attnlab_isa_avx2_builds_the_avx2_kernels_and_a_misspelt_one_is_named(tmp_path):
+    """In a child process (the operators of a process are one build's): the 8-lane kernels on any x86 CPU with
+    AVX2, named in the status; an unknown value is a ValueError naming the variable, not a silent fallback."""
+    if not fused.available():
+        pytest.skip(fused.status())
+    if "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    code = "from attnlab.attention import fused; print(fused.isa()); print(fused.status())"
+    env = {**os.environ, "ATTNLAB_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    isa, status = out.stdout.splitlines()
+    assert isa == "avx2" and "AVX2" in status and "AMX" not in status
+    env["ATTNLAB_ISA"] = "avx9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "ValueError: ATTNLAB_ISA='avx9': expected one of native, avx2" in out.stderr

@@ -85,15 +85,21 @@ print(fused.status())
 
 
 def test_a_build_is_announced_once_on_stderr_and_a_cached_one_not_at_all(tmp_path):
-    """A fresh extension cache: the first run compiles, says so in one line on stderr (the default estimate: no
-    build recorded there yet) and records how long it took; the second loads the cached build and prints
-    nothing."""
+    """A fresh extension cache (but for the lock file a killed build left): the first run compiles, says so in one
+    line on stderr (the default estimate: no build recorded there yet) and records how long it took; the second
+    loads the cached build and prints nothing."""
     if os.environ.get("ATTNLAB_FUSED") == "0":
         pytest.skip("ATTNLAB_FUSED=0 turns the kernel off")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    env.pop("ATTNLAB_ISA", None)  # the build named below
+    # the lock file of a build that was killed: PyTorch's builder alone would wait for it forever
+    (tmp_path / fused.library_name(flags=())).mkdir()
+    (tmp_path / fused.library_name(flags=()) / "lock").write_text("")
     runs = [
-        subprocess.run([sys.executable, "-c", BUILD_TWICE], capture_output=True, text=True, env=env)
+        subprocess.run(
+            [sys.executable, "-c", BUILD_TWICE], capture_output=True, text=True, env=env, timeout=600
+        )
         for _ in range(2)
     ]
     for proc in runs:
@@ -120,7 +126,7 @@ def test_prefill_time_does_not_include_the_build(monkeypatch):
         monkeypatch.setitem(fused._state, key, value)
     built, calls = fused._state["ops"], []
 
-    def slow_build():
+    def slow_build(flags=()):
         calls.append(time.perf_counter())
         time.sleep(1.0)
         if built is None:

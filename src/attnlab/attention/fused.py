@@ -65,6 +65,10 @@ _SOURCE = Path(__file__).with_name("csrc")  # kernels.cpp, ops.cpp and the heade
 # build loaded beside the first (kernel_ab, the tests' AVX2 build) keeps its own functions and template statics.
 # -std=c++17 (after torch's -std=c++20): the kernel unit's standard headers parse ~1 s faster.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fvisibility=hidden", "-std=c++17"]
+# ATTNLAB_ISA: the vector instructions the build may use. "native" (the default): all this CPU has; "avx2": no
+# AVX-512 (nor AMX, which needs it), so that an AVX-512 machine builds, tests and times the kernels that AVX2-only
+# CPUs (AMD Zen 1-3, older Intel) run. The flags join the build's name: each choice is cached beside the others.
+_ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 _NAMESPACE = "attnlab"  # the operators' (torch.ops.attnlab); benchmarks/kernel_ab.py renames it in its copies
 _DTYPES = (torch.float32, torch.bfloat16)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # a parameter is a plain tensor to the kernels
@@ -80,6 +84,12 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 9R14", ...), as /proc/cpuinfo gives it."""
+    line = _cpu_model()
+    return line.split(":", 1)[1].strip() if line.startswith("model name") else line
 
 
 def _compiler() -> str:
@@ -153,6 +163,26 @@ def _announce_build(root: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Hold the build directory alone. PyTorch's own lock is a file that the builder creates and deletes; a build
+    that is killed (Ctrl-C, a timeout) leaves it behind, and every later build of the same name then waits for it
+    forever. This lock is the kernel's (flock): released when its holder ends, however it ends. Whoever holds it is
+    the only attnlab process building here, so a PyTorch lock file found then is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: PyTorch's lock alone
+        yield
+        return
+    with open(directory / "attnlab.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     """Compile (or find the cached build of) the kernel; the path of the shared library.
 
@@ -171,15 +201,16 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
         _announce_build(root)
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    path = load(
-        name=name,
-        sources=[str(source / "kernels.cpp"), str(source / "ops.cpp")],
-        extra_cflags=[*_FLAGS, *flags],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(directory):
+        path = load(
+            name=name,
+            sources=[str(source / "kernels.cpp"), str(source / "ops.cpp")],
+            extra_cflags=[*_FLAGS, *flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
     if compiles:
         # an estimate only, written whole (another process may read it): a temporary file renamed over it
         with contextlib.suppress(OSError):
@@ -353,13 +384,31 @@ class Ops:
         self.signatures = ops.signatures.default
 
 
+def isa_flags() -> tuple[str, ...]:
+    """The flags ``ATTNLAB_ISA`` adds to the build (see ``_ISA_FLAGS``); a ValueError naming it for another value."""
+    name = os.environ.get("ATTNLAB_ISA", "native").strip().lower() or "native"
+    if name not in _ISA_FLAGS:
+        raise ValueError(f"ATTNLAB_ISA={name!r}: expected one of {', '.join(_ISA_FLAGS)}")
+    return _ISA_FLAGS[name]
+
+
+def _library_flags(flags: tuple[str, ...], namespace: str) -> tuple[str, ...]:
+    return (*flags, f"-DATTNLAB_OPS={namespace}")
+
+
+def library_name(flags: tuple[str, ...] | None = None, namespace: str = _NAMESPACE) -> str:
+    """The extension cache's name for the operators under ``namespace`` built with ``flags`` (default: those
+    ``ATTNLAB_ISA`` adds), as ``load_library`` builds them."""
+    return extension_name(flags=_library_flags(isa_flags() if flags is None else flags, namespace))
+
+
 def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = (), namespace: str = _NAMESPACE) -> Ops:
     """The operators of the kernels compiled from the directory ``source`` with ``flags`` after the usual ones
     (built, or found in the extension cache), registered under ``namespace``; raises when they cannot be built or
     loaded. ``_library`` keeps this process's one copy of the package's kernels; a second build needs a namespace of
     its own (the tests build the kernels as CPUs without AVX-512 get them: ``flags=("-mno-avx512f",)``)."""
     define(namespace)
-    _build(source, (*flags, f"-DATTNLAB_OPS={namespace}"))
+    _build(source, _library_flags(flags, namespace))
     ops = Ops(namespace)
     check_signatures(ops)
     return ops
@@ -384,9 +433,10 @@ def _library() -> Ops | None:
         if os.environ.get("ATTNLAB_FUSED", "1") == "0":
             _state.update(tried=True, status="disabled by ATTNLAB_FUSED=0: the PyTorch kernels run")
             return None
+        flags = isa_flags()  # a misspelt ATTNLAB_ISA is the user's error, not a failed build
         start = time.perf_counter()
         try:
-            ops = load_library()
+            ops = load_library(flags=flags)
         except Exception as err:  # any failure to compile or load: fall back, and say so
             reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             _state.update(tried=True, status=f"build failed, the PyTorch kernels run: {reason}")
@@ -401,7 +451,10 @@ def _library() -> Ops | None:
             ops.amx(0)
         tiles = "; bfloat16 on AMX tiles" if ops.amx(-1) & 1 else ""
         _state.update(
-            tried=True, ops=ops, build_s=seconds, status=f"fused C++ kernel ({seconds:.1f} s to load{tiles})"
+            tried=True,
+            ops=ops,
+            build_s=seconds,
+            status=f"fused C++ kernel ({seconds:.1f} s to load; {_ISA_NAMES[_isa(ops)]}{tiles})",
         )
         return ops
 
@@ -426,6 +479,22 @@ def ensure_built(device: torch.device | str = "cpu") -> None:
 def status() -> str:
     """Which decode path runs and why: the fused kernel, or the PyTorch kernels and the reason."""
     return str(_state["status"])
+
+
+_ISA_NAMES = {"amx": "AVX-512", "avx512": "AVX-512", "avx2": "AVX2", "generic": "no AVX2"}
+
+
+def _isa(ops: Ops) -> str:
+    bits = ops.amx(-1)
+    return "amx" if bits & 1 else "avx512" if bits & 2 else "avx2" if bits & 4 else "generic"
+
+
+def isa() -> str | None:
+    """The instructions the kernels run on here: "amx" (bfloat16 blocks on AMX tiles, the rest AVX-512), "avx512"
+    (16-lane vectors), "avx2" (8 lanes), "generic" (what the compiler makes of 8 lanes without AVX2); None when the
+    kernels do not run. ``ATTNLAB_ISA=avx2`` builds the AVX2 kernels on an AVX-512 CPU."""
+    ops = _library()
+    return None if ops is None else _isa(ops)
 
 
 def amx() -> bool:

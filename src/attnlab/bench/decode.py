@@ -59,6 +59,9 @@ V2_LITE_MLA = MLAConfig(
 )
 
 
+ATTENTION_BASELINES = ("fused_4x_buffer", "grouped", "sdpa", "reference")
+
+
 @dataclass(frozen=True)
 class DecodeGrid:
     """What to run. Sizes follow the issue: n_heads 32, head_dim 128; MLA with DeepSeek-V2-Lite dims."""
@@ -78,6 +81,8 @@ class DecodeGrid:
     e2e_steps: int = 8
     block_size: int = 256
     fresh_hardware: bool = True  # measure bandwidth/peak in this run (False: reuse this boot's measurement)
+    # what the attention rows time beside "fused" (benchmarks/decode_isa.py: SDPA only, the quick same-run baseline)
+    attention_baselines: tuple[str, ...] = ATTENTION_BASELINES
     mla_cfg: MLAConfig = field(default=V2_LITE_MLA)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,8 @@ class DecodeGrid:
             if dt not in DTYPES:
                 raise ValueError(f"--dtype {dt!r} is not one of {', '.join(DTYPES)}")
         check_int("--repeats", self.repeats)
+        if bad := [b for b in self.attention_baselines if b not in ATTENTION_BASELINES]:
+            raise ValueError(f"attention_baselines: {bad} not among {', '.join(ATTENTION_BASELINES)}")
 
 
 def _sig(x: float) -> float:
@@ -137,7 +144,10 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
     # busy, and no contender measured right after another's output in the caches.
     n_ring = ring_size(2 * k0.nbytes)
     ring = [(k0, v0)] + [KVCache(b, n_kv, 2 * context, d, dtype=dt).update(k0, v0) for _ in range(n_ring - 1)]
-    big_ring = [KVCache(b, n_kv, 4 * context, d, dtype=dt).update(k0, v0) for _ in range(n_ring)]
+    big = "fused_4x_buffer" in grid.attention_baselines
+    big_ring = [
+        KVCache(b, n_kv, 4 * context, d, dtype=dt).update(k0, v0) for _ in range(n_ring if big else 0)
+    ]
     q = torch.randn(b, h, 1, d, generator=gen).to(dt)
     scale = d**-0.5
 
@@ -156,14 +166,16 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
         ),
         "reference": over(lambda k, v: attend(q, k, v, scale=scale, backend="reference"), ring),
     }
+    contenders = {n: f for n, f in contenders.items() if n == "fused" or n in grid.attention_baselines}
     with torch.inference_mode():
         err = _max_err(fused_step(k0, v0), attend(q, k0, v0, scale=scale, backend="reference"))
         # The repeat-KV reference writes n_heads / n_kv copies of the KV (up to ~0.5 GB): timed in the round, the
         # contender after it paid for writing them back to memory (the fused kernel 1.2-1.6x slower, measured).
         # So it is timed after the round, alone: every timed contender follows another's pass over the ring.
-        reference = contenders.pop("reference")
+        reference = contenders.pop("reference", None)
         times = interleaved(contenders, repeats=grid.repeats)
-        times |= interleaved({"reference": reference}, repeats=grid.repeats)
+        if reference is not None:
+            times |= interleaved({"reference": reference}, repeats=grid.repeats)
         times = {name: t / n_ring for name, t in times.items()}
     cfg = AttentionConfig(d_model=h * d, n_heads=h, n_kv_heads=n_kv, head_dim=d)
     fl = attention_flops(cfg, b, 1, context)
@@ -178,7 +190,7 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
         flops,
         ours="fused",
         err=err,
-        baselines=("grouped", "sdpa", "reference"),
+        baselines=tuple(b for b in ("grouped", "sdpa", "reference") if b in grid.attention_baselines),
     )
 
 
@@ -455,6 +467,8 @@ def machine(hw: Hardware) -> dict[str, Any]:
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
         l3_bytes=_l3_bytes(),
         decode_path=decode_path(),
+        cpu=fused.cpu_model(),
+        isa=fused.isa(),  # the kernels' instructions in this run (ATTNLAB_ISA=avx2 times AVX2's on AVX-512 CPUs)
         load_average=[round(x, 2) for x in os.getloadavg()],  # 1, 5, 15 minutes: the machine is shared
     )
 

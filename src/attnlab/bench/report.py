@@ -93,7 +93,7 @@ def print_tables(result: dict[str, Any]) -> None:
             print_grid(Grid(TITLES[kind], header, cells, right=tuple(range(1, len(header)))), console)
 
 
-def plot(result: dict[str, Any], path: str | os.PathLike) -> Path:
+def plot(result: dict[str, Any], path: str | os.PathLike, *, ours: bool = False) -> Path:
     """Latency vs n_kv_heads per dtype (the shape of the GQA paper's Fig. 6), with the roofline drawn in."""
     import matplotlib
 
@@ -132,7 +132,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, ours=ours, dpi=110)
 
 
 # Issue 4's grid: n_kv_heads 32..1 (6) x batch 1, 2, 4, 8 x context 512 .. 16384 (6 powers of 2) x 2 dtypes.
@@ -171,6 +171,7 @@ def performance_page(result: dict[str, Any], *, plot_path: str, command: str, no
         f"- {hw['name']} ({m['processor']}), torch {m['torch']}, {m['threads']} threads, "
         f"OMP_WAIT_POLICY={m.get('omp_wait_policy', 'unset')}"
         + (f", load average at the start {m['load_average']}" if "load_average" in m else ""),
+        f"- CPU: {m.get('cpu', 'not recorded')}; the kernels' instructions: {m.get('isa') or 'not recorded'}",
         f"- decode kernel (`fused`): {m.get('decode_path', 'not recorded')}",
         f"- measured streaming read bandwidth: **{hw['bandwidth'] / 1e9:.1f} GB/s**; matmul peak: "
         + ", ".join(f"**{k} {hw['peak_flops'][k] / 1e9:.0f} GFLOP/s**" for k in ("fp32", "bf16"))

@@ -82,11 +82,16 @@ int block_step(const BlockArgs& a) {
 }
 
 int features() {
+  int bits = 0;
 #if defined(ATTNLAB_AMX)
-  return amx_enabled.load() && amx_granted() ? 1 : 0;
-#else
-  return 0;
+  if (amx_enabled.load() && amx_granted()) bits |= 1;
 #endif
+#if defined(__AVX512F__)
+  bits |= 2;  // 16-lane tiles
+#elif defined(__AVX2__)
+  bits |= 4;  // 8-lane tiles
+#endif
+  return bits;
 }
 
 int set_amx(int on) {
