@@ -13,8 +13,11 @@ instruction set runs in a child process of its own with ``ATTNLAB_ISA`` set (``a
 ``native`` is every instruction this CPU has (AVX-512, and AMX tiles for bfloat16 where there are any), ``avx2``
 is the build an AVX2-only CPU makes (AMD Zen 1-3, Intel before Skylake-SP). An AVX-512 CPU running the AVX2 build
 stands in for an AVX2-only one: the same instructions, registers and tiles, on another core (Zen 4 executes a
-512-bit FMA as two 256-bit halves, so its AVX2 FLOP rate is its AVX-512 one). The roofline is this run's: the
-bandwidth of a streaming read and the best library matmul, measured once at the start.
+512-bit FMA as two 256-bit halves, so its AVX2 FLOP rate is its AVX-512 one). The AVX2 child holds PyTorch's
+kernels and its matmul libraries to AVX2 as well (``attnlab.bench.machine.LIBRARY_ISA``), so that its roofline's
+peak and its SDPA are an AVX2 CPU's: without bfloat16 instructions the library multiplies bfloat16 no faster than
+float32, and the roofline takes the faster of the two. Each child measures its roofline at its start: the
+bandwidth of a streaming read and the best library matmul.
 
 The JSON keeps one run per (CPU, instruction set); a run replaces only its own, so runs on other machines stand
 beside this one's. The page adds, for reference, the fused rows of benchmarks/results/decode.json (the run of
@@ -100,7 +103,7 @@ def isas_here() -> list[str]:
 def run(isas: list[str], quick: bool, repeats: int, cached_hardware: bool) -> list[dict]:
     """Each instruction set in a child process, one after another; their results."""
     runs = []
-    for i, isa in enumerate(isas):
+    for isa in isas:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run.json"
             cmd = [
@@ -113,12 +116,16 @@ def run(isas: list[str], quick: bool, repeats: int, cached_hardware: bool) -> li
                 "--repeats",
                 str(repeats),
             ]
-            cmd += ["--quick"] * quick + ["--cached-hardware"] * (cached_hardware or i > 0)
+            cmd += ["--quick"] * quick + ["--cached-hardware"] * cached_hardware
             env = {
                 **os.environ,
                 "ATTNLAB_ISA": isa,
                 "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path]),
             }
+            if isa == "avx2":  # the libraries too (the roofline's matmul peak, SDPA): as on an AVX2-only CPU
+                from attnlab.bench.machine import LIBRARY_ISA
+
+                env |= LIBRARY_ISA
             print(f"decode_isa.py: ATTNLAB_ISA={isa}", flush=True)
             subprocess.run(cmd, env=env, check=True)
             result = json.loads(out.read_text())
@@ -238,7 +245,28 @@ def page(result: dict) -> str:
             f"| {i + 1} | {ISA_LABEL.get(r['isa'], r['isa'])} | {sum(f >= TARGET for f in fr)} of {len(fr)} | "
             f"{worst['roofline_fraction']:.2f} ({_shape(worst)}) | {'yes' if met else 'no'} |"
         )
+    lines += ["", "## What bounds each run (computed from its rows)", ""]
+    for i, r in enumerate(runs):
+        hw = r["machine"]["hardware"]
+        fp32, bf16 = hw["peak_flops"]["fp32"], max(hw["peak_flops"]["bf16"], hw["peak_flops"]["fp32"])
+        compute = [x for x in r["rows"] if x["flops"] / _peak(hw, x["dtype"]) > x["bytes"] / hw["bandwidth"]]
+        by_group: dict[int, list[float]] = {}
+        for x in r["rows"]:
+            by_group.setdefault(x["n_heads"] // x["n_kv_heads"], []).append(x["roofline_fraction"])
+        groups = ", ".join(f"{g}: {min(f):.2f}-{max(f):.2f}" for g, f in sorted(by_group.items()))
+        lines.append(
+            f"- Run {i + 1} ({ISA_LABEL.get(r['isa'], r['isa'])}): {len(compute)} of {len(r['rows'])} shapes are bound "
+            f"by FLOPs rather than bytes at this machine's peaks; fraction of the roofline by query group, {groups}. "
+            f"The kernels compute bfloat16 in float32 (widened on load), so a FLOP-bound bfloat16 step reaches at most "
+            f"fp32 peak / bf16 peak = {fp32 / bf16:.2f} of its roofline"
+            + (" (AMX tiles aside)." if r["isa"] == "amx" else ".")
+        )
     return "\n".join(lines) + "\n"
+
+
+def _peak(hw: dict, dtype: str) -> float:
+    """The roofline's peak for ``dtype`` (``attnlab.cost``: the faster of its own and float32's)."""
+    return max(hw["peak_flops"][dtype], hw["peak_flops"]["fp32"])
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,13 +32,15 @@ def _row(dtype, batch, context, n_kv, fraction):
     return dict(
         kind="attention", dtype=dtype, batch=batch, context=context, n_heads=32, n_kv_heads=n_kv, head_dim=128,
         ms={"fused": 1.0, "sdpa": 2.5}, speedup={"sdpa": 2.5}, roofline_fraction=fraction,
+        bytes=16 * 2**20 * (2 if dtype == "fp32" else 1) * batch * context // 4096 * n_kv // 4,
+        flops=2**26 * batch * context // 4096,
     )  # fmt: skip
 
 
 def _run(cpu, isa, fractions):
     shapes = [(d, 1, c, k) for d in ("fp32", "bf16") for c in (4096, 16384) for k in (8, 4, 2, 1)]
     shapes += [(d, 4, 4096, k) for d in ("fp32", "bf16") for k in (8, 4, 2, 1)]
-    hardware = {"bandwidth": 20e9, "peak_flops": {"fp32": 3e11, "bf16": 6e11}}
+    hardware = {"bandwidth": 20e9, "peak_flops": {"fp32": 1e11, "bf16": 6e11}}
     return dict(
         cpu=cpu, isa=isa, date="2026-11-26", command="python benchmarks/decode_isa.py",
         machine={"hardware": hardware, "load_average": [0.1, 0.1, 0.1]},
@@ -74,6 +76,10 @@ def test_the_page_counts_the_shapes_at_half_the_roofline_per_run(isa_bench, monk
     assert "| 2 | AVX2 | 22 of 23 | 0.49 (fp32 B1 ctx 4096 n_kv 8) | no |" in text
     assert "| fp32 | 1 | 4096 | 8 | 4 | **0.50** (1.00 ms; 2.50x) | 0.49 (1.00 ms; 2.50x) |" in text
     assert "not run" in text  # the shape the second run lacks
+    # at 20 GB/s, 100 fp32 GFLOP/s and 600 bf16: the fp32 MQA rows (3) are bound by their FLOPs, nothing else
+    assert "- Run 1 (AVX-512): 3 of 24 shapes are bound by FLOPs" in text
+    assert "fp32 peak / bf16 peak = 0.17 of its roofline." in text
+    assert "by query group, 4: 0.50-" in text
 
 
 def test_the_grids_are_the_24_shapes_with_sdpa_beside_the_kernel(isa_bench):

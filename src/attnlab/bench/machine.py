@@ -30,18 +30,25 @@ def get_hardware(name: str) -> Hardware:
     return measure_local() if name == "local" else table.get_hardware(name)
 
 
+# What holds PyTorch's own kernels and its matmul libraries to an instruction set (benchmarks/decode_isa.py sets
+# them to AVX2 to stand in for an AVX2-only CPU): ATen's vectorised kernels, oneDNN, MKL.
+LIBRARY_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
 def _cache_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "attnlab" / "local_hardware.json"
 
 
 def _session_key() -> dict[str, object]:
-    """What a cached measurement is valid for: this boot, this thread count, this PyTorch."""
+    """What a cached measurement is valid for: this boot, this thread count, this PyTorch, and the instructions
+    its libraries may use (``LIBRARY_ISA``: a run that holds them to AVX2 measures another peak)."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot_id = f"pid-{os.getpid()}"  # no boot id: valid for this process only
-    return {"boot_id": boot_id, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    key = {"boot_id": boot_id, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return key | {name: os.environ[name] for name in LIBRARY_ISA if os.environ.get(name)}
 
 
 def _best_time(fn, repeats: int) -> float:
