@@ -118,6 +118,8 @@ def sample_next(
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    if generator is not None and generator.device != probs.device:  # a CPU generator (seed=) for a CUDA model
+        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -228,6 +230,7 @@ class _Run:
         self.prefill_s = self.decode_s = 0.0
         self.steps = self.decode_rows = self.kv_tokens = self.bytes = 0
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device  # token ids go where the weights are (CPU or CUDA)
         # cache lengths at which a decode step would be the first forward past a longrope layer's switch
         self.switches = {
             n
@@ -265,7 +268,7 @@ class _Run:
         model, b, t = self.model, len(self.rows), len(self.rows[0])
         start = time.perf_counter()
         caches = model.new_caches(b, t + self.max_new)
-        tokens = torch.tensor(self.rows)
+        tokens = torch.tensor(self.rows, device=self.device)
         nxt = self._take(model(tokens, caches=caches, logits_to_keep=1)[:, -1], list(range(b)))
         self.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -305,7 +308,11 @@ class _Run:
         ]
         first = []
         for row, prompt in enumerate(self.rows):
-            logits = model(torch.tensor([prompt]), caches=[c.select([row]) for c in caches], logits_to_keep=1)
+            logits = model(
+                torch.tensor([prompt], device=self.device),
+                caches=[c.select([row]) for c in caches],
+                logits_to_keep=1,
+            )
             first.append(logits[:, -1])
         nxt = self._take(torch.cat(first), list(range(b)))
         self.prefill_s = time.perf_counter() - start
@@ -325,13 +332,15 @@ class _Run:
             for row in again:
                 for c in caches:
                     c.free(row)
-                whole = torch.tensor([self.rows[row] + self.out[row]])
+                whole = torch.tensor([self.rows[row] + self.out[row]], device=self.device)
                 logits[row] = model(whole, caches=[c.select([row]) for c in caches], logits_to_keep=1)[0, -1]
             if active:
                 for c in caches:
                     c.select(active)
                 self.account(len(active), sum(caches[0].lengths[r] + 1 for r in active))
-                step = model(torch.tensor([[last[r]] for r in active]), caches=caches)[:, -1]
+                step = model(torch.tensor([[last[r]] for r in active], device=self.device), caches=caches)[
+                    :, -1
+                ]
                 logits |= dict(zip(active, step, strict=True))
             rows = sorted(logits)
             for row, token in zip(

@@ -156,3 +156,11 @@ def test_the_package_ships_every_kernel_source():
     files = [p.relative_to(package).as_posix() for p in fused._source_files(fused._SOURCE)]
     assert {"attention/csrc/kernels.cpp", "attention/csrc/ops.cpp", "attention/csrc/kernels.h"} <= set(files)
     assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
+
+
+def test_a_pytorch_older_than_2_13_is_refused_before_any_build(monkeypatch):
+    """Its stable library lets a refused operand's C++ error kill the process (seen with 2.11): no kernels there."""
+    monkeypatch.setattr(fused.torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(fused, "_build", lambda *a, **k: pytest.fail("built on an old PyTorch"))
+    with pytest.raises(RuntimeError, match=r"PyTorch 2\.13 or later, this is 2\.11\.0\+cu130"):
+        fused.load_library(namespace="attnlab_old_torch")

@@ -22,7 +22,9 @@ second trip into Python per call.
 
 Building: the first call compiles ``csrc/`` with ``torch.utils.cpp_extension.load`` (g++ with OpenMP, ``-O3
 -march=native``) in two units built in parallel: ``kernels.cpp`` (the kernels, one header per concern, no PyTorch
-header) and ``ops.cpp`` (the operators, on the stable ABI: PyTorch 2.10 or later). The build lands in PyTorch's
+header) and ``ops.cpp`` (the operators, on the stable ABI of PyTorch 2.13 or later, whose stable library turns a
+kernel's refusal into a Python error: built against torch 2.11 on a GPU machine, with 2.13's error macro
+supplied, a refused operand killed the process; an older PyTorch takes the PyTorch kernels, saying why). The build lands in PyTorch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) under a name that hashes
 everything the generated build file depends on (``build_inputs``): the sources and their directory, the flags, the
 compiler, the Python environment and the PyTorch installation whose headers it names, and the CPU model. So a
@@ -407,6 +409,8 @@ def load_library(source: Path = _SOURCE, flags: tuple[str, ...] = (), namespace:
     (built, or found in the extension cache), registered under ``namespace``; raises when they cannot be built or
     loaded. ``_library`` keeps this process's one copy of the package's kernels; a second build needs a namespace of
     its own (the tests build the kernels as CPUs without AVX-512 get them: ``flags=("-mno-avx512f",)``)."""
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        raise RuntimeError(f"the kernels' operators need PyTorch 2.13 or later, this is {torch.__version__}")
     define(namespace)
     _build(source, _library_flags(flags, namespace))
     ops = Ops(namespace)
@@ -603,8 +607,13 @@ def linear_supports(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes these operands: a CPU float32/bfloat16 input of 1 to ``LINEAR_MAX_ROWS`` rows,
     weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient; and the kernel
     built."""
-    if x.dtype not in _DTYPES or x.numel() > LINEAR_MAX_ROWS * x.shape[-1] or x.numel() == 0:
-        return False
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in _DTYPES
+        or x.numel() > LINEAR_MAX_ROWS * x.shape[-1]
+        or x.numel() == 0
+    ):
+        return False  # the device first: on a GPU every linear layer of every step asks
     return _plain_operands((x, *params), (x.dtype,)) and available()
 
 
