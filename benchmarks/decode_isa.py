@@ -89,15 +89,9 @@ def _shape(r: dict) -> str:
 
 def isas_here() -> list[str]:
     """native, and avx2 where native is more (a CPU with AVX-512): every build this CPU runs."""
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return ["native", "avx2"] if "avx512f" in flags else ["native"]
+    from attnlab.attention.fused import cpu_flags
+
+    return ["native", "avx2"] if "avx512f" in cpu_flags() else ["native"]
 
 
 def run(isas: list[str], quick: bool, repeats: int, cached_hardware: bool) -> list[dict]:
@@ -120,8 +114,7 @@ def run(isas: list[str], quick: bool, repeats: int, cached_hardware: bool) -> li
             env = {
                 **os.environ,
                 "ATTNLAB_ISA": isa,
-                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path]),
-            }
+            }  # the child puts this checkout's src/ first itself (main)
             if isa == "avx2":  # the libraries too (the roofline's matmul peak, SDPA): as on an AVX2-only CPU
                 from attnlab.bench.machine import LIBRARY_ISA
 
@@ -164,6 +157,9 @@ def _reference_run() -> dict | None:
 
 
 def page(result: dict) -> str:
+    from attnlab.cost import Hardware
+    from attnlab.cost.roofline import compute_peak
+
     runs = list(result["runs"])
     ref = _reference_run()
     if ref is not None:
@@ -249,7 +245,11 @@ def page(result: dict) -> str:
     for i, r in enumerate(runs):
         hw = r["machine"]["hardware"]
         fp32, bf16 = hw["peak_flops"]["fp32"], max(hw["peak_flops"]["bf16"], hw["peak_flops"]["fp32"])
-        compute = [x for x in r["rows"] if x["flops"] / _peak(hw, x["dtype"]) > x["bytes"] / hw["bandwidth"]]
+        compute = [
+            x
+            for x in r["rows"]
+            if x["flops"] / compute_peak(Hardware(**hw), x["dtype"]) > x["bytes"] / hw["bandwidth"]
+        ]
         by_group: dict[int, list[float]] = {}
         for x in r["rows"]:
             by_group.setdefault(x["n_heads"] // x["n_kv_heads"], []).append(x["roofline_fraction"])
@@ -262,11 +262,6 @@ def page(result: dict) -> str:
             + (" (AMX tiles aside)." if r["isa"] == "amx" else ".")
         )
     return "\n".join(lines) + "\n"
-
-
-def _peak(hw: dict, dtype: str) -> float:
-    """The roofline's peak for ``dtype`` (``attnlab.cost``: the faster of its own and float32's)."""
-    return max(hw["peak_flops"][dtype], hw["peak_flops"]["fp32"])
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:

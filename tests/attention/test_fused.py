@@ -358,20 +358,13 @@ def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monke
     torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.skipif(
     not Path("/proc/cpuinfo").is_file(), reason="no /proc/cpuinfo to read the CPU's flags from"
 )
 def test_the_isa_is_the_cpus_and_named_in_the_status():
     if not fused.available():
         pytest.skip(fused.status())
-    flags = _cpu_flags()
+    flags = fused.cpu_flags()
     want = {"avx512"} if "avx512f" in flags else {"avx2"} if "avx2" in flags else {"generic"}
     if "amx_tile" in flags and "avx512f" in flags:
         want.add("amx")  # when the OS grants the tiles
@@ -384,7 +377,7 @@ def test_attnlab_isa_avx2_builds_the_avx2_kernels_and_a_misspelt_one_is_named(tm
     AVX2, named in the status; an unknown value is a ValueError naming the variable, not a silent fallback."""
     if not fused.available():
         pytest.skip(fused.status())
-    if "avx2" not in _cpu_flags():
+    if "avx2" not in fused.cpu_flags():
         pytest.skip("this CPU has no AVX2")
     code = "from attnlab.attention import fused; print(fused.isa()); print(fused.status())"
     env = {**os.environ, "ATTNLAB_ISA": "avx2"}

@@ -40,7 +40,8 @@ def _row(dtype, batch, context, n_kv, fraction):
 def _run(cpu, isa, fractions):
     shapes = [(d, 1, c, k) for d in ("fp32", "bf16") for c in (4096, 16384) for k in (8, 4, 2, 1)]
     shapes += [(d, 4, 4096, k) for d in ("fp32", "bf16") for k in (8, 4, 2, 1)]
-    hardware = {"bandwidth": 20e9, "peak_flops": {"fp32": 1e11, "bf16": 6e11}}
+    hardware = dict(name="local", bandwidth=20e9, peak_flops={"fp32": 1e11, "bf16": 6e11}, memory_bytes=2**34,
+                    source="made up")  # fmt: skip
     return dict(
         cpu=cpu, isa=isa, date="2026-11-26", command="python benchmarks/decode_isa.py",
         machine={"hardware": hardware, "load_average": [0.1, 0.1, 0.1]},

@@ -78,14 +78,25 @@ _lock = threading.Lock()
 _state: dict[str, object] = {"ops": None, "tried": False, "status": "not built yet", "build_s": None}
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with ``field`` (None where there is no such file or line)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("avx2", "avx512f", "amx_tile", ...); empty elsewhere."""
+    line = _cpuinfo("flags")
+    return set(line.split(":", 1)[1].split()) if line else set()
 
 
 def cpu_model() -> str:
