@@ -230,13 +230,17 @@ class _Run:
         self.prefill_s = self.decode_s = 0.0
         self.steps = self.decode_rows = self.kv_tokens = self.bytes = 0
         self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device  # token ids go where the weights are (CPU or CUDA)
+        self.device = next(model.parameters()).device
         # cache lengths at which a decode step would be the first forward past a longrope layer's switch
         self.switches = {
             n
             for layer in model.layers
             if (n := switch_length(getattr(layer.attention.cfg, "rope_scaling", ()))) is not None
         }
+
+    def ids(self, rows: list[list[int]]) -> torch.Tensor:
+        """Token ids as a tensor where the weights are (CPU or CUDA)."""
+        return torch.tensor(rows, device=self.device)
 
     def _take(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Sample a token for each of ``rows`` (one logits row each); record it; return them (len(rows),)."""
@@ -268,7 +272,7 @@ class _Run:
         model, b, t = self.model, len(self.rows), len(self.rows[0])
         start = time.perf_counter()
         caches = model.new_caches(b, t + self.max_new)
-        tokens = torch.tensor(self.rows, device=self.device)
+        tokens = self.ids(self.rows)
         nxt = self._take(model(tokens, caches=caches, logits_to_keep=1)[:, -1], list(range(b)))
         self.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -308,11 +312,7 @@ class _Run:
         ]
         first = []
         for row, prompt in enumerate(self.rows):
-            logits = model(
-                torch.tensor([prompt], device=self.device),
-                caches=[c.select([row]) for c in caches],
-                logits_to_keep=1,
-            )
+            logits = model(self.ids([prompt]), caches=[c.select([row]) for c in caches], logits_to_keep=1)
             first.append(logits[:, -1])
         nxt = self._take(torch.cat(first), list(range(b)))
         self.prefill_s = time.perf_counter() - start
@@ -332,15 +332,13 @@ class _Run:
             for row in again:
                 for c in caches:
                     c.free(row)
-                whole = torch.tensor([self.rows[row] + self.out[row]], device=self.device)
+                whole = self.ids([self.rows[row] + self.out[row]])
                 logits[row] = model(whole, caches=[c.select([row]) for c in caches], logits_to_keep=1)[0, -1]
             if active:
                 for c in caches:
                     c.select(active)
                 self.account(len(active), sum(caches[0].lengths[r] + 1 for r in active))
-                step = model(torch.tensor([[last[r]] for r in active], device=self.device), caches=caches)[
-                    :, -1
-                ]
+                step = model(self.ids([[last[r]] for r in active]), caches=caches)[:, -1]
                 logits |= dict(zip(active, step, strict=True))
             rows = sorted(logits)
             for row, token in zip(

@@ -180,10 +180,9 @@ class _FusedPlan:
         """The block's plan if its fused step can take this call, else None."""
         if torch.compiler.is_compiling():  # the plan's checks read data pointers, which tracing does not have
             return None
+        # the kernel is for CPUs: on a GPU no plan is made or checked, every block, every step
         if x.device.type != "cpu" or x.ndim != 3 or x.shape[1] != 1 or x.shape[0] == 0:
-            return (
-                None  # the kernel is for CPUs: on a GPU no plan is made or checked, every block, every step
-            )
+            return None
         plan = _PLANS.get(block)
         if plan is None or not plan.current():
             plan = _PLANS[block] = _FusedPlan(block)
