@@ -11,9 +11,10 @@ their logits in float32 and bfloat16 compared with the same weights in float64 o
 length) and a paged one (prompts of different lengths). Timings: one decode step of attention over a filled cache,
 n_heads 32 of 128 dims, n_kv_heads 8, 4, 2, 1, 4096 and 16384 tokens, batch 1 and 8, bfloat16, through
 ``attnlab.attention.kernels.attend`` (backend "auto": what attnlab runs there) beside
-``F.scaled_dot_product_attention(enable_gqa=True)``, each over a ring of caches larger than the L2 cache, timed with
-CUDA events (median); the roofline is the KV bytes over the bandwidth of a device-to-device copy measured at the
-start (bytes read plus written). End to end: ``attnlab.generate`` of a model of SmolLM-135M's shape (random
+``F.scaled_dot_product_attention(enable_gqa=True)`` and the "flex" backend (over the same caches, and over copies of
+them in shuffled blocks beside attnlab's gathering SDPA path), each over a ring of caches larger than the L2 cache,
+timed with CUDA events (median); the roofline is the KV bytes over the bandwidth of a device-to-device copy measured
+at the start (bytes read plus written). End to end: ``attnlab.generate`` of a model of SmolLM-135M's shape (random
 weights, bfloat16) at a 512-token prompt. Each section records its error instead of stopping the run.
 """
 
@@ -172,7 +173,7 @@ def decode_rows(device: str, quick: bool, bandwidth: float) -> list[dict]:
                 for n_kv in (8, 4, 2, 1) if not quick else (4, 1):
                     row = dict(dtype=label, batch=b, context=ctx, n_heads=heads, n_kv_heads=n_kv, head_dim=d)
                     try:
-                        row |= _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth)
+                        row |= _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick)
                     except Exception as err:
                         row["error"] = f"{type(err).__name__}: {err}"[:400]
                     rows.append(row)
@@ -180,7 +181,7 @@ def decode_rows(device: str, quick: bool, bandwidth: float) -> list[dict]:
     return rows
 
 
-def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth) -> dict:
+def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -198,6 +199,12 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth) -> dict:
     ]
     q = torch.randn(b, heads, 1, d, device=device, dtype=dt)
     scale = d**-0.5
+    gen = torch.Generator().manual_seed(0)
+
+    # The same caches in shuffled blocks. Quick (the CPU test): two of them, where eager FlexAttention takes ~20 ms
+    # a paged call.
+    paged = [_paged_copy(k, v, PAGE, gen) for k, v in ring[: 2 if quick else n_ring]]
+    flex_reps = 3 if quick else 20
 
     def ours():
         return [attend(q, k, v, scale=scale, backend="auto") for k, v in ring]
@@ -205,17 +212,61 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth) -> dict:
     def sdpa():
         return [F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True) for k, v in ring]
 
+    def flex():
+        return [attend(q, k, v, scale=scale, backend="flex") for k, v in ring]
+
+    def flex_paged():
+        return [attend(q, k, v, scale=scale, backend="flex") for k, v in paged]
+
+    def sdpa_paged():  # attnlab's SDPA path over a paged cache: every row gathered into a copy first
+        return [attend(q, k, v, scale=scale, backend="sdpa") for k, v in paged]
+
     with torch.inference_mode():
         k0, v0 = ring[0]
         ref = F.scaled_dot_product_attention(
             q.double().cpu(), k0.double().cpu(), v0.double().cpu(), scale=scale, enable_gqa=True
         )
         err = _rel(attend(q, k0, v0, scale=scale, backend="auto"), ref)
+        t = time.perf_counter()
+        err_flex = _rel(attend(q, k0, v0, scale=scale, backend="flex"), ref)  # on CUDA: compiled here
+        _sync(device)
+        flex_first_s = time.perf_counter() - t
+        err_flex_paged = _rel(attend(q, *paged[0], scale=scale, backend="flex"), ref)
         ms_ours = _median_ms(ours, device, 20) / n_ring
         ms_sdpa = _median_ms(sdpa, device, 20) / n_ring
+        ms_flex = _median_ms(flex, device, flex_reps) / n_ring
+        ms_flex_paged = _median_ms(flex_paged, device, flex_reps) / len(paged)
+        ms_sdpa_paged = _median_ms(sdpa_paged, device, flex_reps) / len(paged)
     roof_ms = (kv_bytes + 2 * b * heads * d * elem) / bandwidth * 1e3
     return dict(rel_err=err, ms_attnlab=ms_ours, ms_sdpa=ms_sdpa, roofline_ms=roof_ms, fraction=roof_ms / ms_ours,
-                fraction_sdpa=roof_ms / ms_sdpa)  # fmt: skip
+                fraction_sdpa=roof_ms / ms_sdpa, rel_err_flex=err_flex, rel_err_flex_paged=err_flex_paged,
+                ms_flex=ms_flex, ms_flex_paged=ms_flex_paged, ms_sdpa_paged=ms_sdpa_paged,
+                fraction_flex=roof_ms / ms_flex, flex_first_s=flex_first_s)  # fmt: skip
+
+
+PAGE = 16  # tokens per block of the paged caches timed (vLLM's default block size)
+
+
+def _paged_copy(k, v, block: int, gen):
+    """``k``, ``v`` (B, n_kv, ctx, D) as PagedViews over a pool of every row's blocks in a shuffled order (each
+    block a run of its own: the worst case for a reader that slices runs)."""
+    import torch
+
+    from attnlab.cache import PagedView
+
+    b, n_kv, ctx, d = k.shape
+    per_row = -(-ctx // block)
+    order = torch.randperm(b * per_row, generator=gen).view(b, per_row)
+    pools = [torch.zeros(n_kv, b * per_row * block, d, device=k.device, dtype=k.dtype) for _ in (k, v)]
+    for i in range(b):  # one indexed copy per row and tensor
+        slots = (order[i, :, None] * block + torch.arange(block)).flatten()[:ctx].to(k.device)
+        for pool, src in zip(pools, (k, v), strict=True):
+            pool.index_copy_(1, slots, src[i])
+    runs = [
+        tuple((at * block, min(block, ctx - j * block)) for j, at in enumerate(row)) for row in order.tolist()
+    ]
+    lengths = (ctx,) * b
+    return tuple(PagedView(pool, tuple(runs), lengths, block) for pool in pools)
 
 
 def end_to_end(device: str, quick: bool) -> dict:
@@ -352,19 +403,33 @@ def page(result: dict) -> str:
         "## Decode attention, one step",
         "",
         "attnlab's `attend` (backend auto) and SDPA (`enable_gqa=True`), medians of CUDA-event timings over a ring "
-        "of caches larger than the L2 cache; roofline = (KV + queries + outputs) bytes / the copy bandwidth.",
+        "of caches larger than the L2 cache; roofline = (KV + queries + outputs) bytes / the copy bandwidth. "
+        'flex: `attend` with backend "flex" (FlexAttention, compiled on CUDA) over the same caches, and over '
+        f"them in shuffled blocks of {PAGE} tokens (paged, read in place), beside attnlab's SDPA path over those "
+        "blocks (gathered into a copy first); flex 1st s: its first call (the compile on CUDA).",
         "",
-        "| dtype | heads x dim | B | context | n_kv | attnlab ms | SDPA ms | roofline ms | attnlab of roofline | "
-        "SDPA of roofline | rel. err | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | heads x dim | B | context | n_kv | attnlab ms | SDPA ms | flex ms | flex paged ms | "
+        "SDPA paged ms | roofline ms | attnlab of roofline | SDPA of roofline | flex of roofline | rel. err | "
+        "flex rel. err (paged) | flex 1st s | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["decode"]:
+        paged_err = f" ({r['rel_err_flex_paged']:.2e})" if "rel_err_flex_paged" in r else ""
         lines.append(
             f"| {r['dtype']} | {r['n_heads']} x {r['head_dim']} | {r['batch']} | {r['context']} | {r['n_kv_heads']} | "
-            f"{_f(r.get('ms_attnlab'), '.4f')} | "
-            f"{_f(r.get('ms_sdpa'), '.4f')} | {_f(r.get('roofline_ms'), '.4f')} | {_f(r.get('fraction'), '.2f')} | "
-            f"{_f(r.get('fraction_sdpa'), '.2f')} | {_f(r.get('rel_err'))} | {r.get('error', '')} |"
+            f"{_f(r.get('ms_attnlab'), '.4f')} | {_f(r.get('ms_sdpa'), '.4f')} | {_f(r.get('ms_flex'), '.4f')} | "
+            f"{_f(r.get('ms_flex_paged'), '.4f')} | {_f(r.get('ms_sdpa_paged'), '.4f')} | "
+            f"{_f(r.get('roofline_ms'), '.4f')} | {_f(r.get('fraction'), '.2f')} | "
+            f"{_f(r.get('fraction_sdpa'), '.2f')} | {_f(r.get('fraction_flex'), '.2f')} | {_f(r.get('rel_err'))} | "
+            f"{_f(r.get('rel_err_flex'))}{paged_err} | "
+            f"{_f(r.get('flex_first_s'), '.1f')} | "
+            f"{r.get('error', '')} |"
         )
+    if not any("ms_flex" in r for r in result["decode"]):
+        lines += [
+            "",
+            "The flex columns are empty: this run predates the flex backend (not measured on a GPU yet).",
+        ]
     timed = [r for r in result["decode"] if "fraction" in r]
     big = [r for r in timed if r["batch"] >= 8]
     if timed:

@@ -27,12 +27,15 @@ class PagedView:
     """Keys (or values) of a ``PagedKVCache``'s active rows, as attention reads them, without a copy.
 
     ``pool`` (n_kv_heads, n_blocks * block_size, D) is a view of the cache's pool. Batch row ``i`` holds
-    ``lengths[i]`` tokens: the slices ``pool[:, start : start + n]`` of its ``runs[i]``, in order.
+    ``lengths[i]`` tokens: the slices ``pool[:, start : start + n]`` of its ``runs[i]``, in order. ``block_size``:
+    the cache's block size (every run but a row's last starts and ends on a multiple of it), so that a reader can
+    tile the pool in the cache's own blocks (the FlexAttention backend's block mask); 0 when not known.
     """
 
     pool: torch.Tensor
     runs: tuple[tuple[tuple[int, int], ...], ...]
     lengths: tuple[int, ...]
+    block_size: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -499,7 +502,8 @@ class PagedKVCache:
         runs = tuple(tuple((block * bs, n) for block, n in self.runs(r)) for r in self.active)
         lengths = tuple(self.lengths[r] - self.dropped[r] * bs for r in self.active)  # the tokens kept
         # (n_kv, n_blocks * block_size, D) views: a run of consecutive blocks is a slice of them
-        return PagedView(self.k.flatten(1, 2), runs, lengths), PagedView(self.v.flatten(1, 2), runs, lengths)
+        k, v = self.k.flatten(1, 2), self.v.flatten(1, 2)
+        return PagedView(k, runs, lengths, bs), PagedView(v, runs, lengths, bs)
 
     def runs(self, row: int) -> list[tuple[int, int]]:
         """Row ``row``'s kept tokens as (first block, n_tokens) runs of physically consecutive blocks."""

@@ -53,7 +53,7 @@ def _calls():
 
 
 def test_every_backend_is_registered_where_it_is_defined_and_named_in_the_config():
-    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused"]
+    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused", "flex"]
     assert ("auto", *BACKENDS) == config.BACKENDS
     assert all(b.run.__module__ == kernels.__name__ for b in BACKENDS.values())
     assert not hasattr(fused, "supports") and not hasattr(fused, "block_supports")  # no decision elsewhere
@@ -85,7 +85,13 @@ def test_auto_by_device_and_phase():
         Call("cpu", torch.float32, "decode", softcap=True): "grouped",
         Call("cpu", torch.float32, "prefill", softcap=True): "grouped",
         Call("cpu", torch.float32, "decode", subclass=True): "grouped",  # a DTensor shard
-        Call("cuda", torch.float32, "decode"): "sdpa",
+        Call("cuda", torch.float32, "decode"): "flex",  # paged rows in place: no gathered copy
+        Call("cuda", torch.bfloat16, "decode", paged=True): "flex",
+        Call("cuda", torch.bfloat16, "decode", mask=True, softcap=True): "flex",
+        Call("cuda", torch.float32, "decode", dropout=True): "sdpa",
+        Call("cuda", torch.float32, "decode", grad=True): "sdpa",
+        Call("cuda", torch.float64, "decode"): "sdpa",
+        Call("cuda", torch.float32, "decode", dropout=True, softcap=True): "grouped",
         Call("cuda", torch.bfloat16, "prefill", paged=True): "sdpa",
         Call("mps", torch.float32, "decode"): "sdpa",
     }
@@ -94,7 +100,7 @@ def test_auto_by_device_and_phase():
 
 def test_an_unknown_backend_is_named():
     with pytest.raises(
-        ValueError, match=r"backend must be one of auto, reference, sdpa, grouped, fused; got 'flash'"
+        ValueError, match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex; got 'flash'"
     ):
         choose(Call("cpu", torch.float32, "decode"), "flash")
 

@@ -27,6 +27,7 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
         assert r["logits_rel_err_fp32"] < 1e-5 and r["logits_rel_err_bf16"] < 2e-2, r
         assert r["greedy_equal_contiguous"] and r["greedy_equal_paged"] and r["sampled_same_seed_equal"], r
     assert all("error" not in r and r["rel_err"] < 2e-2 for r in result["decode"]), result["decode"]
+    assert all(r["rel_err_flex"] < 2e-2 and r["rel_err_flex_paged"] < 2e-2 for r in result["decode"])
     e2e = result["end_to_end"]
     assert (
         "error" not in e2e and e2e["same_tokens"] and e2e["decode_tok_s"] > 0 and e2e["hf_decode_tok_s"] > 0

@@ -1,4 +1,4 @@
-"""The attention math, behind one function and four backends chosen from one table.
+"""The attention math, behind one function and five backends chosen from one table.
 
 Shapes (one convention for the whole package):
     q: (B, n_heads, T_q, D)       k: (B, n_kv_heads, T_k, D)       v: (B, n_kv_heads, T_k, D_v)
@@ -28,6 +28,9 @@ Backends (each a ``backends.Backend`` declaring what it takes, registered in ``b
     "fused"      the C++ decode operators of ``fused`` (CPU, float32/bfloat16, one query per head; no mask,
                  dropout, gradient, soft-capping or tensor subclass; built): scores, online softmax and weighted sum
                  in one pass over each KV block, paged rows all in one call; and whole decoder-block steps.
+    "flex"       ``flex`` (PyTorch's FlexAttention; CPU and CUDA, 16/32-bit floats, one query per head; no dropout,
+                 gradient or tensor subclass): compiled on CUDA, eager elsewhere; paged rows read in place through a block mask
+                 of the block table, masks and soft-capping as its mask_mod and score_mod.
     "auto"       the first backend of ``backends.AUTO`` for the device type and phase that takes the call.
 ``attend`` asks ``backends.choose`` once per call; a named backend that cannot take a call hands it on as "auto"
 would. "reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length (none when
@@ -44,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import PagedView
-from . import fused
+from . import flex, fused
 from .backends import AUTO, Backend, Call, choose, register
 from .decode import grouped_decode, paged_decode
 
@@ -159,6 +162,35 @@ def _grouped_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softca
 _grouped_dense = _dense(_grouped_kernel)
 
 
+def _flex_kernel(q, k, v, attn_mask, is_causal, scale, dropout_p, softcap):
+    # One query per head (the backend computes decode only) sees every key: is_causal changes nothing.
+    return flex.decode(q, k, v, scale=scale, attn_mask=attn_mask, softcap=softcap)
+
+
+_flex_dense = _dense(_flex_kernel)
+
+
+def _flex_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+    if not isinstance(k, PagedView):
+        return _flex_dense(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap)
+    out = flex.paged_decode(
+        q,
+        k.pool,
+        v.pool,
+        k.runs,
+        k.lengths,
+        scale=scale,
+        block_size=k.block_size,
+        window=window,
+        softcap=softcap,
+    )
+    if _may_sync(q) and not bool(torch.isfinite(out).all()):
+        # The eager path multiplies every slot of the pool by its (zero) probability: a non-finite value in a slot
+        # that is not the row's own would reach the output. The gathered copy reads each row's slots alone.
+        return _flex_dense(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap)
+    return out
+
+
 def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
     if isinstance(k, PagedView):  # every row in one call, its window a start offset
         return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale, window=window)
@@ -184,18 +216,35 @@ register(
         available=fused.available,
     )
 )
+register(
+    Backend(
+        "flex",
+        _flex_run,
+        devices=frozenset({"cpu", "cuda"}),  # compiled on CUDA, eager elsewhere (see attention/flex.py)
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+        phases=frozenset({"decode"}),
+        dropout=False,
+        grad=False,  # FlexAttention has no backward on a CPU (torch 2.13), and none was tested on CUDA
+        subclass=False,
+        available=flex.available,
+    )
+)
 
 # "auto", by device type and phase. CPU, measured on this project's machines (docs/performance.md): for one query
 # per head the fused C++ kernel (one pass over the cache, online softmax) beats the grouped kernel and SDPA in
 # float32 and, far more, in bfloat16 (whose library matmuls are slow here), and reads paged rows in place, all rows in
 # one call; where it cannot run, the grouped kernel. For prefill SDPA's fused flash kernel wins, paged rows gathered
-# (over the grouped kernel's blocks of queries, by far in bfloat16). Any other device (CUDA, ...): SDPA, whose fused
-# kernels read each KV head once without repeating it and never sync with the host, while the grouped kernels loop in
-# Python over (batch, KV head) pairs for 16-bit dtypes; paged K/V are then gathered into one contiguous copy (a
-# block-table kernel such as FlexAttention would avoid the copy). The dtype does not change the order on either
-# device today; the backends' dtypes decide where one cannot run. Soft-capping: the grouped kernel, everywhere.
+# (over the grouped kernel's blocks of queries, by far in bfloat16). Any other device: SDPA, whose fused kernels read
+# each KV head once without repeating it and never sync with the host, while the grouped kernels loop in Python over
+# (batch, KV head) pairs for 16-bit dtypes; paged K/V are then gathered into one contiguous copy. CUDA decode: first
+# FlexAttention, compiled, NOT MEASURED YET (no GPU was lent when it was added; benchmarks/gpu_check.py times it beside
+# SDPA): it reads paged rows in place through a block mask of the block table, where SDPA copies every row first, and
+# stacks each KV head's query group in one tile; then SDPA (dropout, tensor subclasses), then grouped. The dtype does
+# not change the order on either device today; the backends' dtypes decide where one cannot run. Soft-capping:
+# FlexAttention's score_mod for a CUDA decode, else the grouped kernel.
 AUTO[("cpu", "decode")] = ("fused", "grouped")
 AUTO[("cpu", "prefill")] = ("sdpa", "grouped")
+AUTO[("cuda", "decode")] = ("flex", "sdpa", "grouped")
 AUTO[("*", "decode")] = AUTO[("*", "prefill")] = ("sdpa", "grouped")
 
 
