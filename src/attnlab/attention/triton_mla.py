@@ -99,7 +99,7 @@ def _chunk_kernel(
         if PAGED:
             rows = tl.load(Slots + b * stride_sb + t, mask=live_t, other=0).to(tl.int64) * stride_kt
         else:
-            rows = b * stride_kb + t.to(tl.int64) * stride_kt
+            rows = b.to(tl.int64) * stride_kb + t.to(tl.int64) * stride_kt
         k_lat = tl.load(KV + rows[:, None] + cols[None, :], mask=live_t[:, None] & live_r[None, :], other=0.0)
         k_rope = tl.load(
             KV + rows[:, None] + R + rope[None, :], mask=live_t[:, None] & live_p[None, :], other=0.0
