@@ -14,8 +14,10 @@ n_heads 32 of 128 dims, n_kv_heads 8, 4, 2, 1, 4096 and 16384 tokens, batch 1 an
 ``F.scaled_dot_product_attention(enable_gqa=True)`` and the "flex" backend (over the same caches, and over copies of
 them in shuffled blocks beside attnlab's gathering SDPA path), each over a ring of caches larger than the L2 cache,
 timed with CUDA events (median); the roofline is the KV bytes over the bandwidth of a device-to-device copy measured
-at the start (bytes read plus written). End to end: ``attnlab.generate`` of a model of SmolLM-135M's shape (random
-weights, bfloat16) at a 512-token prompt. Each section records its error instead of stopping the run.
+at the start (bytes read plus written); MLA's absorbed decode (DeepSeek-V2-Lite's 16 heads and V3's 128, latent rows
+of 512 + 64 values) through the Triton kernel beside SDPA and plain matmuls, against the roofline of the latent bytes.
+End to end: ``attnlab.generate`` of a model of SmolLM-135M's shape (random weights, bfloat16) at a 512-token prompt.
+Each section records its error instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -269,6 +271,99 @@ def _paged_copy(k, v, block: int, gen):
     return tuple(PagedView(pool, tuple(runs), lengths, block) for pool in pools)
 
 
+# MLA's attention shapes (kv_lora_rank, qk_rope_head_dim; qk_nope_head_dim 128 and v_head_dim 128 are folded into the
+# query and the output before attention and do not change these rows): DeepSeek-V2-Lite and DeepSeek-V3's configs.
+MLA_SHAPES = {"DeepSeek-V2-Lite": (16, 512, 64), "DeepSeek-V3": (128, 512, 64)}
+MLA_QUICK = {"tiny-40": (40, 32, 8)}  # two groups of heads in the kernel
+
+
+def mla_decode_rows(device: str, quick: bool, bandwidth: float) -> list[dict]:
+    """One absorbed MLA decode step over the latent rows (bfloat16): the Triton kernel (``attention/triton_mla.py``,
+    contiguous and paged rows) beside the paths without it, SDPA (what "auto" ran on CUDA before it) and the grouped
+    plain matmuls, over a ring of caches larger than the L2 cache, against the roofline of the latent bytes. Where
+    the backend table refuses the Triton kernel (a CPU, no triton) its columns are empty and the reason recorded."""
+    import torch
+
+    rows = [
+        dict(model=m, dtype="bf16", batch=b, context=ctx, n_heads=h, kv_lora_rank=r, qk_rope_head_dim=p)
+        for m, (h, r, p) in (MLA_QUICK if quick else MLA_SHAPES).items()
+        for b in ((1, 2) if quick else (1, 8))
+        for ctx in ((256,) if quick else (4096, 16384))
+    ]
+    for row in rows:  # a failed row records its error, the others still run
+        try:
+            row |= _mla_decode_row(device, torch.bfloat16, row["batch"], row["context"], row["n_heads"],
+                                   row["kv_lora_rank"], row["qk_rope_head_dim"], bandwidth, quick)  # fmt: skip
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _mla_decode_row(device, dt, b, ctx, heads, rank, rope, bandwidth, quick) -> dict:
+    import torch
+
+    from attnlab.attention.backends import BACKENDS
+    from attnlab.attention.kernels import attend, call_of
+    from attnlab.cache import PagedView
+
+    width, elem = rank + rope, torch.finfo(dt).bits // 8
+    latent_bytes = b * ctx * width * elem
+    n_ring = 2 if quick else max(2, min(16, -(-2 * 64 * 2**20 // latent_bytes)))
+    repeats = 3 if quick else 20
+    ring = [torch.randn(b, 1, ctx, width, device=device, dtype=dt) for _ in range(n_ring)]
+    q = torch.randn(b, heads, 1, width, device=device, dtype=dt)
+    scale = (128 + rope) ** -0.5  # DeepSeek's: the query's nope + rope width, not the latent's
+    # The same rows paged: blocks of 64 tokens, every block of every row at a random place in its pool (one per cache
+    # of the ring)
+    block = 64
+    per_row = ctx // block  # the contexts are multiples of 64
+    place = torch.randperm(b * per_row, generator=torch.Generator().manual_seed(0))
+    at = place.tolist()
+    runs = tuple(tuple((at[i * per_row + j] * block, block) for j in range(per_row)) for i in range(b))
+    paged = []
+    for k in ring:
+        pool = torch.empty(b * per_row, block, width, device=device, dtype=dt)
+        pool[place.to(device)] = k.reshape(b * per_row, block, width)  # block j of the rows to its place
+        pool = pool.view(1, -1, width)
+        paged.append((PagedView(pool, runs, (ctx,) * b), PagedView(pool[..., :rank], runs, (ctx,) * b)))
+
+    def path(backend, rows):
+        return lambda: [attend(q, k, k[..., :rank], scale=scale, backend=backend) for k in rows]
+
+    out = {}
+    with torch.inference_mode():
+        # float64 on the CPU, the heads stacked as the rows of one product against the one latent head
+        k64, q64 = ring[0].double().cpu(), q.double().cpu().transpose(1, 2)  # (B, 1, H, width)
+        ref = torch.softmax(q64 @ k64.transpose(-2, -1) * scale, dim=-1) @ k64[..., :rank]
+        ref = ref.transpose(1, 2)  # (B, H, 1, rank)
+        for name in ("sdpa", "grouped"):
+            out[f"rel_err_{name}"] = _rel(
+                attend(q, ring[0], ring[0][..., :rank], scale=scale, backend=name), ref
+            )
+            out[f"ms_{name}"] = _median_ms(path(name, ring), device, repeats) / n_ring
+        why = BACKENDS["triton_mla"].refuses(call_of(q, ring[0], ring[0][..., :rank]))
+        if why is not None:
+            out["triton_skipped"] = f"triton_mla {why}"
+        else:
+            out["rel_err_triton"] = _rel(
+                attend(q, ring[0], ring[0][..., :rank], scale=scale, backend="triton_mla"), ref
+            )
+            out["rel_err_triton_paged"] = _rel(attend(q, *paged[0], scale=scale, backend="triton_mla"), ref)
+            out["ms_triton"] = _median_ms(path("triton_mla", ring), device, repeats) / n_ring
+            ms = _median_ms(
+                lambda: [attend(q, *kv, scale=scale, backend="triton_mla") for kv in paged], device, repeats
+            )
+            out["ms_triton_paged"] = ms / n_ring  # with the slot table built from the runs at every call
+    # the latent rows, the queries and the outputs, each once
+    roof_ms = (latent_bytes + b * heads * (width + rank) * elem) / bandwidth * 1e3
+    out["roofline_ms"] = roof_ms
+    for name in ("triton", "triton_paged", "sdpa", "grouped"):
+        if f"ms_{name}" in out:
+            out[f"fraction_{name}"] = roof_ms / out[f"ms_{name}"]
+    return out
+
+
 def end_to_end(device: str, quick: bool) -> dict:
     """A Llama of SmolLM-135M's shape (its 3 KV heads, random weights, bf16) saved by transformers and loaded by
     both: greedy tokens from a 512-token prompt, ``attnlab.generate`` against transformers' ``generate`` (its
@@ -363,6 +458,7 @@ def run(device: str, quick: bool) -> dict:
         "machine": info,
         "correctness": correctness(device),
         "decode": decode_rows(device, quick, info["copy_gbps"] * 1e9),
+        "mla_decode": mla_decode_rows(device, quick, info["copy_gbps"] * 1e9),
         "end_to_end": end_to_end(device, quick),
     }
     result["seconds"] = round(time.time() - start, 1)
@@ -439,6 +535,8 @@ def page(result: dict) -> str:
             f"roofline (issue 34's target: 16 of 20); attnlab at least as fast as SDPA (within 2 %) on "
             f"{sum(r['ms_attnlab'] <= 1.02 * r['ms_sdpa'] for r in timed)} of {len(timed)} shapes.",
         ]
+    if "mla_decode" in result:  # runs before this section was added have none
+        lines += _mla_page(result["mla_decode"])
     e = result["end_to_end"]
     lines += ["", "## End to end", ""]
     if "error" in e:
@@ -464,6 +562,39 @@ def page(result: dict) -> str:
                       "", "| op | calls | self ms |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{k}` | {n} | {ms} |" for k, n, ms in e["host_top"]]
     return "\n".join(lines) + "\n"
+
+
+def _mla_page(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "## MLA absorbed decode, one step",
+        "",
+        "Attention over the latent rows (kv_lora_rank + rope values per token, one KV head for all query heads, the "
+        "values the first kv_lora_rank of them), bfloat16: attnlab's Triton kernel over contiguous and paged rows "
+        "(blocks of 64 tokens in shuffled order), SDPA and the grouped plain matmuls, medians of timings over a ring "
+        "of caches larger than the L2 cache; roofline = (latent rows + queries + outputs) bytes / the copy bandwidth.",
+        "",
+        "| model | heads | B | context | Triton ms | Triton paged ms | SDPA ms | matmuls ms | roofline ms | "
+        "Triton of roofline | paged of roofline | SDPA of roofline | rel. err Triton | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['n_heads']} | {r['batch']} | {r['context']} | {_f(r.get('ms_triton'), '.4f')} | "
+            f"{_f(r.get('ms_triton_paged'), '.4f')} | {_f(r.get('ms_sdpa'), '.4f')} | "
+            f"{_f(r.get('ms_grouped'), '.4f')} | {_f(r.get('roofline_ms'), '.4f')} | "
+            f"{_f(r.get('fraction_triton'), '.2f')} | {_f(r.get('fraction_triton_paged'), '.2f')} | "
+            f"{_f(r.get('fraction_sdpa'), '.2f')} | {_f(r.get('rel_err_triton'))} | "
+            f"{r.get('error', r.get('triton_skipped', ''))} |"
+        )
+    timed = [r for r in rows if "fraction_triton" in r and r["context"] >= 4096]
+    if timed:
+        lines += [
+            "",
+            f"The Triton kernel reaches 0.6 of the roofline (issue 34's target at context >= 4096) on "
+            f"{sum(r['fraction_triton'] >= 0.6 for r in timed)} of {len(timed)} shapes.",
+        ]
+    return lines
 
 
 def _f(x, fmt: str = ".2e") -> str:

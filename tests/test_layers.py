@@ -84,7 +84,8 @@ ATTENTION: dict[str, set[str]] = {
     "fused": set(),
     "backends": set(),
     "flex": set(),
-    "kernels": {"backends", "decode", "fused", "flex"},
+    "triton_mla": set(),
+    "kernels": {"backends", "decode", "fused", "flex", "triton_mla"},
     "linear": {"fused"},
     "gqa": {"kernels", "linear", "rope", "norm"},
     "mla": {"gqa", "kernels", "linear", "rope", "norm"},
@@ -104,7 +105,8 @@ CORE = (
 ONLY_IN = {"transformers": {"bench"}, "typer": {"cli"}}  # third-party packages kept to one unit
 # The one exception, by file: scaled RoPE takes its frequencies from transformers' own ROPE_INIT_FUNCTIONS (issue
 # 30: computed as transformers computes them, not re-derived), imported there lazily for scaled RoPE only.
-ALLOWED = {("attention/rope.py", "transformers")}
+# And the MLA decode kernel in Triton (issue 34), an optional dependency imported only when its backend runs.
+ALLOWED = {("attention/rope.py", "transformers"), ("attention/triton_mla.py", "triton")}
 
 
 def _module_name(path: Path) -> str:

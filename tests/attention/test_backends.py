@@ -31,8 +31,10 @@ FLAGS = ("paged", "mask", "dropout", "grad", "softcap", "subclass")
 
 @pytest.fixture
 def fused_available(monkeypatch):
-    """The table's answers as where the kernels are built (this test is about the table, not the build)."""
-    monkeypatch.setitem(BACKENDS, "fused", dataclasses.replace(BACKENDS["fused"], available=None))
+    """The table's answers as where the kernels are built and triton installed (this test is about the table, not
+    the build)."""
+    for name in ("fused", "triton_mla"):
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], available=None))
 
 
 def _covers(backend: backends.Backend, call: Call) -> bool:
@@ -41,19 +43,20 @@ def _covers(backend: backends.Backend, call: Call) -> bool:
         and (backend.dtypes is None or call.dtype in backend.dtypes)
         and call.phase in backend.phases
         and all(getattr(backend, flag) or not getattr(call, flag) for flag in FLAGS)
+        and (call.latent or not backend.latent_only)
     )
 
 
 def _calls():
-    for device, dtype, phase, *flags in itertools.product(
-        ("cpu", "cuda"), (torch.float32, torch.bfloat16, torch.float64), ("prefill", "decode"),
+    for device, dtype, phase, latent, *flags in itertools.product(
+        ("cpu", "cuda"), (torch.float32, torch.bfloat16, torch.float64), ("prefill", "decode"), (False, True),
         *[(False, True)] * len(FLAGS),
     ):  # fmt: skip
-        yield Call(device, dtype, phase, **dict(zip(FLAGS, flags, strict=True)))
+        yield Call(device, dtype, phase, latent=latent, **dict(zip(FLAGS, flags, strict=True)))
 
 
 def test_every_backend_is_registered_where_it_is_defined_and_named_in_the_config():
-    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused", "flex"]
+    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused", "flex", "triton_mla"]
     assert ("auto", *BACKENDS) == config.BACKENDS
     assert all(b.run.__module__ == kernels.__name__ for b in BACKENDS.values())
     assert not hasattr(fused, "supports") and not hasattr(fused, "block_supports")  # no decision elsewhere
@@ -92,6 +95,11 @@ def test_auto_by_device_and_phase():
         Call("cuda", torch.float32, "decode", grad=True): "sdpa",
         Call("cuda", torch.float64, "decode"): "sdpa",
         Call("cuda", torch.float32, "decode", dropout=True, softcap=True): "grouped",
+        Call("cuda", torch.bfloat16, "decode", latent=True): "triton_mla",  # MLA's absorbed decode
+        Call("cuda", torch.bfloat16, "decode", paged=True, latent=True): "triton_mla",
+        Call("cuda", torch.bfloat16, "decode", mask=True, latent=True): "flex",
+        Call("cuda", torch.float64, "decode", latent=True): "sdpa",
+        Call("cpu", torch.bfloat16, "decode", latent=True): "fused",
         Call("cuda", torch.bfloat16, "prefill", paged=True): "sdpa",
         Call("mps", torch.float32, "decode"): "sdpa",
     }
@@ -100,7 +108,8 @@ def test_auto_by_device_and_phase():
 
 def test_an_unknown_backend_is_named():
     with pytest.raises(
-        ValueError, match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex; got 'flash'"
+        ValueError,
+        match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex, triton_mla; got 'flash'",
     ):
         choose(Call("cpu", torch.float32, "decode"), "flash")
 
@@ -185,6 +194,13 @@ def test_explain_says_which_backend_runs_and_why_each_other_does_not(fused_avail
         and "fused: computes decode only" in text
     )
     assert "grouped: after sdpa in the order" in text
+    text = explain(Call("cuda", torch.bfloat16, "decode"))
+    assert (
+        text.startswith("flex for a cuda bfloat16 decode")
+        and "triton_mla: reads MLA latent rows only" in text
+    )
+    text = explain(Call("cuda", torch.bfloat16, "decode", paged=True, latent=True))
+    assert text.startswith("triton_mla for a cuda bfloat16 latent paged decode (asked: auto)")
 
 
 LOGGED = """

@@ -28,6 +28,11 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
         assert r["greedy_equal_contiguous"] and r["greedy_equal_paged"] and r["sampled_same_seed_equal"], r
     assert all("error" not in r and r["rel_err"] < 2e-2 for r in result["decode"]), result["decode"]
     assert all(r["rel_err_flex"] < 2e-2 and r["rel_err_flex_paged"] < 2e-2 for r in result["decode"])
+    mla = result["mla_decode"]
+    assert [(r["model"], r["batch"]) for r in mla] == [("tiny-40", 1), ("tiny-40", 2)]
+    for r in mla:  # on a CPU the table refuses the Triton kernel, and the row says so
+        assert "error" not in r and r["rel_err_sdpa"] < 2e-2 and r["rel_err_grouped"] < 2e-2, r
+        assert r["triton_skipped"] == "triton_mla runs on cuda only" and "ms_triton" not in r, r
     e2e = result["end_to_end"]
     assert (
         "error" not in e2e and e2e["same_tokens"] and e2e["decode_tok_s"] > 0 and e2e["hf_decode_tok_s"] > 0
@@ -40,6 +45,7 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "again.md").read_text() == page
+    assert "## MLA absorbed decode" in page and "| tiny-40 | 40 | 2 | 256 |" in page
     assert "| mla | " in page and f"{e2e['decode_tok_s'] / e2e['hf_decode_tok_s']:.2f}x" in page
 
 

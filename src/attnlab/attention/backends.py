@@ -2,14 +2,15 @@
 
 A ``Backend`` declares its capabilities: the device types and dtypes it runs on, the phases it computes
 ("prefill": several queries per row, "decode": one), and whether it takes paged K/V, a mask, dropout, a gradient to
-record, logit soft-capping, tensor subclasses (DTensor), and whole decoder-block steps (and of how many rows); and
+record, logit soft-capping, tensor subclasses (DTensor), and whole decoder-block steps (and of how many rows); whether
+it takes only MLA's latent rows (one KV head whose values are the first columns of its keys); and
 whether it can run here at all (the C++ kernels built). ``BACKENDS`` maps each name to its backend; the backends are
 added where they are defined (``attention/kernels.py``), and ``AUTO`` orders them per (device type, phase) as
 measured there.
 
 ``choose(call, backend)`` is the one place a backend is picked: ``attend`` asks it once per call, the model's block
 plan once per decode step. A ``Call`` says what is asked (device, dtype, phase, paged, mask, dropout, gradient,
-soft-capping, subclass, block step). "auto" takes the first backend of the order that accepts the call; a named
+soft-capping, subclass, block step, latent rows). "auto" takes the first backend of the order that accepts the call; a named
 backend runs if it accepts it, else the call goes down the order as for "auto" (so "fused" on a masked step runs
 "grouped", and on a paged prefill "sdpa"); a block step is not handed on: it runs on the backend named (with
 "auto", the first of the order that takes it) or, when that has none, module by module. The ``Choice`` names the backend and, for every other backend, why it was
@@ -45,9 +46,11 @@ class Call(NamedTuple):
     softcap: bool = False  # logit soft-capping (Gemma 2)
     subclass: bool = False  # a tensor subclass (DTensor) among the operands
     block: int = 0  # a whole decoder block's decode step of this many rows (0: attention alone)
+    latent: bool = False  # one KV head whose values are the first columns of its keys (MLA's latent rows)
 
     def __str__(self) -> str:
         what = f"{self.block}-row block step" if self.block else ("paged " if self.paged else "") + self.phase
+        what = ("latent " if self.latent else "") + what
         extras = [n for n in ("mask", "dropout", "grad", "softcap", "subclass") if getattr(self, n)]
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.device} {dtype} {what}" + (f" with {', '.join(extras)}" if extras else "")
@@ -75,6 +78,7 @@ class Backend:
     softcap: bool = True
     subclass: bool = True
     block_rows: int = 0  # whole decoder-block decode steps of up to this many rows; 0: none
+    latent_only: bool = False  # takes only MLA's latent rows (``Call.latent``)
     available: Callable[[], bool] | None = None  # None: always; else asked last (it may build a kernel)
 
     def refuses(self, call: Call) -> str | None:
@@ -87,6 +91,8 @@ class Backend:
             return f"computes {', '.join(sorted(self.phases))} only"
         if call.paged and not self.paged:
             return "reads no paged K/V"
+        if self.latent_only and not call.latent:
+            return "reads MLA latent rows only"
         for flag in _LIMITS:
             if getattr(call, flag) and not getattr(self, flag):
                 return f"takes no {_WORDS[flag]}"

@@ -1,4 +1,4 @@
-"""The attention math, behind one function and five backends chosen from one table.
+"""The attention math, behind one function and six backends chosen from one table.
 
 Shapes (one convention for the whole package):
     q: (B, n_heads, T_q, D)       k: (B, n_kv_heads, T_k, D)       v: (B, n_kv_heads, T_k, D_v)
@@ -25,6 +25,9 @@ Backends (each a ``backends.Backend`` declaring what it takes, registered in ``b
                  KV head in one matmul, (B, n_kv_heads, group * T_q, D) @ (B, n_kv_heads, D, T_k); for one
                  query per head (decode) ``decode.grouped_decode``: split-K over the context, log-sum-exp merge;
                  over paged K/V ``decode.paged_decode``, which reads each run of blocks in place. Takes anything.
+    "triton_mla" MLA's absorbed decode over its latent rows (contiguous or paged) as a Triton kernel
+                 (``triton_mla``; CUDA, or a CPU under ``TRITON_INTERPRET=1``; one query per head, one KV head whose
+                 values are the first columns of its keys; no mask, dropout, gradient, soft-capping or subclass).
     "fused"      the C++ decode operators of ``fused`` (CPU, float32/bfloat16, one query per head; no mask,
                  dropout, gradient, soft-capping or tensor subclass; built): scores, online softmax and weighted sum
                  in one pass over each KV block, paged rows all in one call; and whole decoder-block steps.
@@ -42,6 +45,10 @@ skip work nobody needs; on a GPU it stalls the stream and under ``torch.compile`
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +115,9 @@ def call_of(
         grad=torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad or vt.requires_grad),
         softcap=softcap is not None,
         subclass=type(q) not in _PLAIN or type(kt) not in _PLAIN or type(vt) not in _PLAIN,
+        # MLA's absorbed form: one KV head, the values a view of the keys' first columns (the shape test first: a
+        # GQA call pays no more than it)
+        latent=kt.shape[-3] == 1 and vt.shape[-1] <= kt.shape[-1] and fused._first_columns(vt, kt),
     )
 
 
@@ -197,6 +207,22 @@ def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap)
     return fused.decode(q, k, v, scale=scale)
 
 
+def _triton_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+    from . import triton_mla  # imports triton: only when this backend runs
+
+    return triton_mla.decode(q, k, v.shape[-1], scale=scale, window=window)
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+# What the native decode kernels take: one query per head, nothing beside the plain product (no mask, dropout,
+# gradient, soft-capping or tensor subclass)
+_PLAIN_DECODE = dict(
+    phases=frozenset({"decode"}), mask=False, dropout=False, grad=False, softcap=False, subclass=False
+)
+
 register(Backend("reference", _dense(_reference_kernel)))
 register(Backend("sdpa", _dense(_sdpa_kernel), softcap=False))
 register(Backend("grouped", _grouped_run))
@@ -206,12 +232,7 @@ register(
         _fused_run,
         devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32, torch.bfloat16}),
-        phases=frozenset({"decode"}),
-        mask=False,
-        dropout=False,
-        grad=False,
-        softcap=False,
-        subclass=False,
+        **_PLAIN_DECODE,
         block_rows=fused.LINEAR_MAX_ROWS,
         available=fused.available,
     )
@@ -229,6 +250,20 @@ register(
         available=flex.available,
     )
 )
+register(
+    Backend(
+        "triton_mla",
+        _triton_mla_run,
+        # On a CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use: named, never by "auto".
+        devices=frozenset(
+            {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else {"cuda"}
+        ),
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+        **_PLAIN_DECODE,
+        latent_only=True,
+        available=functools.cache(_triton_importable),
+    )
+)
 
 # "auto", by device type and phase. CPU, measured on this project's machines (docs/performance.md): for one query
 # per head the fused C++ kernel (one pass over the cache, online softmax) beats the grouped kernel and SDPA in
@@ -244,8 +279,12 @@ register(
 # FlexAttention's score_mod for a CUDA decode, else the grouped kernel.
 AUTO[("cpu", "decode")] = ("fused", "grouped")
 AUTO[("cpu", "prefill")] = ("sdpa", "grouped")
-AUTO[("cuda", "decode")] = ("flex", "sdpa", "grouped")
 AUTO[("*", "decode")] = AUTO[("*", "prefill")] = ("sdpa", "grouped")
+# CUDA decode over MLA's latent rows: our Triton kernel first (attention/triton_mla.py: split-K, each row read once
+# per group of heads, paged rows in place), which takes latent calls only; SDPA would read the latent twice (as keys
+# and as values) and gather paged rows first. Not yet timed on a GPU either (benchmarks/gpu_check.py has the rows);
+# chosen by design.
+AUTO[("cuda", "decode")] = ("triton_mla", "flex", "sdpa", "grouped")
 
 
 def sliding_band(t_q: int, t_k: int, window: int, device: torch.device) -> torch.Tensor:
