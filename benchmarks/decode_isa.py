@@ -47,6 +47,12 @@ TARGET = 0.5  # of the roofline (issue 33, item 4)
 ISA_LABEL = {"amx": "AVX-512 + AMX", "avx512": "AVX-512", "avx2": "AVX2", "generic": "no AVX2"}
 
 
+def _label(run: dict) -> str:
+    """The run's instructions, with AVX512-BF16 named where its bfloat16 steps took the dot products."""
+    label = ISA_LABEL.get(run["isa"], run["isa"])
+    return label + " + AVX512-BF16" if "AVX512-BF16" in run["machine"].get("decode_path", "") else label
+
+
 def grids(quick: bool, repeats: int):
     from attnlab.bench import DecodeGrid
 
@@ -195,7 +201,7 @@ def page(result: dict) -> str:
             else f"`{r['command']}`"
         )
         lines.append(
-            f"| {i + 1} | {r['cpu']} | {ISA_LABEL.get(r['isa'], r['isa'])} | {hw['bandwidth'] / 1e9:.1f} GB/s | "
+            f"| {i + 1} | {r['cpu']} | {_label(r)} | {hw['bandwidth'] / 1e9:.1f} GB/s | "
             f"{peaks} GFLOP/s | {m.get('load_average', '?')} | {r.get('date', '')} | {what} |"
         )
     lines += [
@@ -238,7 +244,7 @@ def page(result: dict) -> str:
         worst = min(r["rows"], key=lambda x: x["roofline_fraction"])
         met = all(f >= TARGET for f in fr) and len(fr) >= 24
         lines.append(
-            f"| {i + 1} | {ISA_LABEL.get(r['isa'], r['isa'])} | {sum(f >= TARGET for f in fr)} of {len(fr)} | "
+            f"| {i + 1} | {_label(r)} | {sum(f >= TARGET for f in fr)} of {len(fr)} | "
             f"{worst['roofline_fraction']:.2f} ({_shape(worst)}) | {'yes' if met else 'no'} |"
         )
     lines += ["", "## What bounds each run (computed from its rows)", ""]
@@ -255,13 +261,24 @@ def page(result: dict) -> str:
             by_group.setdefault(x["n_heads"] // x["n_kv_heads"], []).append(x["roofline_fraction"])
         groups = ", ".join(f"{g}: {min(f):.2f}-{max(f):.2f}" for g, f in sorted(by_group.items()))
         lines.append(
-            f"- Run {i + 1} ({ISA_LABEL.get(r['isa'], r['isa'])}): {len(compute)} of {len(r['rows'])} shapes are bound "
+            f"- Run {i + 1} ({_label(r)}): {len(compute)} of {len(r['rows'])} shapes are bound "
             f"by FLOPs rather than bytes at this machine's peaks; fraction of the roofline by query group, {groups}. "
-            f"The kernels compute bfloat16 in float32 (widened on load), so a FLOP-bound bfloat16 step reaches at most "
-            f"fp32 peak / bf16 peak = {fp32 / bf16:.2f} of its roofline"
-            + (" (AMX tiles aside)." if r["isa"] == "amx" else ".")
+            + _bf16_bound(r, fp32 / bf16)
         )
     return "\n".join(lines) + "\n"
+
+
+def _bf16_bound(run: dict, ratio: float) -> str:
+    """What caps the run's FLOP-bound bfloat16 steps, by the path they took."""
+    widened = f"fp32 peak / bf16 peak = {ratio:.2f} of its roofline"
+    if run["isa"] == "amx":
+        return f"Groups of 8 or more run on the AMX tiles; smaller ones in float32 (widened on load), at most {widened}."
+    if "AVX512-BF16" in run["machine"].get("decode_path", ""):
+        return (
+            "bfloat16 groups of 8 or more run on AVX512-BF16's dot products (two products per lane an instruction, "
+            f"as the library's bfloat16 matmul); smaller ones in float32 (widened on load), at most {widened}."
+        )
+    return f"The kernels compute bfloat16 in float32 (widened on load), so a FLOP-bound bfloat16 step reaches at most {widened}."
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
