@@ -49,7 +49,9 @@ namespace attnlab_fused {
 // Without tiles the same layouts feed AVX512-BF16's dot products (below, dots_*): a 16-lane vector of queries per
 // instruction, two products per lane, twice a float32 FMA's work and no widening of the rows (32 heads of 128 over 1,
 // 2 and 4 KV heads, 1024 tokens in cache, one core of an AMD EPYC Zen 4: 2.04x, 1.99x and 1.36x the float32 tiles
-// on widened rows). Groups of 4 stay there (16 lanes for 4 queries: no gain, 1.00x).
+// on widened rows; from memory on two cores, benchmarks/kernel_ab.py, 4096 and 16384 tokens: groups of 32
+// 1.38-2.56x, of 16 1.34-1.95x, of 8 0.95-1.13x). Groups of 8 and 4 stay on the float32 tiles, which read memory as
+// fast (16 lanes for 4 queries: 1.00x in cache).
 
 #if defined(ATTNLAB_PAIRS)
 constexpr int64_t kAmxTokens = 256;     // tokens per block: 16 key tiles of 16 rows, 8 value steps of 32
@@ -72,9 +74,9 @@ inline bool amx_granted() { return false; }
 // Whether bfloat16 rows of these dims take the pair path: keys in whole 32-value steps, values in 16-column slices,
 // and on the tiles groups of 8 or more queries (with 4, the float32 tiles on widened rows keep up with memory and the
 // tiles' own loads, which stream less well, lose: 32 heads of 128 over 8 KV heads, contexts 4096 and 16384,
-// 1.09-1.14x slower); on the vectors' dot products, groups of kDotsGroup or more (the queries are padded to 16 lanes,
-// so groups of 4 gain nothing over the float32 tiles).
-constexpr int64_t kDotsGroup = 8;
+// 1.09-1.14x slower); on the vectors' dot products, groups of kDotsGroup or more (the queries are padded to 16 lanes:
+// smaller groups gain nothing from memory, see above).
+constexpr int64_t kDotsGroup = 16;
 inline bool amx_takes(const Dims& d) {
   if (!pairs_enabled.load(std::memory_order_relaxed) || d.dk % 32 != 0 || d.dv % 16 != 0) return false;
   return d.G >= (amx_granted() ? 8 : kDotsGroup);
