@@ -275,7 +275,7 @@ def _bf16_bound(run: dict, ratio: float) -> str:
         return f"Groups of 8 or more run on the AMX tiles; smaller ones in float32 (widened on load), at most {widened}."
     if "AVX512-BF16" in run["machine"].get("decode_path", ""):
         return (
-            "bfloat16 groups of 16 or more run on AVX512-BF16's dot products (two products per lane an instruction, "
+            "bfloat16 groups of 8 or more run on AVX512-BF16's dot products (two products per lane an instruction, "
             f"as the library's bfloat16 matmul); smaller ones in float32 (widened on load), at most {widened}."
         )
     return f"The kernels compute bfloat16 in float32 (widened on load), so a FLOP-bound bfloat16 step reaches at most {widened}."

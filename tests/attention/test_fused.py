@@ -212,8 +212,8 @@ def test_absorbed_mla_decode_through_the_kernel_equals_the_reference_backend(dty
     ids=["gqa-8", "mqa-32", "gqa-20", "small", "mla"],
 )
 def test_bfloat16_on_the_pair_path_and_off_it_equals_the_reference(dims, page, tiles):
-    """Where the CPU has AMX tiles or AVX512-BF16 dot products, bfloat16 steps with groups of 8 or more queries (16
-    or more on the dot products; keys a multiple of 32 wide) run on the pair path: scores of exact bfloat16 products summed in float32, weights
+    """Where the CPU has AMX tiles or AVX512-BF16 dot products, bfloat16 steps with groups of 8 or more queries (keys
+    a multiple of 32 wide) run on the pair path: scores of exact bfloat16 products summed in float32, weights
     rounded to bfloat16. Both that path and the float32 tiles (``use_amx(False)``) equal the reference within
     bfloat16's tolerance, for padded groups (9, 20), MLA's latent rows, rows of lengths that end mid-tile and
     mid-block, contiguous caches and pages of 1 to 256 tokens (pages under 16 tokens are staged tile by tile, or

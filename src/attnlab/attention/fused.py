@@ -33,7 +33,7 @@ environments, two checkouts) keep one build each rather than rebuilding each oth
 from the cache) says so on stderr before it starts, once. Commands that time something call ``ensure_built``
 before starting a clock. On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups
 have 8 or more queries run on the tile unit (``csrc/amx.h`` says how); on CPUs without tiles but with AVX512-BF16
-(AMD Zen 4 and later) groups of 16 or more run in the same layouts on its dot products. ``amx()`` and ``bf16_dots()`` say which
+(AMD Zen 4 and later) they run in the same layouts on its dot products. ``amx()`` and ``bf16_dots()`` say which
 does, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends them to the float32 tiles instead.
 
 When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
@@ -522,7 +522,7 @@ def amx() -> bool:
 
 
 def bf16_dots() -> bool:
-    """Whether bfloat16 steps of groups of 16 or more queries run on AVX512-BF16's dot products, in the tiles'
+    """Whether bfloat16 steps of groups of 8 or more queries run on AVX512-BF16's dot products, in the tiles'
     layouts (AMD Zen 4 and later, Intel Cooper Lake; where there are AMX tiles, those run instead): the kernel
     built for the CPU, and not turned off by ``use_amx(False)`` or ``ATTNLAB_AMX=0``."""
     ops = _library()

@@ -50,8 +50,8 @@ namespace attnlab_fused {
 // instruction, two products per lane, twice a float32 FMA's work and no widening of the rows (32 heads of 128 over 1,
 // 2 and 4 KV heads, 1024 tokens in cache, one core of an AMD EPYC Zen 4: 2.04x, 1.99x and 1.36x the float32 tiles
 // on widened rows; from memory on two cores, benchmarks/kernel_ab.py, 4096 and 16384 tokens: groups of 32
-// 1.38-2.56x, of 16 1.34-1.95x, of 8 0.95-1.13x). Groups of 8 and 4 stay on the float32 tiles, which read memory as
-// fast (16 lanes for 4 queries: 1.00x in cache).
+// 1.38-2.56x, of 16 1.34-1.95x, of 8 1.28-1.33x). Groups of 4 stay on the float32 tiles (16 lanes for 4 queries:
+// 1.00x in cache, 0.80-0.93x from memory).
 
 #if defined(ATTNLAB_PAIRS)
 constexpr int64_t kAmxTokens = 256;     // tokens per block: 16 key tiles of 16 rows, 8 value steps of 32
@@ -75,8 +75,8 @@ inline bool amx_granted() { return false; }
 // and on the tiles groups of 8 or more queries (with 4, the float32 tiles on widened rows keep up with memory and the
 // tiles' own loads, which stream less well, lose: 32 heads of 128 over 8 KV heads, contexts 4096 and 16384,
 // 1.09-1.14x slower); on the vectors' dot products, groups of kDotsGroup or more (the queries are padded to 16 lanes:
-// smaller groups gain nothing from memory, see above).
-constexpr int64_t kDotsGroup = 16;
+// groups of 4 lose, see above).
+constexpr int64_t kDotsGroup = 8;
 inline bool amx_takes(const Dims& d) {
   if (!pairs_enabled.load(std::memory_order_relaxed) || d.dk % 32 != 0 || d.dv % 16 != 0) return false;
   return d.G >= (amx_granted() ? 8 : kDotsGroup);
@@ -312,8 +312,10 @@ constexpr int64_t kDotsKeys = 12;  // key rows per score step: 24 accumulators w
 inline void dots_block_scores(const Dims& d, const Rows<bf16>& keys, const Item& it, int64_t t0, int64_t n,
                               AmxScratch& w) {
   const int64_t Gp = w.Gp;
-  Cursor cursor(w.ahead);
   for (int64_t t = 0; t < n;) {
+    // a Cursor per row step: the next block's keys end within the block's score steps, and a Cursor moves on to
+    // the next run (its values) only where it starts
+    Cursor cursor(w.ahead);
     const int64_t run = std::min(n - t, keys.run(t0 + t));
     const int64_t R = run >= kDotsKeys ? kDotsKeys : run >= 4 ? 4 : 1;
     const bf16* k0 = keys.at(it.b, it.h, t0 + t);
