@@ -340,13 +340,15 @@ inline void dots_block_scores(const Dims& d, const Rows<bf16>& keys, const Item&
 // acc[g][16 (s0 + v) ..] += sum_r P[g][2r, 2r+1] . V[2r, 2r+1][..] for GT queries and NV slices of 16 columns.
 template <int GT, int NV>
 inline void dots_values(float* acc, int64_t dv, const uint16_t* p, int64_t tb, const uint16_t* vi, int64_t slice,
-                        int64_t pairs, int64_t s0) {
+                        int64_t pairs, int64_t s0, Ahead& ahead) {
+  Cursor cursor(ahead);
   __m512 a[GT][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
     for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + g * dv + 16 * (s0 + v));
   const uint16_t* vs = vi + s0 * slice;
   for (int64_t r = 0; r < pairs; ++r) {
+    cursor.step();
     __m512i pb[GT];
 #pragma GCC unroll 4
     for (int g = 0; g < GT; ++g) {
@@ -371,11 +373,11 @@ inline void dots_values(float* acc, int64_t dv, const uint16_t* p, int64_t tb, c
 
 template <int GT>
 inline void dots_values_slices(float* acc, int64_t dv, const uint16_t* p, int64_t tb, const uint16_t* vi,
-                               int64_t slice, int64_t pairs) {
+                               int64_t slice, int64_t pairs, Ahead& ahead) {
   const int64_t slices = dv / 16;
   int64_t s0 = 0;
-  for (; s0 + 4 <= slices; s0 += 4) dots_values<GT, 4>(acc, dv, p, tb, vi, slice, pairs, s0);
-  for (; s0 < slices; ++s0) dots_values<GT, 1>(acc, dv, p, tb, vi, slice, pairs, s0);
+  for (; s0 + 4 <= slices; s0 += 4) dots_values<GT, 4>(acc, dv, p, tb, vi, slice, pairs, s0, ahead);
+  for (; s0 < slices; ++s0) dots_values<GT, 1>(acc, dv, p, tb, vi, slice, pairs, s0, ahead);
 }
 
 // One block of n tokens (t0 ..) of a chunk on the pair path: scores, softmax, values into w.acc; on the tiles where
@@ -388,9 +390,12 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
   if (tiles)
     w.ahead.spread((d.G + 15) / 16 * round_up(n, 16) + round_up(n, 32) / 2 +
                    round_up(n, 32) / 32 * (Gp / 32 + 1) * dk / 32);
-  else  // the score steps (one per key pair and row step), the softmax's rows and the value interleave's pairs
+  else  // the score steps (one per key pair and row step), the softmax's rows, the value interleave's pairs and the
+    // value steps (one per token pair, four queries and 64 columns): spread over all of them, for asked for only
+    // during the scores (which run a step in ~12 cycles) the lines came faster than memory brings them, and the
+    // prefetches stalled (a third of the score tiles' time, 32 heads over 2 KV heads)
     w.ahead.spread((n + kDotsKeys - 1) / kDotsKeys * ((Gp + 31) / 32) * dk / 2 + (d.G + 15) / 16 * n +
-                   round_up(n, 32) / 2);
+                   round_up(n, 32) / 2 + (d.G + 3) / 4 * ((dv / 16 + 3) / 4) * ((n + 1) / 2));
   if (!tiles) {
     dots_block_scores(d, keys, it, t0, n, w);
   } else {
@@ -446,9 +451,9 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
     const int64_t pairs = (n + 1) / 2;
     int64_t g = 0;
     for (; g + 4 <= d.G; g += 4)
-      dots_values_slices<4>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs);
+      dots_values_slices<4>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
     for (; g < d.G; ++g)
-      dots_values_slices<1>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs);
+      dots_values_slices<1>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
     return;
   }
 #if defined(ATTNLAB_AMX)
