@@ -59,7 +59,7 @@ def grids(quick: bool, repeats: int):
     one = dict(
         kv_heads=KV_HEADS, dtypes=("fp32", "bf16"), repeats=repeats, layer=False, mla=False, paged=False
     )
-    one["attention_baselines"] = ("sdpa",)
+    one["attention_baselines"] = ("sdpa", "stream")  # each row's bandwidth from its own rounds
     if quick:
         return [DecodeGrid(batches=(4,), contexts=(4096,), **one)]
     return [
@@ -183,13 +183,16 @@ def page(result: dict) -> str:
         "The fused decode kernel built for each instruction set, one decode step of attention over a filled cache "
         "(n_heads 32 of 128 dims; the query group is 32 / n_kv), its KV read from memory (a ring of caches, as a "
         "model's layers read theirs). Fraction of the roofline = max(bytes / bandwidth, FLOPs / peak) / measured "
-        "time, with the bandwidth and matmul peak measured at the start of each run; SDPA "
+        "time, with the matmul peak measured at the start of each run (the best of three rounds) and, where a run "
+        "has it, the bandwidth of a streaming read of the ring's bytes timed in the same rounds as the kernel (else "
+        "the one measured at the start): on this shared machine the bandwidth moved between 25 and 49 GB/s within "
+        "an hour, and a roofline from another moment than the kernel's time is off by as much. SDPA "
         "(`F.scaled_dot_product_attention(enable_gqa=True)`) timed in the same rounds. An AVX-512 CPU running the "
         "AVX2 build stands in for an AVX2-only CPU (same instructions, registers and tiles).",
         "",
         "## Runs",
         "",
-        "| run | CPU | instructions | bandwidth | fp32 / bf16 peak | load average | date | command |",
+        "| run | CPU | instructions | bandwidth at the start (in the rows' rounds) | fp32 / bf16 peak | load average | date | command |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(runs):
@@ -200,8 +203,12 @@ def page(result: dict) -> str:
             if r.get("reference")
             else f"`{r['command']}`"
         )
+        rows_bw = [x["bandwidth"] for x in r["rows"] if x.get("bandwidth")]
+        bw = f"{hw['bandwidth'] / 1e9:.1f} GB/s" + (
+            f" (rows {min(rows_bw) / 1e9:.1f}-{max(rows_bw) / 1e9:.1f})" if rows_bw else ""
+        )
         lines.append(
-            f"| {i + 1} | {r['cpu']} | {_label(r)} | {hw['bandwidth'] / 1e9:.1f} GB/s | "
+            f"| {i + 1} | {r['cpu']} | {_label(r)} | {bw} | "
             f"{peaks} GFLOP/s | {m.get('load_average', '?')} | {r.get('date', '')} | {what} |"
         )
     lines += [
@@ -254,7 +261,8 @@ def page(result: dict) -> str:
         compute = [
             x
             for x in r["rows"]
-            if x["flops"] / compute_peak(Hardware(**hw), x["dtype"]) > x["bytes"] / hw["bandwidth"]
+            if x["flops"] / compute_peak(Hardware(**hw), x["dtype"])
+            > x["bytes"] / (x.get("bandwidth") or hw["bandwidth"])
         ]
         by_group: dict[int, list[float]] = {}
         for x in r["rows"]:
