@@ -163,7 +163,6 @@ def _reference_run() -> dict | None:
 
 
 def page(result: dict) -> str:
-    from attnlab.cost import Hardware
     from attnlab.cost.roofline import compute_peak
 
     runs = list(result["runs"])
@@ -183,16 +182,17 @@ def page(result: dict) -> str:
         "The fused decode kernel built for each instruction set, one decode step of attention over a filled cache "
         "(n_heads 32 of 128 dims; the query group is 32 / n_kv), its KV read from memory (a ring of caches, as a "
         "model's layers read theirs). Fraction of the roofline = max(bytes / bandwidth, FLOPs / peak) / measured "
-        "time, with the matmul peak measured at the start of each run (the best of three rounds) and, where a run "
-        "has it, the bandwidth of a streaming read of the ring's bytes timed in the same rounds as the kernel (else "
-        "the one measured at the start): on this shared machine the bandwidth moved between 25 and 49 GB/s within "
-        "an hour, and a roofline from another moment than the kernel's time is off by as much. SDPA "
+        "time, where a run has them with the bandwidth of a streaming read of the ring's bytes and the peaks of "
+        "library matmuls (768 x 768, float32 and bfloat16) timed in the same rounds as the kernel (medians, as the "
+        "kernel's time), else with those measured at the start of the run: on this shared machine the bandwidth "
+        "moved between 25 and 49 GB/s and the float32 peak between 102 and 188 GFLOP/s within an hour, and a "
+        "roofline from another moment than the kernel's time is off by as much. SDPA "
         "(`F.scaled_dot_product_attention(enable_gqa=True)`) timed in the same rounds. An AVX-512 CPU running the "
         "AVX2 build stands in for an AVX2-only CPU (same instructions, registers and tiles).",
         "",
         "## Runs",
         "",
-        "| run | CPU | instructions | bandwidth at the start (in the rows' rounds) | fp32 / bf16 peak | load average | date | command |",
+        "| run | CPU | instructions | bandwidth at the start (in the rows' rounds) | fp32 / bf16 peak (in the rows' rounds) | load average | date | command |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(runs):
@@ -207,6 +207,13 @@ def page(result: dict) -> str:
         bw = f"{hw['bandwidth'] / 1e9:.1f} GB/s" + (
             f" (rows {min(rows_bw) / 1e9:.1f}-{max(rows_bw) / 1e9:.1f})" if rows_bw else ""
         )
+        rows_peaks = [x["peak_flops"] for x in r["rows"] if x.get("peak_flops")]
+        if rows_peaks:
+            ranges = [
+                f"{min(p[k] for p in rows_peaks) / 1e9:.0f}-{max(p[k] for p in rows_peaks) / 1e9:.0f}"
+                for k in ("fp32", "bf16")
+            ]
+            peaks += f" (rows {' / '.join(ranges)})"
         lines.append(
             f"| {i + 1} | {r['cpu']} | {_label(r)} | {bw} | "
             f"{peaks} GFLOP/s | {m.get('load_average', '?')} | {r.get('date', '')} | {what} |"
@@ -261,7 +268,7 @@ def page(result: dict) -> str:
         compute = [
             x
             for x in r["rows"]
-            if x["flops"] / compute_peak(Hardware(**hw), x["dtype"])
+            if x["flops"] / compute_peak(_row_hardware(hw, x), x["dtype"])
             > x["bytes"] / (x.get("bandwidth") or hw["bandwidth"])
         ]
         by_group: dict[int, list[float]] = {}
@@ -274,6 +281,13 @@ def page(result: dict) -> str:
             + _bf16_bound(r, fp32 / bf16)
         )
     return "\n".join(lines) + "\n"
+
+
+def _row_hardware(hw: dict, row: dict):
+    """The run's hardware with the peaks measured in the row's own rounds, where it has them."""
+    from attnlab.cost import Hardware
+
+    return Hardware(**{**hw, "peak_flops": {**hw["peak_flops"], **row.get("peak_flops", {})}})
 
 
 def _bf16_bound(run: dict, ratio: float) -> str:

@@ -114,9 +114,9 @@ def test_roofline_of_a_bfloat16_step_takes_the_faster_compute_rate(tiny_result):
 
 
 def test_a_stream_read_in_the_rounds_gives_each_row_its_own_bandwidth():
-    """With "stream" among the baselines, each attention row times a streaming read of the ring's bytes in the same
-    rounds as the kernel, and its roofline takes that bandwidth (not the run's): the bandwidth a shared machine had
-    while the row ran. The read is no contender of the row's times."""
+    """With "stream" among the baselines, each attention row times a streaming read of the ring's bytes and library
+    matmuls in the same rounds as the kernel, and its roofline takes that bandwidth and those peaks (not the run's):
+    what a shared machine gave while the row ran. They are no contenders of the row's times."""
     from attnlab.cost import Hardware, step_seconds
 
     grid = DecodeGrid(
@@ -127,7 +127,14 @@ def test_a_stream_read_in_the_rounds_gives_each_row_its_own_bandwidth():
     (row,) = result["rows"]
     assert row["bandwidth"] > 1e8 and set(row["ms"]) == {"fused", "sdpa"}
     hw = Hardware(**result["machine"]["hardware"])
-    own = Hardware(**{**result["machine"]["hardware"], "bandwidth": row["bandwidth"]})
+    assert set(row["peak_flops"]) == {"fp32", "bf16"} and min(row["peak_flops"].values()) > 1e8
+    own = Hardware(
+        **{
+            **result["machine"]["hardware"],
+            "bandwidth": row["bandwidth"],
+            "peak_flops": {**hw.peak_flops, **row["peak_flops"]},
+        }
+    )
     assert row["roofline_ms"] == pytest.approx(
         step_seconds(own, row["flops"], row["bytes"], "fp32") * 1e3, rel=1e-3
     )
