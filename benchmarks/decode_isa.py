@@ -47,13 +47,19 @@ TARGET = 0.5  # of the roofline (issue 33, item 4)
 ISA_LABEL = {"amx": "AVX-512 + AMX", "avx512": "AVX-512", "avx2": "AVX2", "generic": "no AVX2"}
 
 
+def _label(run: dict) -> str:
+    """The run's instructions, with AVX512-BF16 named where its bfloat16 steps took the dot products."""
+    label = ISA_LABEL.get(run["isa"], run["isa"])
+    return label + " + AVX512-BF16" if "AVX512-BF16" in run["machine"].get("decode_path", "") else label
+
+
 def grids(quick: bool, repeats: int):
     from attnlab.bench import DecodeGrid
 
     one = dict(
         kv_heads=KV_HEADS, dtypes=("fp32", "bf16"), repeats=repeats, layer=False, mla=False, paged=False
     )
-    one["attention_baselines"] = ("sdpa",)
+    one["attention_baselines"] = ("sdpa", "stream")  # each row's bandwidth from its own rounds
     if quick:
         return [DecodeGrid(batches=(4,), contexts=(4096,), **one)]
     return [
@@ -157,7 +163,6 @@ def _reference_run() -> dict | None:
 
 
 def page(result: dict) -> str:
-    from attnlab.cost import Hardware
     from attnlab.cost.roofline import compute_peak
 
     runs = list(result["runs"])
@@ -177,13 +182,17 @@ def page(result: dict) -> str:
         "The fused decode kernel built for each instruction set, one decode step of attention over a filled cache "
         "(n_heads 32 of 128 dims; the query group is 32 / n_kv), its KV read from memory (a ring of caches, as a "
         "model's layers read theirs). Fraction of the roofline = max(bytes / bandwidth, FLOPs / peak) / measured "
-        "time, with the bandwidth and matmul peak measured at the start of each run; SDPA "
+        "time, where a run has them with the bandwidth of a streaming read of the ring's bytes and the peaks of "
+        "library matmuls (768 x 768, float32 and bfloat16) timed in the same rounds as the kernel (medians, as the "
+        "kernel's time), else with those measured at the start of the run: on this shared machine the bandwidth "
+        "moved between 25 and 49 GB/s and the float32 peak between 102 and 188 GFLOP/s within an hour, and a "
+        "roofline from another moment than the kernel's time is off by as much. SDPA "
         "(`F.scaled_dot_product_attention(enable_gqa=True)`) timed in the same rounds. An AVX-512 CPU running the "
         "AVX2 build stands in for an AVX2-only CPU (same instructions, registers and tiles).",
         "",
         "## Runs",
         "",
-        "| run | CPU | instructions | bandwidth | fp32 / bf16 peak | load average | date | command |",
+        "| run | CPU | instructions | bandwidth at the start (in the rows' rounds) | fp32 / bf16 peak (in the rows' rounds) | load average | date | command |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(runs):
@@ -194,8 +203,19 @@ def page(result: dict) -> str:
             if r.get("reference")
             else f"`{r['command']}`"
         )
+        rows_bw = [x["bandwidth"] for x in r["rows"] if x.get("bandwidth")]
+        bw = f"{hw['bandwidth'] / 1e9:.1f} GB/s" + (
+            f" (rows {min(rows_bw) / 1e9:.1f}-{max(rows_bw) / 1e9:.1f})" if rows_bw else ""
+        )
+        rows_peaks = [x["peak_flops"] for x in r["rows"] if x.get("peak_flops")]
+        if rows_peaks:
+            ranges = [
+                f"{min(p[k] for p in rows_peaks) / 1e9:.0f}-{max(p[k] for p in rows_peaks) / 1e9:.0f}"
+                for k in ("fp32", "bf16")
+            ]
+            peaks += f" (rows {' / '.join(ranges)})"
         lines.append(
-            f"| {i + 1} | {r['cpu']} | {ISA_LABEL.get(r['isa'], r['isa'])} | {hw['bandwidth'] / 1e9:.1f} GB/s | "
+            f"| {i + 1} | {r['cpu']} | {_label(r)} | {bw} | "
             f"{peaks} GFLOP/s | {m.get('load_average', '?')} | {r.get('date', '')} | {what} |"
         )
     lines += [
@@ -238,7 +258,7 @@ def page(result: dict) -> str:
         worst = min(r["rows"], key=lambda x: x["roofline_fraction"])
         met = all(f >= TARGET for f in fr) and len(fr) >= 24
         lines.append(
-            f"| {i + 1} | {ISA_LABEL.get(r['isa'], r['isa'])} | {sum(f >= TARGET for f in fr)} of {len(fr)} | "
+            f"| {i + 1} | {_label(r)} | {sum(f >= TARGET for f in fr)} of {len(fr)} | "
             f"{worst['roofline_fraction']:.2f} ({_shape(worst)}) | {'yes' if met else 'no'} |"
         )
     lines += ["", "## What bounds each run (computed from its rows)", ""]
@@ -248,20 +268,39 @@ def page(result: dict) -> str:
         compute = [
             x
             for x in r["rows"]
-            if x["flops"] / compute_peak(Hardware(**hw), x["dtype"]) > x["bytes"] / hw["bandwidth"]
+            if x["flops"] / compute_peak(_row_hardware(hw, x), x["dtype"])
+            > x["bytes"] / (x.get("bandwidth") or hw["bandwidth"])
         ]
         by_group: dict[int, list[float]] = {}
         for x in r["rows"]:
             by_group.setdefault(x["n_heads"] // x["n_kv_heads"], []).append(x["roofline_fraction"])
         groups = ", ".join(f"{g}: {min(f):.2f}-{max(f):.2f}" for g, f in sorted(by_group.items()))
         lines.append(
-            f"- Run {i + 1} ({ISA_LABEL.get(r['isa'], r['isa'])}): {len(compute)} of {len(r['rows'])} shapes are bound "
+            f"- Run {i + 1} ({_label(r)}): {len(compute)} of {len(r['rows'])} shapes are bound "
             f"by FLOPs rather than bytes at this machine's peaks; fraction of the roofline by query group, {groups}. "
-            f"The kernels compute bfloat16 in float32 (widened on load), so a FLOP-bound bfloat16 step reaches at most "
-            f"fp32 peak / bf16 peak = {fp32 / bf16:.2f} of its roofline"
-            + (" (AMX tiles aside)." if r["isa"] == "amx" else ".")
+            + _bf16_bound(r, fp32 / bf16)
         )
     return "\n".join(lines) + "\n"
+
+
+def _row_hardware(hw: dict, row: dict):
+    """The run's hardware with the peaks measured in the row's own rounds, where it has them."""
+    from attnlab.cost import Hardware
+
+    return Hardware(**{**hw, "peak_flops": {**hw["peak_flops"], **row.get("peak_flops", {})}})
+
+
+def _bf16_bound(run: dict, ratio: float) -> str:
+    """What caps the run's FLOP-bound bfloat16 steps, by the path they took."""
+    widened = f"fp32 peak / bf16 peak = {ratio:.2f} of its roofline"
+    if run["isa"] == "amx":
+        return f"Groups of 8 or more run on the AMX tiles; smaller ones in float32 (widened on load), at most {widened}."
+    if "AVX512-BF16" in run["machine"].get("decode_path", ""):
+        return (
+            "bfloat16 groups of 8 or more run on AVX512-BF16's dot products (two products per lane an instruction, "
+            f"as the library's bfloat16 matmul); smaller ones in float32 (widened on load), at most {widened}."
+        )
+    return f"The kernels compute bfloat16 in float32 (widened on load), so a FLOP-bound bfloat16 step reaches at most {widened}."
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:

@@ -204,22 +204,23 @@ def test_absorbed_mla_decode_through_the_kernel_equals_the_reference_backend(dty
         torch.testing.assert_close(outs["fused"], outs["naive"], **TOL[dt])
 
 
-@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "float32-tiles"])
+@pytest.mark.parametrize("tiles", [True, False], ids=["pairs", "float32-tiles"])
 @pytest.mark.parametrize("page", [None, 1, 16, 48, 256])
 @pytest.mark.parametrize(
     "dims",
     [(128, 128, 2, 8), (128, 128, 1, 32), (64, 64, 1, 20), (32, 16, 3, 9), (576, 512, 1, 16)],
     ids=["gqa-8", "mqa-32", "gqa-20", "small", "mla"],
 )
-def test_bfloat16_on_the_amx_tiles_and_off_them_equals_the_reference(dims, page, tiles):
-    """Where the CPU has AMX, bfloat16 steps with groups of 8 or more queries (keys a multiple of 32 wide) run on
-    the tile unit: scores of exact bfloat16 products summed in float32, weights rounded to bfloat16. Both that
-    path and the float32 tiles (``use_amx(False)``) equal the reference within bfloat16's tolerance, for padded
-    groups (9, 20), MLA's latent rows, rows of lengths that end mid-tile and mid-block, contiguous caches and pages
-    of 1 to 256 tokens (pages under 16 tokens are staged tile by tile); and every row's result is the same bits
-    alone or in a batch, from pages or a contiguous cache."""
-    if tiles and not fused.amx():
-        pytest.skip(f"no AMX tiles here ({fused.status()})")
+def test_bfloat16_on_the_pair_path_and_off_it_equals_the_reference(dims, page, tiles):
+    """Where the CPU has AMX tiles or AVX512-BF16 dot products, bfloat16 steps with groups of 8 or more queries (keys
+    a multiple of 32 wide) run on the pair path: scores of exact bfloat16 products summed in float32, weights
+    rounded to bfloat16. Both that path and the float32 tiles (``use_amx(False)``) equal the reference within
+    bfloat16's tolerance, for padded groups (9, 20), MLA's latent rows, rows of lengths that end mid-tile and
+    mid-block, contiguous caches and pages of 1 to 256 tokens (pages under 16 tokens are staged tile by tile, or
+    read in steps of 4 and single rows on the dot products); and every row's result is the same bits alone or in a
+    batch, from pages or a contiguous cache."""
+    if tiles and not (fused.amx() or fused.bf16_dots()):
+        pytest.skip(f"no AMX tiles or AVX512-BF16 here ({fused.status()})")
     dk, dv, heads, group = dims
     latent, dt = dv != dk, torch.bfloat16
     gen = torch.Generator().manual_seed(dk + group)
@@ -228,7 +229,7 @@ def test_bfloat16_on_the_amx_tiles_and_off_them_equals_the_reference(dims, page,
     vals = [r[..., :dv] if latent else torch.randn(r.shape, generator=gen).to(dt) for r in keys]
     q = torch.randn(len(lengths), heads * group, 1, dk, generator=gen).to(dt)
     with fused.use_amx(tiles):
-        assert fused.amx() is tiles
+        assert (fused.amx() or fused.bf16_dots()) is tiles
         if page is None:
             outs = [fused.decode(q[i : i + 1], keys[i], vals[i], scale=0.1) for i in range(len(lengths))]
         else:
@@ -247,24 +248,39 @@ def test_bfloat16_on_the_amx_tiles_and_off_them_equals_the_reference(dims, page,
             assert torch.equal(got, alone)
 
 
-def test_the_tile_path_is_reported_and_can_be_turned_off():
-    """``amx()`` follows ``use_amx`` and is restored after it; the two paths give different bits (the tiles round
-    the weights to bfloat16) but the same result within bfloat16's tolerance; float32 never takes the tiles."""
-    if not fused.amx():
-        pytest.skip(f"no AMX tiles here ({fused.status()})")
-    assert "AMX" in fused.status()
+def test_the_pair_path_is_reported_and_can_be_turned_off():
+    """``amx()`` (or ``bf16_dots()``) follows ``use_amx`` and is restored after it; the two paths give different bits
+    (the pair path rounds the weights to bfloat16) but the same result within bfloat16's tolerance; float32 never
+    takes the pair path. Which of the two pair engines runs follows the CPU's flags."""
+    if not (fused.amx() or fused.bf16_dots()):
+        pytest.skip(f"no AMX tiles or AVX512-BF16 here ({fused.status()})")
+    pairs = fused.amx if fused.amx() else fused.bf16_dots
+    assert ("AMX" if fused.amx() else "AVX512-BF16") in fused.status()
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 16, 1, 64, generator=gen)
     k, v = torch.randn(1, 1, 300, 64, generator=gen), torch.randn(1, 1, 300, 64, generator=gen)
     on = fused.decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=0.125)
     with fused.use_amx(False):
-        assert not fused.amx()
+        assert not pairs()
         off = fused.decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=0.125)
         f32_off = fused.decode(q, k, v, scale=0.125)
-    assert fused.amx()
+    assert pairs()
     assert not torch.equal(on, off)
     torch.testing.assert_close(on, off, **TOL[torch.bfloat16])
     assert torch.equal(fused.decode(q, k, v, scale=0.125), f32_off)
+
+
+def test_the_dot_product_path_runs_where_the_cpu_has_avx512_bf16_and_no_tiles():
+    """The pair path's engine follows the CPU: AMX tiles where granted, else AVX512-BF16's dot products where the
+    CPU has them (and the build targets AVX-512), else neither; never both."""
+    if not fused.available():
+        pytest.skip(fused.status())
+    assert not (fused.amx() and fused.bf16_dots())
+    flags = fused.cpu_flags()
+    if fused.isa() == "avx512" and os.environ.get("ATTNLAB_AMX", "1") != "0":
+        assert fused.bf16_dots() is ("avx512_bf16" in flags)
+    if fused.isa() in ("avx2", "generic"):
+        assert not fused.bf16_dots()
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,32 @@ def test_roofline_of_a_bfloat16_step_takes_the_faster_compute_rate(tiny_result):
         want = max(row["flops"] / 100e9, row["bytes"] / 10e9)
         assert row["roofline_ms"] == pytest.approx(want * 1e3, rel=1e-3)
         assert row["roofline_fraction"] == pytest.approx(want * 1e3 / row["ms"][OURS[row["kind"]]], rel=1e-3)
+
+
+def test_a_stream_read_in_the_rounds_gives_each_row_its_own_bandwidth():
+    """With "stream" among the baselines, each attention row times a streaming read of the ring's bytes and library
+    matmuls in the same rounds as the kernel, and its roofline takes that bandwidth and those peaks (not the run's):
+    what a shared machine gave while the row ran. They are no contenders of the row's times."""
+    from attnlab.cost import Hardware, step_seconds
+
+    grid = DecodeGrid(
+        kv_heads=(2,), contexts=(64,), dtypes=("fp32",), n_heads=4, head_dim=16, repeats=2, layer=False,
+        mla=False, paged=False, attention_baselines=("sdpa", "stream"),
+    )  # fmt: skip
+    result = run_decode(grid)
+    (row,) = result["rows"]
+    assert row["bandwidth"] > 1e8 and set(row["ms"]) == {"fused", "sdpa"}
+    hw = Hardware(**result["machine"]["hardware"])
+    assert set(row["peak_flops"]) == {"fp32", "bf16"} and min(row["peak_flops"].values()) > 1e8
+    own = Hardware(
+        **{
+            **result["machine"]["hardware"],
+            "bandwidth": row["bandwidth"],
+            "peak_flops": {**hw.peak_flops, **row["peak_flops"]},
+        }
+    )
+    assert row["roofline_ms"] == pytest.approx(
+        step_seconds(own, row["flops"], row["bytes"], "fp32") * 1e3, rel=1e-3
+    )
+    if hw.bandwidth != row["bandwidth"]:
+        assert row["roofline_ms"] != pytest.approx(step_seconds(hw, row["flops"], row["bytes"], "fp32") * 1e3)

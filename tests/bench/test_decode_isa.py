@@ -88,6 +88,8 @@ def test_the_grids_are_the_24_shapes_with_sdpa_beside_the_kernel(isa_bench):
         (dt, b, c, k) for g in isa_bench.grids(False, 5) for dt in g.dtypes for b in g.batches for c in g.contexts
         for k in g.kv_heads
     }  # fmt: skip
-    assert len(shapes) == 24 and all(g.attention_baselines == ("sdpa",) for g in isa_bench.grids(False, 5))
+    assert len(shapes) == 24 and all(
+        g.attention_baselines == ("sdpa", "stream") for g in isa_bench.grids(False, 5)
+    )
     with pytest.raises(ValueError, match="attention_baselines"):
         DecodeGrid(attention_baselines=("flash",))

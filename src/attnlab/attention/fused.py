@@ -32,8 +32,9 @@ build is reused by later processes of the same environment on the same machine, 
 environments, two checkouts) keep one build each rather than rebuilding each other's in turn. A build (not a load
 from the cache) says so on stderr before it starts, once. Commands that time something call ``ensure_built``
 before starting a clock. On CPUs with AMX tiles (Intel Sapphire Rapids and later), bfloat16 steps whose groups
-have 8 or more queries run on the tile unit (``csrc/amx.h`` says how); ``amx()`` says whether they do,
-``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends them to the float32 tiles instead.
+have 8 or more queries run on the tile unit (``csrc/amx.h`` says how); on CPUs without tiles but with AVX512-BF16
+(AMD Zen 4 and later) they run in the same layouts on its dot products. ``amx()`` and ``bf16_dots()`` say which
+does, ``use_amx(False)`` or ``ATTNLAB_AMX=0`` sends them to the float32 tiles instead.
 
 When the build fails (no compiler, ``CXX`` pointing nowhere, a compile error) or ``ATTNLAB_FUSED=0``, ``attend``
 takes the PyTorch kernels of ``decode`` instead; the reason is reported once (a ``RuntimeWarning``) and stays
@@ -464,7 +465,8 @@ def _library() -> Ops | None:
         seconds = time.perf_counter() - start
         if os.environ.get("ATTNLAB_AMX", "1") == "0":
             ops.amx(0)
-        tiles = "; bfloat16 on AMX tiles" if ops.amx(-1) & 1 else ""
+        engine = {1: "AMX tiles", 8: "AVX512-BF16 dot products"}.get(ops.amx(-1) & 9)
+        tiles = f"; bfloat16 on {engine}" if engine else ""
         _state.update(
             tried=True,
             ops=ops,
@@ -519,15 +521,24 @@ def amx() -> bool:
     return ops is not None and bool(ops.amx(-1) & 1)
 
 
+def bf16_dots() -> bool:
+    """Whether bfloat16 steps of groups of 8 or more queries run on AVX512-BF16's dot products, in the tiles'
+    layouts (AMD Zen 4 and later, Intel Cooper Lake; where there are AMX tiles, those run instead): the kernel
+    built for the CPU, and not turned off by ``use_amx(False)`` or ``ATTNLAB_AMX=0``."""
+    ops = _library()
+    return ops is not None and bool(ops.amx(-1) & 8)
+
+
 @contextlib.contextmanager
 def use_amx(on: bool):
-    """Within the block, send bfloat16 steps to the AMX tiles (where the CPU has them) or not: to compare or test
-    the two paths on one machine. Process-wide: not for use while other threads decode."""
+    """Within the block, send bfloat16 steps to the pair path (the AMX tiles where the CPU has them, else
+    AVX512-BF16's dot products where it has those) or not: to compare or test the paths on one machine.
+    Process-wide: not for use while other threads decode."""
     ops = _library()
     if ops is None:
         yield
         return
-    before = amx()
+    before = bool(ops.amx(-1) & 9)
     ops.amx(int(on))
     try:
         yield

@@ -59,7 +59,14 @@ V2_LITE_MLA = MLAConfig(
 )
 
 
-ATTENTION_BASELINES = ("fused_4x_buffer", "grouped", "sdpa", "reference")
+# "stream": a streaming read of as many bytes as the ring holds and library matmuls in float32 and bfloat16, timed in
+# the same rounds as the kernels; the row's roofline then takes its bandwidth and peaks from those rather than from
+# the ones measured at the start of the run (on a shared machine they move: 25-49 GB/s and a float32 peak of 102-188
+# GFLOP/s within an hour on the 2-core AMD EPYC of docs/performance_isa.md).
+ATTENTION_BASELINES = ("fused_4x_buffer", "grouped", "sdpa", "reference", "stream")
+DEFAULT_BASELINES = ("fused_4x_buffer", "grouped", "sdpa", "reference")  # docs/performance.md's run
+PEAK_N = 768  # the square matmuls "stream" times for the peaks
+PEAK_MATMULS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ class DecodeGrid:
     block_size: int = 256
     fresh_hardware: bool = True  # measure bandwidth/peak in this run (False: reuse this boot's measurement)
     # what the attention rows time beside "fused" (benchmarks/decode_isa.py: SDPA only, the quick same-run baseline)
-    attention_baselines: tuple[str, ...] = ATTENTION_BASELINES
+    attention_baselines: tuple[str, ...] = DEFAULT_BASELINES
     mla_cfg: MLAConfig = field(default=V2_LITE_MLA)
 
     def __post_init__(self) -> None:
@@ -167,6 +174,12 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
         "reference": over(lambda k, v: attend(q, k, v, scale=scale, backend="reference"), ring),
     }
     contenders = {n: f for n, f in contenders.items() if n == "fused" or n in grid.attention_baselines}
+    if "stream" in grid.attention_baselines:  # float32 ones: a sum reads them at the memory's pace
+        flat = torch.ones(n_ring * (k0.nbytes + v0.nbytes) // 4)
+        contenders["stream"] = flat.sum
+        for name, mdt in PEAK_MATMULS.items():  # ~5-15 ms each
+            a = torch.randn(PEAK_N, PEAK_N, generator=gen).to(mdt)
+            contenders[f"peak_{name}"] = lambda a=a: a @ a
     with torch.inference_mode():
         err = _max_err(fused_step(k0, v0), attend(q, k0, v0, scale=scale, backend="reference"))
         # The repeat-KV reference writes n_heads / n_kv copies of the KV (up to ~0.5 GB): timed in the round, the
@@ -182,8 +195,16 @@ def attention_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: i
     flops = fl.scores + fl.values
     elem = torch.finfo(dt).bits // 8
     n_bytes = kv_cache_bytes(cfg, b, context, dtype) + 2 * b * h * d * elem  # + queries and outputs
+    row = dict(
+        kind="attention", dtype=dtype, batch=b, context=context, n_heads=h, n_kv_heads=n_kv, head_dim=d
+    )
+    if "stream" in times:  # the bandwidth and peaks of this row's rounds (times are per cache of the ring)
+        row["bandwidth"] = _sig((k0.nbytes + v0.nbytes) / times.pop("stream"))
+        row["peak_flops"] = {
+            name: _sig(2 * PEAK_N**3 / (times.pop(f"peak_{name}") * n_ring)) for name in PEAK_MATMULS
+        }
     return _finish_row(
-        dict(kind="attention", dtype=dtype, batch=b, context=context, n_heads=h, n_kv_heads=n_kv, head_dim=d),
+        row,
         hw,
         times,
         n_bytes,
@@ -205,6 +226,10 @@ OURS = {
 def _score(row: dict, hw: Hardware, ours: str) -> None:
     """Set a timed row's roofline (``cost.step_seconds`` of its bytes and FLOPs) and the fraction of it that its
     saved (rounded) time for ``ours`` reaches: one definition for fresh rows and rescored ones alike."""
+    if row.get("bandwidth"):  # measured in the row's own rounds ("stream")
+        hw = dataclasses.replace(
+            hw, bandwidth=row["bandwidth"], peak_flops={**hw.peak_flops, **row.get("peak_flops", {})}
+        )
     roof = step_seconds(hw, row["flops"], row["bytes"], row["dtype"])  # the fastest this step could run
     row.update(roofline_ms=_sig(roof * 1e3), roofline_fraction=_sig(roof / (row["ms"][ours] / 1e3)))
 

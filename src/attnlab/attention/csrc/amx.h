@@ -1,13 +1,17 @@
-// bfloat16 blocks on the AMX tile unit (Intel Sapphire Rapids and later), where the compiler targets it
-// (-march=native on such a CPU) and the kernel grants the tile state at run time; elsewhere the float32 tiles
-// (scores.h, values.h) take them. ATTNLAB_AMX is defined where this path is compiled in.
+// bfloat16 blocks in pairs of bfloat16 (the pair path): on the AMX tile unit (Intel Sapphire Rapids and later),
+// where the compiler targets it (-march=native on such a CPU) and the kernel grants the tile state at run time; else
+// on AVX512-BF16's dot products (AMD Zen 4 and later, Intel Cooper Lake), same layouts, where the compiler targets
+// those; elsewhere the float32 tiles (scores.h, values.h) take them. ATTNLAB_PAIRS is defined where the pair path
+// is compiled in, ATTNLAB_AMX where its tile engine is too.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define ATTNLAB_PAIRS 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define ATTNLAB_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 #include "rows.h"
@@ -41,11 +45,19 @@ namespace attnlab_fused {
 // Groups are padded to Gp, a multiple of 16, so that every tile register has one shape (16 rows of 64 bytes); the
 // padding queries are zeros, their weights never computed. Nothing depends on where a row is stored or on the
 // batch: rows that are not 16 at one stride are copied into a staging tile, same values, same sums.
+//
+// Without tiles the same layouts feed AVX512-BF16's dot products (below, dots_*): a 16-lane vector of queries per
+// instruction, two products per lane, twice a float32 FMA's work and no widening of the rows (32 heads of 128 over 1,
+// 2 and 4 KV heads, 1024 tokens in cache, one core of an AMD EPYC Zen 4: 2.04x, 1.99x and 1.36x the float32 tiles
+// on widened rows; from memory on two cores, benchmarks/kernel_ab.py, 4096 and 16384 tokens: groups of 32
+// 1.38-2.56x, of 16 1.34-1.95x, of 8 1.28-1.33x). Groups of 4 stay on the float32 tiles (16 lanes for 4 queries:
+// 1.00x in cache, 0.80-0.93x from memory).
+
+#if defined(ATTNLAB_PAIRS)
+constexpr int64_t kAmxTokens = 256;     // tokens per block: 16 key tiles of 16 rows, 8 value steps of 32
+std::atomic<bool> pairs_enabled{true};  // set_amx(0) sends bfloat16 rows to the float32 tiles (tests, A/B)
 
 #if defined(ATTNLAB_AMX)
-constexpr int64_t kAmxTokens = 256;   // tokens per block: 16 key tiles of 16 rows, 8 value steps of 32
-std::atomic<bool> amx_enabled{true};  // attnlab_set_amx(0) sends bfloat16 rows to the float32 tiles (tests, A/B)
-
 // Whether this process may use the tiles: Linux hands out their register state (8 KiB) on request, once per
 // process (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, kernel 5.16 and later).
 inline bool amx_granted() {
@@ -55,15 +67,22 @@ inline bool amx_granted() {
   }();
   return granted;
 }
+#else
+inline bool amx_granted() { return false; }
+#endif
 
-// Whether bfloat16 rows of these dims go to the tiles: keys in whole 32-value steps, values in 16-column slices, and
-// groups of 8 or more queries (with 4, the float32 tiles on widened rows keep up with memory and the tiles' own
-// loads, which stream less well, lose: 32 heads of 128 over 8 KV heads, contexts 4096 and 16384, 1.09-1.14x slower).
+// Whether bfloat16 rows of these dims take the pair path: keys in whole 32-value steps, values in 16-column slices,
+// and on the tiles groups of 8 or more queries (with 4, the float32 tiles on widened rows keep up with memory and the
+// tiles' own loads, which stream less well, lose: 32 heads of 128 over 8 KV heads, contexts 4096 and 16384,
+// 1.09-1.14x slower); on the vectors' dot products, groups of kDotsGroup or more (the queries are padded to 16 lanes:
+// groups of 4 lose, see above).
+constexpr int64_t kDotsGroup = 8;
 inline bool amx_takes(const Dims& d) {
-  return amx_enabled.load(std::memory_order_relaxed) && d.G >= 8 && d.dk % 32 == 0 && d.dv % 16 == 0 &&
-         amx_granted();
+  if (!pairs_enabled.load(std::memory_order_relaxed) || d.dk % 32 != 0 || d.dv % 16 != 0) return false;
+  return d.G >= (amx_granted() ? 8 : kDotsGroup);
 }
 
+#if defined(ATTNLAB_AMX)
 // Every tile register holds 16 rows of 64 bytes (palette 1): 16 x 16 float32 accumulators, 16 x 32 bfloat16 operands
 // (key rows, weights), 16 pairs x 16 bfloat16 pairs (queries, values).
 struct alignas(64) TileConfig {
@@ -71,6 +90,7 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
+#endif
 
 // A thread's buffers of the tile path, kept from call to call (a decode step is too short to allocate ~100 KiB and
 // clear it): for Gp queries (G real) and tb = kAmxTokens, the queries in pairs qt (dk/32 steps, 16 pairs, Gp, 2),
@@ -235,48 +255,188 @@ inline void amx_softmax(int64_t G, int64_t n, float qscale, AmxScratch& w) {
   }
 }
 
-// One block of n tokens (t0 ..) of a chunk on the tiles: scores, softmax, values into w.acc. Asks for the next
-// block's rows while the scores are computed.
+// The dot-product engine (vdpbf16ps: per lane, two bfloat16 products added to a float32 accumulator; 32
+// multiply-adds an instruction where a float32 FMA does 16), on 16-query vectors:
+// - scores: QV vectors of queries (pairs c of qt) times R key rows, each key pair broadcast to the lanes, into
+//   S^T rows (no horizontal sums); the R rows S elements apart (S = 0: ks, known at run time), so that they are
+//   addressed from one register.
+// - values: GT queries times NV slices of 16 columns, each query's weight pair (tokens 2r, 2r+1) broadcast against
+//   the interleaved value pairs.
+template <typename V>
+__attribute__((always_inline)) inline void pin_bh(V& v) {
+  asm("" : "+v"(v));
+}
+
+template <int QV, int R, int S>
+__attribute__((always_inline)) inline void dots_scores(const uint32_t* qt, int64_t Gp, const bf16* k0, int64_t ks,
+                                                       int64_t dk, float* st, Cursor& cursor) {
+  const int64_t stride = S > 0 ? S : ks;
+  __m512 a[R][QV];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < QV; ++v) a[r][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < dk / 2; ++c) {
+    cursor.step();
+    __m512i x[QV];
+    for (int v = 0; v < QV; ++v) {
+      x[v] = _mm512_loadu_si512(qt + c * Gp + 16 * v);
+      pin_bh(x[v]);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, k0 + r * stride + 2 * c, 4);
+      __m512i kb = _mm512_set1_epi32(static_cast<int>(pair));
+      if (QV > 1) pin_bh(kb);
+      for (int v = 0; v < QV; ++v)
+        a[r][v] = _mm512_dpbf16_ps(a[r][v], reinterpret_cast<__m512bh>(x[v]), reinterpret_cast<__m512bh>(kb));
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < QV; ++v) _mm512_storeu_ps(st + r * Gp + 16 * v, a[r][v]);
+}
+
+template <int QV, int R>
+inline void dots_scores_at(const uint32_t* qt, int64_t Gp, const bf16* k0, int64_t ks, int64_t dk, float* st,
+                           Cursor& cursor) {
+  if (ks == 128) dots_scores<QV, R, 128>(qt, Gp, k0, ks, dk, st, cursor);
+  else if (ks == 64) dots_scores<QV, R, 64>(qt, Gp, k0, ks, dk, st, cursor);
+  else dots_scores<QV, R, 0>(qt, Gp, k0, ks, dk, st, cursor);
+}
+
+constexpr int64_t kDotsKeys = 12;  // key rows per score step: 24 accumulators with 32 queries, of 32 registers
+
+// S^T (n, Gp) of one block's key rows, read where they lie: steps of 12 rows at one stride (a contiguous cache, or
+// within a page), then of 4, then single rows.
+inline void dots_block_scores(const Dims& d, const Rows<bf16>& keys, const Item& it, int64_t t0, int64_t n,
+                              AmxScratch& w) {
+  const int64_t Gp = w.Gp;
+  for (int64_t t = 0; t < n;) {
+    // a Cursor per row step: the next block's keys end within the block's score steps, and a Cursor moves on to
+    // the next run (its values) only where it starts
+    Cursor cursor(w.ahead);
+    const int64_t run = std::min(n - t, keys.run(t0 + t));
+    const int64_t R = run >= kDotsKeys ? kDotsKeys : run >= 4 ? 4 : 1;
+    const bf16* k0 = keys.at(it.b, it.h, t0 + t);
+    const int64_t ks = keys.token_stride;
+    for (int64_t qg = 0; qg < Gp; qg += 32) {
+      const uint32_t* qt = w.qt.data() + qg;
+      float* st = w.st.data() + t * Gp + qg;
+      if (Gp - qg >= 32) {
+        if (R == kDotsKeys) dots_scores_at<2, kDotsKeys>(qt, Gp, k0, ks, d.dk, st, cursor);
+        else if (R == 4) dots_scores_at<2, 4>(qt, Gp, k0, ks, d.dk, st, cursor);
+        else dots_scores_at<2, 1>(qt, Gp, k0, ks, d.dk, st, cursor);
+      } else {
+        if (R == kDotsKeys) dots_scores_at<1, kDotsKeys>(qt, Gp, k0, ks, d.dk, st, cursor);
+        else if (R == 4) dots_scores_at<1, 4>(qt, Gp, k0, ks, d.dk, st, cursor);
+        else dots_scores_at<1, 1>(qt, Gp, k0, ks, d.dk, st, cursor);
+      }
+    }
+    t += R;
+  }
+}
+
+// acc[g][16 (s0 + v) ..] += sum_r P[g][2r, 2r+1] . V[2r, 2r+1][..] for GT queries and NV slices of 16 columns.
+template <int GT, int NV>
+inline void dots_values(float* acc, int64_t dv, const uint16_t* p, int64_t tb, const uint16_t* vi, int64_t slice,
+                        int64_t pairs, int64_t s0, Ahead& ahead) {
+  Cursor cursor(ahead);
+  __m512 a[GT][NV];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + g * dv + 16 * (s0 + v));
+  const uint16_t* vs = vi + s0 * slice;
+  for (int64_t r = 0; r < pairs; ++r) {
+    cursor.step();
+    __m512i pb[GT];
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, p + g * tb + 2 * r, 4);
+      pb[g] = _mm512_set1_epi32(static_cast<int>(pair));
+      pin_bh(pb[g]);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      __m512i x = _mm512_loadu_si512(vs + v * slice + r * 32);
+      pin_bh(x);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g)
+        a[g][v] = _mm512_dpbf16_ps(a[g][v], reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(pb[g]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * dv + 16 * (s0 + v), a[g][v]);
+}
+
+template <int GT>
+inline void dots_values_slices(float* acc, int64_t dv, const uint16_t* p, int64_t tb, const uint16_t* vi,
+                               int64_t slice, int64_t pairs, Ahead& ahead) {
+  const int64_t slices = dv / 16;
+  int64_t s0 = 0;
+  for (; s0 + 4 <= slices; s0 += 4) dots_values<GT, 4>(acc, dv, p, tb, vi, slice, pairs, s0, ahead);
+  for (; s0 < slices; ++s0) dots_values<GT, 1>(acc, dv, p, tb, vi, slice, pairs, s0, ahead);
+}
+
+// One block of n tokens (t0 ..) of a chunk on the pair path: scores, softmax, values into w.acc; on the tiles where
+// the CPU has them, else on the dot products. Asks for the next block's rows while the scores are computed.
 void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, const Item& it, int64_t t0,
                int64_t n, float qscale, AmxScratch& w) {
   const int64_t Gp = w.Gp, tb = kAmxTokens, dk = d.dk, dv = d.dv;
+  const bool tiles = amx_granted();
   float* st = w.st.data();
-  w.ahead.spread((d.G + 15) / 16 * round_up(n, 16) + round_up(n, 32) / 2 + round_up(n, 32) / 32 * (Gp / 32 + 1) * dk / 32);
-  // scores S^T (tb, Gp), 32 tokens x 32 queries at a time: four accumulators (tiles 0-3) in flight, key rows in
-  // tiles 4-5, queries in 6-7
-  for (int64_t tt = 0; tt < n; tt += 32) {
-    int64_t s0 = 0, s1 = 0;
-    const char* k0 = static_cast<const char*>(amx_rows(keys, it, t0 + tt, n - tt, dk, w.kstage.data(), &s0));
-    const char* k1 = static_cast<const char*>(
-        amx_rows(keys, it, t0 + tt + 16, n - tt - 16, dk, w.kstage.data() + 16 * dk, &s1));
-    for (int64_t qg = 0; qg < Gp; qg += 32) {
-      const bool two = qg + 16 < Gp;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t s = 0; s < dk / 32; ++s) {
-        w.ahead.step();
-        _tile_loadd(4, k0 + 64 * s, s0);
-        _tile_loadd(5, k1 + 64 * s, s1);
-        _tile_loadd(6, &w.qt[s * 16 * Gp + qg], Gp * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
+  if (tiles)
+    w.ahead.spread((d.G + 15) / 16 * round_up(n, 16) + round_up(n, 32) / 2 +
+                   round_up(n, 32) / 32 * (Gp / 32 + 1) * dk / 32);
+  else  // the score steps (one per key pair and row step), the softmax's rows, the value interleave's pairs and the
+    // value steps (one per token pair, four queries and 64 columns): spread over all of them, for asked for only
+    // during the scores (which run a step in ~12 cycles) the lines came faster than memory brings them, and the
+    // prefetches stalled (a third of the score tiles' time, 32 heads over 2 KV heads)
+    w.ahead.spread((n + kDotsKeys - 1) / kDotsKeys * ((Gp + 31) / 32) * dk / 2 + (d.G + 15) / 16 * n +
+                   round_up(n, 32) / 2 + (d.G + 3) / 4 * ((dv / 16 + 3) / 4) * ((n + 1) / 2));
+  if (!tiles) {
+    dots_block_scores(d, keys, it, t0, n, w);
+  } else {
+#if defined(ATTNLAB_AMX)
+    // scores S^T (tb, Gp), 32 tokens x 32 queries at a time: four accumulators (tiles 0-3) in flight, key rows in
+    // tiles 4-5, queries in 6-7
+    for (int64_t tt = 0; tt < n; tt += 32) {
+      int64_t s0 = 0, s1 = 0;
+      const char* k0 = static_cast<const char*>(amx_rows(keys, it, t0 + tt, n - tt, dk, w.kstage.data(), &s0));
+      const char* k1 = static_cast<const char*>(
+          amx_rows(keys, it, t0 + tt + 16, n - tt - 16, dk, w.kstage.data() + 16 * dk, &s1));
+      for (int64_t qg = 0; qg < Gp; qg += 32) {
+        const bool two = qg + 16 < Gp;
+        _tile_zero(0);
+        _tile_zero(1);
         if (two) {
-          _tile_loadd(7, &w.qt[s * 16 * Gp + qg + 16], Gp * 4);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t s = 0; s < dk / 32; ++s) {
+          w.ahead.step();
+          _tile_loadd(4, k0 + 64 * s, s0);
+          _tile_loadd(5, k1 + 64 * s, s1);
+          _tile_loadd(6, &w.qt[s * 16 * Gp + qg], Gp * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, &w.qt[s * 16 * Gp + qg + 16], Gp * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, st + tt * Gp + qg, Gp * 4);
+        _tile_stored(1, st + (tt + 16) * Gp + qg, Gp * 4);
+        if (two) {
+          _tile_stored(2, st + tt * Gp + qg + 16, Gp * 4);
+          _tile_stored(3, st + (tt + 16) * Gp + qg + 16, Gp * 4);
         }
       }
-      _tile_stored(0, st + tt * Gp + qg, Gp * 4);
-      _tile_stored(1, st + (tt + 16) * Gp + qg, Gp * 4);
-      if (two) {
-        _tile_stored(2, st + tt * Gp + qg + 16, Gp * 4);
-        _tile_stored(3, st + (tt + 16) * Gp + qg + 16, Gp * 4);
-      }
     }
+#endif
   }
   amx_softmax(d.G, n, qscale, w);
   for (int64_t g = 0; g < d.G; ++g)  // what was accumulated, rescaled to the new maximum
@@ -287,6 +447,16 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
     }
   const int64_t steps = round_up(n, 32) / 32, slice = tb / 2 * 32;
   amx_values(values, it, t0, n, steps * 16, dv, w.vi.data(), w.ahead);
+  if (!tiles) {  // O += P V, four queries at a time (the weights past n are zeros, and so are the value rows)
+    const int64_t pairs = (n + 1) / 2;
+    int64_t g = 0;
+    for (; g + 4 <= d.G; g += 4)
+      dots_values_slices<4>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
+    for (; g < d.G; ++g)
+      dots_values_slices<1>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
+    return;
+  }
+#if defined(ATTNLAB_AMX)
   for (int64_t qg = 0; qg < d.G; qg += 16)  // O += P V: four slices of 16 columns (tiles 0-3) at a time
     for (int64_t c = 0; c < dv / 16; c += 4) {
       const int64_t nc = std::min<int64_t>(4, dv / 16 - c);
@@ -318,6 +488,7 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
       if (nc > 2) _tile_stored(2, o + 32, dv * 4);
       if (nc > 3) _tile_stored(3, o + 48, dv * 4);
     }
+#endif
 }
 
 // One chunk on the tiles; part as attend_chunk's (the maximum in log2 units, as the merge expects).
@@ -355,8 +526,10 @@ void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Row
   {
     static thread_local AmxScratch w;
     w.reset(d);
+#if defined(ATTNLAB_AMX)
     const TileConfig cfg;
-    _tile_loadconfig(&cfg);
+    if (amx_granted()) _tile_loadconfig(&cfg);
+#endif
     int64_t q_of = -1;  // the (b, h) whose queries are in w.qt
     const int64_t nt = omp_get_num_threads();
 #pragma omp for schedule(static, 1)  // round-robin: a thread knows its next chunk (as in decode)
@@ -368,7 +541,9 @@ void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Row
       }
       amx_chunk(d, keys, values, it, i + nt < n_items ? &items[i + nt] : nullptr, qscale, w, parts + i * d.G * stride);
     }
-    _tile_release();  // hand the tile state back: a context switch then saves 8 KiB less
+#if defined(ATTNLAB_AMX)
+    if (amx_granted()) _tile_release();  // hand the tile state back: a context switch then saves 8 KiB less
+#endif
   }
 }
 #endif

@@ -200,7 +200,7 @@ void decode(const T* q, int64_t B, int64_t H, int64_t n_kv, int64_t dk, int64_t 
   const float qscale = scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   const int64_t bytes = tokens * n_kv * (dk + dv) * static_cast<int64_t>(sizeof(T));
   const int n_threads = bytes < kParallelBytes ? 1 : std::max(1, std::min<int>(max_threads, static_cast<int>(n_items)));
-#if defined(ATTNLAB_AMX)
+#if defined(ATTNLAB_PAIRS)
   if constexpr (std::is_same<T, bf16>::value) {
     if (amx_takes(d)) {
       amx_decode(d, q, H, n_kv, keys, values, items, qscale, n_threads, parts.data());

@@ -5,7 +5,7 @@
 //   rows.h     where cached rows live (strided or paged runs), walking them, lines asked for ahead, staging
 //   scores.h   score tiles (row-wise and queries-in-lanes) and the online softmax in the lanes layout
 //   values.h   value tiles: weights times value rows into the outputs
-//   amx.h      bfloat16 blocks on AMX tiles (Sapphire Rapids and later)
+//   amx.h      bfloat16 blocks in pairs: on AMX tiles (Sapphire Rapids and later) or AVX512-BF16 dot products
 //   decode.h   attention over a cache: blocks, chunks, the log-sum-exp merge (the algorithm is described there)
 //   linear.h   few-row matrix-vector products of decode-step linear layers
 //   block.h    a decoder block's whole decode step
@@ -83,8 +83,8 @@ int block_step(const BlockArgs& a) {
 
 int features() {
   int bits = 0;
-#if defined(ATTNLAB_AMX)
-  if (amx_enabled.load() && amx_granted()) bits |= 1;
+#if defined(ATTNLAB_PAIRS)
+  if (pairs_enabled.load()) bits |= amx_granted() ? 1 : 8;
 #endif
 #if defined(__AVX512F__)
   bits |= 2;  // 16-lane tiles
@@ -95,8 +95,8 @@ int features() {
 }
 
 int set_amx(int on) {
-#if defined(ATTNLAB_AMX)
-  amx_enabled.store(on != 0);
+#if defined(ATTNLAB_PAIRS)
+  pairs_enabled.store(on != 0);
 #else
   (void)on;
 #endif

@@ -74,9 +74,11 @@ int linear(const LinearArgs& args);
 int block_step(const BlockArgs& args);
 
 // What this build does on this machine: bit 0 = bfloat16 blocks on AMX tiles (compiled in, granted, enabled);
-// bit 1 = the tiles' vectors are AVX-512's 16 lanes, bit 2 = AVX2's 8 (neither: what the compiler makes of 8 lanes).
+// bit 1 = the tiles' vectors are AVX-512's 16 lanes, bit 2 = AVX2's 8 (neither: what the compiler makes of 8 lanes);
+// bit 3 = bfloat16 blocks on AVX512-BF16 dot products (compiled in, no tiles, enabled).
 int features();
-// Turn the AMX path off (0) or back on (1) for this process; returns features() after the change.
+// Turn the pair path (AMX tiles or AVX512-BF16 dot products) off (0) or back on (1) for this process; returns
+// features() after the change.
 int set_amx(int on);
 
 }  // namespace kernels

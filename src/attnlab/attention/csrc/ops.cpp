@@ -363,7 +363,8 @@ void block_step(StableIValue* stack, uint64_t, uint64_t) {
   stack[0] = from(out);
 }
 
-// amx(int on) -> int: on 0 or 1 turns the AMX path off or on, -1 leaves it; the features after (kernels.h).
+// amx(int on) -> int: on 0 or 1 turns the pair path (AMX tiles or AVX512-BF16 dot products) off or on, -1 leaves
+// it; the features after (kernels.h).
 void amx(StableIValue* stack, uint64_t, uint64_t) {
   const int64_t on = to<int64_t>(stack[ARG(kAmx, "on")]);
   stack[0] = from(static_cast<int64_t>(on < 0 ? kernels::features() : kernels::set_amx(on != 0)));

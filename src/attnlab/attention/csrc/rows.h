@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace attnlab_fused {
@@ -115,6 +116,47 @@ struct Ahead {
   }
   void clear() { n_runs = total = r = left = 0; }
 };
+
+// Ahead's position copied into locals for the length of one tile's loop, so that the loop keeps it in registers.
+// Through the reference, every step stored `at` and `left` back to memory, and GCC, not knowing those stores leave
+// the tile's accumulators alone, kept the accumulators in memory too: the row-wise score tiles stored and reloaded
+// all 16 at every step (float32 groups of 8, 128 dims, one core, in cache: 31 -> 49-65 GFLOP/s). Three integer
+// registers (where the line is, where its run ends, lines per step): a run that ends within the loop is followed
+// from the next loop on, since the state to move to the next run in the loop took integer registers that the
+// bfloat16 tiles need for their key rows (they spilled those, 5-8 % slower).
+struct Cursor {
+  Ahead& ahead;
+  const char* at;
+  const char* stop;
+  int64_t per;
+  explicit Cursor(Ahead& a) : ahead(a), per(a.per) {
+    if (a.left == 0 && a.r + 1 < a.n_runs) {
+      a.at = a.runs[++a.r].p;
+      a.left = a.runs[a.r].lines;
+    }
+    at = a.at;
+    stop = a.at + 64 * a.left;
+  }
+  ~Cursor() {
+    ahead.left = (stop - at) / 64;
+    ahead.at = at;
+  }
+  inline void step() {
+    for (int64_t k = 0; k < per && at < stop; ++k, at += 64) __builtin_prefetch(at, 0, 2);
+  }
+};
+
+// Ahead itself, stepped through the reference: for bfloat16 rows, whose tiles (widening every load) gained nothing
+// from a Cursor with 16 lanes and lost 20-25 % with AVX2's 8 (benchmarks/kernel_ab.py, one thread, 4096 tokens).
+struct InPlace {
+  Ahead& ahead;
+  explicit InPlace(Ahead& a) : ahead(a) {}
+  inline void step() { ahead.step(); }
+};
+
+// How a tile reading rows of E steps through Ahead.
+template <typename E>
+using Stepper = std::conditional_t<std::is_same<E, float>::value, Cursor, InPlace>;
 
 // Tokens t0 .. t0+n-1 into float rows of `width` (>= dim; the padding columns stay zero from allocation).
 template <typename T>

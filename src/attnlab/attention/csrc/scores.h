@@ -23,8 +23,9 @@ __attribute__((always_inline)) inline void scores_tile(const float* q, int64_t q
                                                        int64_t width, float* s, int64_t s_stride, Ahead& ahead) {
   vf a[Q * K];
   for (int i = 0; i < Q * K; ++i) a[i] = splat<vf>(0.f);
+  Stepper<E> cursor(ahead);
   for (int64_t d = 0; d < width; d += W) {
-    ahead.step();
+    cursor.step();
     vf x[Q];
 #pragma GCC unroll 4
     for (int i = 0; i < Q; ++i) {
@@ -59,8 +60,9 @@ inline void scores_lanes(const float* qt, int64_t G, const float* const* k, int6
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < QV; ++v) a[r][v] = splat<vf>(0.f);
+  Cursor cursor(ahead);
   for (int64_t d = 0; d < dk; ++d) {
-    ahead.step();
+    cursor.step();
     vf x[QV];
     for (int v = 0; v < QV; ++v) {
       x[v] = vload(qt + d * G + v * W);

@@ -27,9 +27,10 @@ void accumulate(float* acc, int64_t acc_stride, const float* p, int64_t p_stride
       for (int r = 1; r < R; ++r) a[r][g][i] = splat<vf>(0.f);
     }
   }
+  Stepper<E> cursor(ahead);
   int64_t j = 0;
   for (; j + R <= n; j += R) {
-    ahead.step();
+    cursor.step();
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const E* row = v[j + r] + c;
@@ -110,9 +111,10 @@ void accumulate_rows(float* acc, const float* p, int64_t p_step, const E* const*
     a[0][i] = vload(acc + W * i);
     if (R == 2) a[R - 1][i] = splat<vf>(0.f);
   }
+  Stepper<E> cursor(ahead);
   int64_t j = 0;
   for (; j + R <= n; j += R) {
-    ahead.step();
+    cursor.step();
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
       const vf pj = splat<vf>(p[(j + r) * p_step]);
