@@ -147,6 +147,15 @@ def targets(result: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def _bf16_engine(decode_path: str) -> str:
+    """How the C++ kernel multiplies bfloat16 in a run, from its recorded decode path (``fused.status()``)."""
+    if "AMX" in decode_path:
+        return "on AMX tiles (groups of 8 or more)"
+    if "AVX512-BF16" in decode_path:
+        return "on AVX512-BF16's dot products (groups of 8 or more)"
+    return "widened to float32 in registers"
+
+
 def _span(values, fmt: str = "{:.2f}") -> str:
     """ "lo-hi" of ``values`` (one value if they are all equal)."""
     lo, hi = fmt.format(min(values)), fmt.format(max(values))
@@ -202,7 +211,9 @@ def limits(result: dict) -> str:
             " this CPU multiplies bfloat16 in hardware (matmul peak bf16 "
             f"{peaks['bf16'] / 1e9:.0f} GFLOP/s against fp32 {peaks['fp32'] / 1e9:.0f}), so the library's bfloat16"
             " matmuls are no longer the bottleneck they are on CPUs without it (there the C++ kernel widens"
-            " bfloat16 to float32 in registers); here it multiplies bfloat16 on AMX tiles: "
+            " bfloat16 to float32 in registers); here it multiplies bfloat16 "
+            + _bf16_engine(result["machine"].get("decode_path", ""))
+            + ": "
             if bf16_fast
             else " bfloat16 matmuls (oneDNN) are far slower per byte than float32 ones at these shapes, which the C++"
             " kernel avoids by widening bfloat16 to float32 in registers: "
