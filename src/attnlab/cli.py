@@ -172,6 +172,12 @@ def _fail(err: BaseException) -> None:
     raise typer.Exit(code=2) from None
 
 
+def _device_option(before: str = "", after: str = ".") -> Any:
+    """``--device``, the same on every command that computes with a model (``resources.resolve_device`` reads it)."""
+    values = "auto (CUDA when present, else the CPU), cpu, cuda or cuda:N; said on stderr"
+    return typer.Option("auto", "--device", help=before + values + after)
+
+
 @app.command()
 @user_errors
 def compare(
@@ -227,6 +233,7 @@ def convert(
         None, "--calib", help="Calibration text file (gqa: for fit / grouped-fit; mla: recommended)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing destination."),
+    device: str = _device_option("Where --method fit / grouped-fit and --to mla run the model: "),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
     """Convert a checkpoint to fewer KV heads (GQA / MQA, same architecture), or to a native DeepSeek-V3 MLA
@@ -235,7 +242,7 @@ def convert(
 
     run_convert(
         src, dst, to=to, kv_heads=kv_heads, method=method, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
-        planes=planes, calib=calib, overwrite=overwrite, as_json=as_json,
+        planes=planes, calib=calib, overwrite=overwrite, as_json=as_json, device=device,
     )  # fmt: skip
 
 
@@ -276,6 +283,7 @@ def uptrain(
     train: str = typer.Option("all", "--train", help="What is trained: all or attention."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 autocast (fp32 master weights)."),
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard with FSDP2 (under torchrun) instead of DDP."),
+    device: str = _device_option(after=" (torchrun: cuda is cuda:LOCAL_RANK on each rank, NCCL)."),
     tp: int = typer.Option(
         1,
         "--tp",
@@ -298,6 +306,7 @@ def uptrain(
         grad_clip=grad_clip, seed=seed, save_every=save_every, keep=keep, eval_every=eval_every,
         eval_windows=eval_windows, resume=resume, teacher=teacher, distill_weight=distill_weight,
         temperature=temperature, train=train, dtype=dtype, fsdp=fsdp, tp=tp, overwrite=overwrite, run_dir=run_dir,
+        device=device,
     )  # fmt: skip
     run_uptrain(opts, as_json=as_json)
 
@@ -314,12 +323,15 @@ def eval_(
     max_windows: int = typer.Option(
         0, "--max-windows", help="Score this many windows spread evenly (0: all)."
     ),
+    device: str = _device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
     """Loss, perplexity and bits per byte of a checkpoint on a text (the same function uptrain uses)."""
     from .train.command import run_eval
 
-    run_eval(ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, as_json=as_json)
+    run_eval(
+        ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, as_json=as_json, device=device,
+    )  # fmt: skip
 
 
 @app.command()
@@ -340,6 +352,7 @@ def generate(
     bandwidth: float | None = typer.Option(
         None, "--bandwidth", help="Memory bandwidth in GB/s for the roofline (default: measured here)."
     ),
+    device: str = _device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the tables."),
 ) -> None:
     """Generate text from a checkpoint: prefill scores the last position only; prints tokens/s, prefill and
@@ -348,7 +361,7 @@ def generate(
 
     run_generate(
         ckpt, prompt, max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-        ignore_eos=ignore_eos, dtype=dtype, as_json=as_json, bandwidth_gbs=bandwidth,
+        ignore_eos=ignore_eos, dtype=dtype, as_json=as_json, bandwidth_gbs=bandwidth, device=device,
     )  # fmt: skip
 
 
@@ -402,6 +415,7 @@ def sweep(
         "each", "--timing", help="each: a cached timing per variant; together: all in turn in one job."
     ),
     quick: bool = typer.Option(False, "--quick", help="Three variants, steps 0,50, fewer windows: minutes."),
+    device: str = _device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
     """Which attention should this model use? Every variant x method x uptraining steps: held-out loss, KV bytes,
@@ -419,7 +433,7 @@ def sweep(
         uptrain_steps=parse_ints(uptrain_steps, "--uptrain-steps") if uptrain_steps is not None else None,
         teacher=teacher, context=context, batch=batch, hardware=tuple(hardware), jobs=jobs, out=out, quick=quick,
         keep=keep, seq_len=seq_len, batch_size=batch_size, lr=lr, eval_windows=eval_windows, seed=seed, warmup=warmup,
-        distill_weight=distill_weight, temperature=temperature, timing=timing,
+        distill_weight=distill_weight, temperature=temperature, timing=timing, device=device,
     )  # fmt: skip
     run_sweep(opts, as_json=as_json)
 

@@ -1,4 +1,5 @@
-"""What this machine can hold: its memory, and the one check that refuses a size before it is allocated.
+"""What this machine can hold and compute on: its memory, the one check that refuses a size before it is allocated,
+and the device a command runs on (``resolve_device``: what ``--device`` names; ``announce_device``: the line saying so).
 
 Commands size their work from the cost model (``attnlab.cost``: weights, caches, activations) and ask
 ``check_fits`` before allocating, so a batch that cannot fit is one clear error instead of minutes of swapping or
@@ -7,7 +8,14 @@ an allocator failure deep inside a forward pass.
 
 from __future__ import annotations
 
+import platform
+import re
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _meminfo(field: str) -> int | None:
@@ -45,3 +53,72 @@ def check_fits(need: int, what: str, advice: str, available: int | None = None) 
         raise ValueError(
             f"{what} needs at least {_gb(need)} of memory, and this machine has {_gb(have)} available: {advice}"
         )
+
+
+# The device a command computes on. One resolver for every command (``--device``), so that "auto", the names it
+# takes and the refusals read the same everywhere. torch is imported inside: ``attnlab --help`` never imports it.
+DEVICES = "auto, cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
+
+
+def _no_cuda_reason() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this PyTorch ({torch.__version__}) is built without CUDA"
+    return "no CUDA GPU is visible to this process (torch.cuda.is_available() is False)"
+
+
+def resolve_device(value: object = "auto", flag: str = "--device") -> torch.device:
+    """The ``torch.device`` that ``--device`` names: "auto" (CUDA when ``torch.cuda.is_available()``, else the CPU),
+    "cpu", "cuda" (its first GPU, ``cuda:0``) or "cuda:N". A device this process cannot use is refused
+    (ValueError naming the value and why) before any work; "auto" asks only ``is_available`` and touches no GPU."""
+    import torch
+
+    if not isinstance(value, str):
+        raise TypeError(f"{flag} must be a string ({DEVICES}), got {value!r}")
+    text = value.strip().lower()
+    if text == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    found = _DEVICE.fullmatch(text)
+    if found is None or (found.group(1) == "cpu" and found.group(2) is not None):
+        raise ValueError(f"{flag} must be {DEVICES}; got {value!r}")
+    if found.group(1) == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag} {value}: {_no_cuda_reason()}; use --device cpu (or auto)")
+    index = int(found.group(2) or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(
+            f"{flag} {value}: this process sees {count} CUDA GPU{'s' if count != 1 else ''} "
+            f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})"
+        )
+    return torch.device("cuda", index)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, name = line.partition(":")
+            if key.strip() == "model name":
+                return name.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def describe_device(device: torch.device) -> str:
+    """What the device line says: "cuda:0 (NVIDIA H100 80GB HBM3)" or "cpu (AMD EPYC 9R14, 2 threads)"."""
+    import torch
+
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        return f"cpu ({_cpu_name()}, {torch.get_num_threads()} threads)"
+    return str(device)
+
+
+def announce_device(device: torch.device, note: str = "") -> None:
+    """The one stderr line of a command that computes: which device it runs on (``note``: how, e.g. its ranks)."""
+    print(f"device: {describe_device(device)}{f', {note}' if note else ''}", file=sys.stderr)

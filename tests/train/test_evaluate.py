@@ -30,7 +30,7 @@ def test_attnlab_eval_equals_transformers_loss(tmp_path, tokenizer, corpus):
     src = make_llama(tmp_path / "qwen", tokenizer, kind="qwen2", num_key_value_heads=2)
     result = run_cli("eval", src, "--data", corpus / "othello.txt", "--seq-len", 48, "--json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     stream = data.tokenize_files(src, [corpus / "othello.txt"])
     n = stream.n_windows(48)
     assert report["windows"] == n and report["tokens"] == n * 48

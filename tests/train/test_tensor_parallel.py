@@ -222,7 +222,9 @@ def test_q_k_norms_are_refused_before_any_collective(tmp_path, tokenizer, corpus
             check_shardable(one_layer(cfg), 2)
     src = make_llama(tmp_path / "qwen3", tokenizer, kind="qwen3", head_dim=8)
     two_ranks = distributed.Env(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-    monkeypatch.setattr(distributed, "setup", lambda tp=1: two_ranks)  # rank 0 of 2: a collective would hang
+    monkeypatch.setattr(
+        distributed, "setup", lambda tp=1, device="auto": two_ranks
+    )  # rank 0 of 2: a collective would hang
     opts = UptrainOptions(src=src, dst=tmp_path / "d", data=corpus, steps=1, tp=2)
     with pytest.raises(ValueError, match=r"--tp 2: tensor parallelism does not shard q/k norms yet"):
         uptrain(opts, progress=False)

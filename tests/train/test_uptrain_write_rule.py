@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import make_llama, run_cli, snapshot
+from train_helpers import CPU_LINE, make_llama, run_cli, snapshot
 
 from attnlab.atomic import MARKER, marker_kind
 
@@ -26,8 +26,12 @@ def tree(path: Path) -> dict[str, bytes]:
     return snapshot(path)
 
 
-def one_line_error(result, message: str) -> None:
+def one_line_error(result, message: str, *, started: bool = False) -> None:
+    """The one error line; ``started``: after the line that names the device training had started on."""
     lines = result.output.strip().splitlines()
+    if started:
+        assert lines and CPU_LINE.fullmatch(lines[0]), result.output
+        lines = lines[1:]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("attnlab: error: ") and message in lines[0], lines[0]
 
@@ -130,7 +134,7 @@ def test_divergence_stops_with_exit_2_and_keeps_the_last_good_checkpoint(work):
         "uptrain", "gqa2", "up", "--data", "corpus", "--lr", 1e6, "--warmup", 0, "--steps", 8, "--save-every", 1,
         "--batch-size", 2, "--seq-len", 32, "--grad-clip", 0,
     )  # fmt: skip
-    one_line_error(result, "training diverged at step")
+    one_line_error(result, "training diverged at step", started=True)
     assert "nothing was written to DST" in result.output and "lower --lr" in result.output
     assert not (work / "up").exists()
     kept = sorted(p.name for p in (work / "up.run").glob("step-*"))
@@ -148,9 +152,9 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint_and_says_how_to_resu
          "--seq-len", "32", "--save-every", "2"],
         cwd=work, capture_output=True, text=True, preexec_fn=limit,
     )  # fmt: skip
-    lines = proc.stderr.strip().splitlines()
+    device, *lines = proc.stderr.strip().splitlines()  # the device training started on, then the error
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(lines) == 1 and "File too large" in lines[0], proc.stderr
+    assert CPU_LINE.fullmatch(device) and len(lines) == 1 and "File too large" in lines[0], proc.stderr
     assert "no checkpoint was saved yet, so a rerun starts from the beginning" in lines[0]
     assert [p.name for p in (work / "up.run").iterdir() if p.name.startswith(("step-", ".step-"))] == []
     assert not (work / "up").exists()

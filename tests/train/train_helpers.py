@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -14,6 +15,9 @@ from attnlab.data import shakespeare
 SHAKESPEARE = shakespeare()  # the corpus the package ships
 WORKS = ("hamlet", "macbeth", "othello")
 VOCAB = 320
+# The line a command that runs a model prints on stderr when it starts (``resources.announce_device``), here;
+# uptrain adds its precision (and ranks).
+CPU_LINE = re.compile(r"device: cpu \(.+, \d+ threads?\)(, .+)?")
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

@@ -2,9 +2,9 @@
 
 The roofline of the decode phase is the time needed to read, per step, every weight once and the cached keys and
 values (or MLA latents) of every token attended (``Generation.decode_bytes``, counted with ``attnlab.cost``) at
-the given ``--bandwidth`` or the machine's measured streaming read bandwidth (``bench.machine.measure_local``:
-measured once per boot and cached, as for ``attnlab bench``); "of roofline" is that time over the measured
-decode time (1.0 = at the limit).
+the given ``--bandwidth`` or the measured streaming read bandwidth of the device it runs on
+(``bench.machine.device_bandwidth``; a CPU's is measured once per boot and cached, as for ``attnlab bench``); "of
+roofline" is that time over the measured decode time (1.0 = at the limit).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def decode_step_times(
 ) -> tuple[dict[Any, list[float]], dict[Any, int]]:
     """Seconds of ``steps`` greedy decode steps after prefilling ``prompt`` (B, T), for each model ``repeats``
     times, round robin over the models (a slow spell of a shared machine then hits every model alike); and the
-    bytes of each model's filled caches."""
+    bytes of each model's filled caches. The models and ``prompt`` are on one device."""
     b, t = prompt.shape
     times: dict[Any, list[float]] = {name: [] for name in models}
     nbytes: dict[Any, int] = {}
@@ -41,6 +41,10 @@ def decode_step_times(
             start = time.perf_counter()
             for _ in range(steps):
                 nxt = model(nxt, caches=caches)[:, -1:].argmax(-1)
+            if nxt.device.type == "cuda":
+                torch.cuda.synchronize(
+                    nxt.device
+                )  # a GPU's kernels run asynchronously: wait for the last step
             times[name].append(time.perf_counter() - start)
             nbytes[name] = sum(c.nbytes for c in caches)
     return times, nbytes
@@ -106,14 +110,16 @@ def run_generate(
     dtype: str,
     as_json: bool,
     bandwidth_gbs: float | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     from .. import resources
     from ..console import Progress
     from ..cost import kv_cache_bytes
     from ..data import load_tokenizer
     from ..hf.causal_lm import load_causal_lm
-    from .machine import measure_local
+    from .machine import device_bandwidth
 
+    where = resources.resolve_device(device)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if not prompts:
@@ -138,23 +144,27 @@ def run_generate(
             )
     param_dtype = next(model.parameters()).dtype
     longest = max(len(row) for row in ids) + max_new
-    resources.check_fits(  # the weights are loaded; the caches of every prompt come on top
-        kv_cache_bytes(model.cfg, len(ids), longest, param_dtype),
-        f"{len(ids)} --prompt x {longest} tokens (prompt + --max-new)",
-        "lower --max-new or give fewer prompts",
-    )
+    if where.type == "cpu":  # the weights are loaded; the caches of every prompt come on top
+        resources.check_fits(
+            kv_cache_bytes(model.cfg, len(ids), longest, param_dtype),
+            f"{len(ids)} --prompt x {longest} tokens (prompt + --max-new)",
+            "lower --max-new or give fewer prompts",
+        )
     stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
+    model = model.to(where)  # generate() puts the caches and token ids where the weights are
+    resources.announce_device(where)
     with Progress("generate (tokens)", max_new * len(ids)) as bar:
         gen = generate(
             model, ids, max_new, temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops, seed=seed,
             progress=lambda done, total: bar.update(done, total=total),
         )  # fmt: skip
-    bandwidth = measure_local().bandwidth if bandwidth_gbs is None else bandwidth_gbs * 1e9
+    bandwidth = device_bandwidth(where) if bandwidth_gbs is None else bandwidth_gbs * 1e9
     n_bytes = gen.decode_bytes
     fraction = n_bytes / bandwidth / gen.decode_s if gen.decode_steps and gen.decode_s > 0 else None
     result = {
         "checkpoint": str(ckpt),
         "dtype": str(param_dtype).removeprefix("torch."),
+        "device": str(where),
         "threads": torch.get_num_threads(),
         "cache": gen.cache,
         "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
@@ -209,5 +219,5 @@ def print_result(result: dict[str, Any]) -> None:
     speed.add_row(
         "end to end", f"{result['prefill_s'] + result['decode_s']:.3f}", f"{result['tokens_per_s']:.1f}", ""
     )
-    speed.caption = f"{result['dtype']}, {result['threads']} threads"
+    speed.caption = f"{result['dtype']}, {result['device']}, {result['threads']} threads"
     print_grid(speed)

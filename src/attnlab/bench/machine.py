@@ -67,6 +67,21 @@ def _read_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return x.nbytes / _best_time(lambda: x.sum(), repeats)
 
 
+def device_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a streaming read on ``device``: the CPU's is ``measure_local``'s (cached per boot); a GPU's is
+    measured now, 1 GiB summed in its memory (each timing synchronised with the GPU, whose kernels run
+    asynchronously). Not yet run on a GPU (none was lent when it was written)."""
+    if device.type == "cpu":
+        return measure_local().bandwidth
+    x = torch.ones(2**28, dtype=torch.float32, device=device)
+
+    def read() -> None:
+        x.sum()
+        torch.cuda.synchronize(device)
+
+    return x.nbytes / _best_time(read, 5)
+
+
 def _matmul_rate(dtype: torch.dtype, budget_s: float = 0.25, repeats: int = 3) -> float:
     """FLOP/s of square matmuls, growing the size until one takes long enough to time well."""
     n = 256

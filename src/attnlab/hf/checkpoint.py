@@ -15,11 +15,12 @@ left out of the statistics.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
-from .. import data
+from .. import data, resources
 from ..atomic import check_destination
 from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE, Progress, convert_model
@@ -63,6 +64,32 @@ def calibration_batches(
     return batches
 
 
+def conversion_device(device: str, computes: bool, what: str) -> torch.device:
+    """Where a conversion runs its model: ``--device`` (``resources.resolve_device``) when it ``computes``
+    (calibration forward passes), else the CPU (weight arithmetic alone; an explicit GPU is refused rather than
+    silently unused)."""
+    where = resources.resolve_device(device)
+    if not computes and where.type != "cpu":
+        if device.strip().lower() != "auto":
+            raise ValueError(
+                f"--device {device}: {what} runs no model, only arithmetic on the weights (on the CPU); --device "
+                "applies to --method fit / grouped-fit and --to mla"
+            )
+        where = torch.device("cpu")
+    return where
+
+
+def on_device(batches: list, device: torch.device) -> list:
+    """Calibration batches (tensors, or ``(ids, mask)`` pairs) moved to ``device``."""
+    return [tuple(t.to(device) for t in b) if isinstance(b, tuple) else b.to(device) for b in batches]
+
+
+def computing_on(device: torch.device) -> contextlib.AbstractContextManager:
+    """The conversion's own tensors (``arange``, ``eye``, ``zeros`` made without a device) are made on a GPU that
+    runs it, where they meet the model's activations (torch's default-device context); on the CPU nothing changes."""
+    return contextlib.nullcontext() if device.type == "cpu" else device
+
+
 def _gqa_types() -> str:
     return ", ".join(
         t for t, f in FAMILIES.items() if f.gqa is not None and (f.tensors is not None or not f.causal_lm)
@@ -92,11 +119,14 @@ def convert_checkpoint(
     overwrite: bool = False,
     seed: int = 0,
     progress: Progress | None = None,
+    device: str = "auto",
 ) -> dict:
     """Convert the checkpoint in ``src`` to ``n_kv_heads`` KV heads, written atomically to ``dst``.
 
     Returns a summary: architecture, heads before/after, KV cache values per token before/after, tensors
-    rewritten and copied. ``progress(done, total)`` is called after each layer is converted.
+    rewritten and copied. ``progress(done, total)`` is called after each layer is converted. ``device``: where
+    "fit" and "grouped-fit" run the model on the calibration text (``conversion_device``); tensors are written
+    from the CPU.
     """
     src, dst = Path(src), Path(dst)
     if method not in METHODS:
@@ -107,6 +137,7 @@ def convert_checkpoint(
         )
     if method in DATA_AWARE and calib is None:
         raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
+    where = conversion_device(device, method in DATA_AWARE, f"--method {method}")
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
@@ -125,8 +156,19 @@ def convert_checkpoint(
     io.check_finite(model, src)
     batches = calibration_batches(src, calib, vocab_size=model.cfg.vocab_size) if calib is not None else None
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model = model.float()  # conversions run in float32 (the fit in float64); tensors are cast back on write
-    converted = convert_model(model, n_kv_heads, method, calib=batches, seed=seed, progress=progress)
+    model = model.float().to(where)  # conversions run in float32 (the fit in float64); cast back on write
+    if method in DATA_AWARE:  # the other methods run no model
+        resources.announce_device(where)
+    with computing_on(where):
+        converted = convert_model(
+            model,
+            n_kv_heads,
+            method,
+            calib=on_device(batches or [], where) or None,
+            seed=seed,
+            progress=progress,
+        )
+    converted = converted.cpu()
 
     tensors, files = io.read_tensors(src)
     state, cfg_out, new_hf = converted.state_dict(), converted.cfg, hf
@@ -173,6 +215,7 @@ def convert_checkpoint(
         "tensors_rewritten": len(rewritten),
         "tensors_copied": len(tensors) - len(rewritten),
         "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches else 0,
+        "device": str(where),
         # weight files of the source (other formats, other safetensors) that would contradict the new weights
         "files_left_out": left_out,
     }

@@ -68,6 +68,7 @@ def run_convert(
     calib: str | Path | None = None,
     overwrite: bool = False,
     as_json: bool = False,
+    device: str = "auto",
 ) -> dict:
     """``attnlab convert``: convert, then print the summary as a table (or JSON); returns the summary."""
     from ..console import Grid, Progress, print_grid
@@ -85,7 +86,7 @@ def run_convert(
             method = method or "mean"
             bar.update(description=f"converting layers ({method})")
             summary = convert_checkpoint(
-                src, dst, kv_heads, method, calib=calib, overwrite=overwrite,
+                src, dst, kv_heads, method, calib=calib, overwrite=overwrite, device=device,
                 progress=lambda done, total: bar.update(done, total=total),
             )  # fmt: skip
             title = f"attnlab convert: {summary['model_type']} -> {kv_heads} KV heads ({method})"
@@ -93,7 +94,7 @@ def run_convert(
             from .mla_checkpoint import convert_checkpoint_to_mla
 
             summary = convert_checkpoint_to_mla(
-                src, dst, kv_lora_rank, rope_dim, calib=calib, planes=stride, overwrite=overwrite,
+                src, dst, kv_lora_rank, rope_dim, calib=calib, planes=stride, overwrite=overwrite, device=device,
                 progress=lambda stage, done, total: bar.update(done, total=total, description=f"{stage} (layers)"),
             )  # fmt: skip
             title = (

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .. import resources
 from ..atomic import check_destination
 from ..config import AttentionConfig
 from ..convert.mla import (
@@ -46,7 +47,7 @@ from ..convert.mla_model import (
 from ..families import family
 from . import deepseek, io
 from .causal_lm import load_causal_lm, model_config
-from .checkpoint import calibration_batches
+from .checkpoint import calibration_batches, computing_on, conversion_device, on_device
 
 # (stage, layers done, layers in all): called after each layer of each pass over the model
 StageProgress = Callable[[str, int, int], None]
@@ -80,6 +81,7 @@ def convert_checkpoint_to_mla(
     overwrite: bool = False,
     seed: int = 0,
     progress: StageProgress | None = None,
+    device: str = "auto",
 ) -> dict:
     """Convert the checkpoint in ``src`` (a family whose MLA verdict allows it) to a DeepSeek-V3 MLA checkpoint in
     ``dst``; returns a summary (shapes, KV values per token before/after, rotary planes kept, per-layer errors,
@@ -89,9 +91,11 @@ def convert_checkpoint_to_mla(
 
     Bad targets (a rank above what the layer can use, a rope_dim that is odd or larger than head_dim, a
     rope_dim or stride that would keep a plane the source's llama3 / yarn scaling changes) raise ValueError
-    before anything is written.
+    before anything is written. ``device``: where the model runs (``resources.resolve_device``); tensors are written
+    from the CPU.
     """
     src, dst = Path(src), Path(dst)
+    where = conversion_device(device, True, "--to mla")
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
@@ -123,73 +127,77 @@ def convert_checkpoint_to_mla(
             )
     model = load_causal_lm(src)
     dtype = model.tok_embeddings.weight.dtype
-    model = model.float()
+    model = model.float().to(where)
     if calib is not None:
         batches = calibration_batches(src, calib, vocab_size=cfg.vocab_size)
-    else:  # no longer than the positions the model was made for
+    else:  # no longer than the positions the model was made for (drawn on the CPU: the same ids on any device)
         batches = random_batches(cfg.vocab_size, seed, length=min(64, cfg.max_seq_len))
+    batches = on_device(batches, where)
 
-    stride = choose_stride(
-        model, rope_dim, planes, calib=batches, rorope=rorope, progress=_stage(progress, STAGES[0])
-    )
-    mla = convert_model_to_mla(
-        model,
-        kv_lora_rank,
-        rope_dim,
-        calib=batches,
-        planes=stride,
-        rorope=rorope,
-        weighting=weighting,
-        mean_phase=mean_phase,
-        progress=_stage(progress, STAGES[1]),
-    )
-    native, norm_stats = fold_latent_norms(
-        mla, batches, balance=balance, progress=_stage(progress, STAGES[2])
-    )
-    errors = layer_errors(model, mla, batches, progress=_stage(progress, STAGES[3]))
-    summary = {
-        "src": str(src),
-        "dst": str(dst),
-        "model_type": hf["model_type"],
-        "mla_conversion": support.verdict,  # exact or approximate, for this family (attnlab.families)
-        "mla_conversion_note": support.note,
-        "n_layers": cfg.n_layers,
-        "n_heads": attn_cfg.n_heads,
-        "n_kv_heads_before": attn_cfg.n_kv_heads,
-        "head_dim": attn_cfg.head_dim,
-        # the dims RoPE turns (partial rotary: the rest go to the nope part as they are) and how they pair
-        "source_rotary_dim": attn_cfg.rotary_dim if attn_cfg.rope else 0,
-        "source_rope_interleaved": attn_cfg.rope_interleaved if attn_cfg.rope else False,
-        "kv_lora_rank": kv_lora_rank,
-        "qk_rope_head_dim": rope_dim,
-        "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
-        "source_rope_type": attn_cfg.rope_type if attn_cfg.rope else None,
-        # planes 0..n-1 turn at plain RoPE frequencies (all of them without scaling): those that can keep RoPE
-        "source_plain_planes": plain,
-        # yarn's factor on cos and sin, folded into q_proj as its square (1: none)
-        "source_attention_factor": source_frequencies(attn_cfg)[1] if attn_cfg.rope else 1.0,
-        "rope_stride": stride,
-        "rope_planes": rope_planes(attn_cfg.rotary_dim, rope_dim, stride, planes=plain).tolist()
-        if attn_cfg.rope
-        else [],
-        "rope_theta": native.cfg.attention.rope_theta,
-        "kv_values_per_token_before": 2 * cfg.n_layers * attn_cfg.n_kv_heads * attn_cfg.head_dim,
-        "kv_values_per_token_after": cfg.n_layers * native.cfg.attention.cache_dim,
-        "calibration": str(calib) if calib is not None else "random tokens",
-        "layer_output_error": [round(e["output_error"], 6) for e in errors],
-        "layer_score_error": [round(e["score_error"], 6) for e in errors],
-        "latent_norm_error": [round(s["latent_error"], 6) for s in norm_stats],
-        "latent_norm_balance": [s["balance"] for s in norm_stats],
-        # Logit distances on the calibration batches: conversion alone, the latent norm alone, both.
-        "logits_source_vs_mla": logit_distance(model, mla, batches),
-        "logits_mla_vs_native": logit_distance(mla, native, batches),
-        "logits_source_vs_native": logit_distance(model, native, batches),
-    }
-    # llama.cpp loads no DeepSeek model without a no-RoPE dim: a one-KV-head source keeping every dim rotary gets a
-    # zero one (the same model; its distances above are those of the model without it)
-    native = with_nope_dim(native)
-    summary["qk_nope_head_dim"] = native.cfg.attention.qk_nope_head_dim
-    native = native.to(dtype)
+    resources.announce_device(where)
+    with computing_on(where):
+        stride = choose_stride(
+            model, rope_dim, planes, calib=batches, rorope=rorope, progress=_stage(progress, STAGES[0])
+        )
+        mla = convert_model_to_mla(
+            model,
+            kv_lora_rank,
+            rope_dim,
+            calib=batches,
+            planes=stride,
+            rorope=rorope,
+            weighting=weighting,
+            mean_phase=mean_phase,
+            progress=_stage(progress, STAGES[1]),
+        )
+        native, norm_stats = fold_latent_norms(
+            mla, batches, balance=balance, progress=_stage(progress, STAGES[2])
+        )
+        errors = layer_errors(model, mla, batches, progress=_stage(progress, STAGES[3]))
+        summary = {
+            "src": str(src),
+            "dst": str(dst),
+            "model_type": hf["model_type"],
+            "mla_conversion": support.verdict,  # exact or approximate, for this family (attnlab.families)
+            "mla_conversion_note": support.note,
+            "n_layers": cfg.n_layers,
+            "n_heads": attn_cfg.n_heads,
+            "n_kv_heads_before": attn_cfg.n_kv_heads,
+            "head_dim": attn_cfg.head_dim,
+            # the dims RoPE turns (partial rotary: the rest go to the nope part as they are) and how they pair
+            "source_rotary_dim": attn_cfg.rotary_dim if attn_cfg.rope else 0,
+            "source_rope_interleaved": attn_cfg.rope_interleaved if attn_cfg.rope else False,
+            "kv_lora_rank": kv_lora_rank,
+            "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": native.cfg.attention.qk_nope_head_dim,
+            "source_rope_type": attn_cfg.rope_type if attn_cfg.rope else None,
+            # planes 0..n-1 turn at plain RoPE frequencies (all of them without scaling): those that can keep RoPE
+            "source_plain_planes": plain,
+            # yarn's factor on cos and sin, folded into q_proj as its square (1: none)
+            "source_attention_factor": source_frequencies(attn_cfg)[1] if attn_cfg.rope else 1.0,
+            "rope_stride": stride,
+            "rope_planes": rope_planes(attn_cfg.rotary_dim, rope_dim, stride, planes=plain).tolist()
+            if attn_cfg.rope
+            else [],
+            "rope_theta": native.cfg.attention.rope_theta,
+            "kv_values_per_token_before": 2 * cfg.n_layers * attn_cfg.n_kv_heads * attn_cfg.head_dim,
+            "kv_values_per_token_after": cfg.n_layers * native.cfg.attention.cache_dim,
+            "calibration": str(calib) if calib is not None else "random tokens",
+            "device": str(where),
+            "layer_output_error": [round(e["output_error"], 6) for e in errors],
+            "layer_score_error": [round(e["score_error"], 6) for e in errors],
+            "latent_norm_error": [round(s["latent_error"], 6) for s in norm_stats],
+            "latent_norm_balance": [s["balance"] for s in norm_stats],
+            # Logit distances on the calibration batches: conversion alone, the latent norm alone, both.
+            "logits_source_vs_mla": logit_distance(model, mla, batches),
+            "logits_mla_vs_native": logit_distance(mla, native, batches),
+            "logits_source_vs_native": logit_distance(model, native, batches),
+        }
+        # llama.cpp loads no DeepSeek model without a no-RoPE dim: a one-KV-head source keeping every dim rotary gets a
+        # zero one (the same model; its distances above are those of the model without it)
+        native = with_nope_dim(native)
+        summary["qk_nope_head_dim"] = native.cfg.attention.qk_nope_head_dim
+    native = native.cpu().to(dtype)
     tensors = deepseek.state_to_hf(native)
     files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
     with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:

@@ -23,6 +23,7 @@ from ..data import _cache_home
 from ..hf import io
 from ..hf.causal_lm import model_config
 from ..jobs import cpu_count, run_jobs
+from ..resources import announce_device, resolve_device
 from . import plan, report
 from .plan import SweepOptions
 
@@ -37,6 +38,7 @@ def _cache_root(opts: SweepOptions) -> Path:
 def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = True) -> dict:
     """Run the sweep (see the module docstring); returns the results (what ``--json`` prints)."""
     plan.check_options(opts)
+    where = resolve_device(opts.device)
     started = time.perf_counter()
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
@@ -50,6 +52,9 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
         data = plan.prepare_data(opts.data, opts.eval_data, root)
         jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
+        announce_device(
+            where, f"every job that runs a model, {opts.jobs} worker{'s' if opts.jobs > 1 else ''}"
+        )
         outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
                             title="sweep (jobs)")  # fmt: skip
         rows = report.build_rows(planned, outcomes, hf, opts)

@@ -32,6 +32,7 @@ from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
 from ..data import split_held_out, text_files
 from ..jobs import Job
+from ..resources import resolve_device
 from . import work
 
 KEEP = ("none", "best", "all")
@@ -79,6 +80,7 @@ class SweepOptions:
     timing: str = "each"  # "each" or "together" (module docstring)
     timing_steps: int | None = None  # decode steps timed (None: 16, quick 8)
     timing_repeats: int | None = None  # the fastest of this many (None: 5, quick 3)
+    device: str = "auto"  # where the jobs run models (resources.resolve_device)
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -259,10 +261,17 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
     return {"train": folders["train"], "heldout": folders["heldout"], "calib": calib, "fingerprint": fp}
 
 
+def device_args(opts: SweepOptions) -> dict:
+    """``--device`` in the args of the jobs that run a model, only where it is not the CPU: a CPU sweep's jobs keep
+    the hashes (and the cached results) they had before the option existed, and a GPU's results are other jobs."""
+    where = resolve_device(opts.device)
+    return {} if where.type == "cpu" else {"device": str(where)}
+
+
 def eval_args(opts: SweepOptions, cfg: ModelConfig, data: dict) -> dict:
     """What every eval job scores on (its checkpoint aside): ``attnlab eval --data HELDOUT --seq-len T ...``."""
     return {"eval_data": str(data["heldout"]), "seq_len": _seq_len(opts, cfg), "eval_windows": _windows(opts),
-            "data_id": data["fingerprint"]}  # fmt: skip
+            "data_id": data["fingerprint"], **device_args(opts)}  # fmt: skip
 
 
 def uptrain_args(opts: SweepOptions, cfg: ModelConfig, data: dict, steps: int) -> dict:
@@ -277,13 +286,19 @@ def uptrain_args(opts: SweepOptions, cfg: ModelConfig, data: dict, steps: int) -
             "temperature": opts.temperature, "eval_windows": _windows(opts), "data": str(data["train"]),
             "eval_data": str(data["heldout"]), "teacher": teacher,
             "teacher_id": checkpoint_id(Path(teacher)) if teacher else None, "save_every": max(50, steps // 4),
-            "data_id": data["fingerprint"]}  # fmt: skip
+            "data_id": data["fingerprint"], **device_args(opts)}  # fmt: skip
 
 
 def timing_args(opts: SweepOptions) -> dict:
     steps = opts.timing_steps or (8 if opts.quick else 16)
     repeats = opts.timing_repeats or (3 if opts.quick else 5)
-    return {"context": opts.context, "batch": opts.batch, "steps": steps, "repeats": repeats}
+    return {
+        "context": opts.context,
+        "batch": opts.batch,
+        "steps": steps,
+        "repeats": repeats,
+        **device_args(opts),
+    }
 
 
 def _seq_len(opts: SweepOptions, cfg: ModelConfig) -> int:
@@ -318,9 +333,9 @@ def plan_jobs(
             args = {"src": src, "src_id": src_id, "kind": v.kind, "method": m, "calib": str(data["calib"]),
                     "data_id": data["fingerprint"] if m in (*DATA_AWARE, "calib") else None}  # fmt: skip
             if v.kind == "mla":
-                args |= {"kv_lora_rank": v.kv_lora_rank, "rope_dim": v.rope_dim}
-            else:
-                args |= {"n_kv_heads": v.n_kv_heads}
+                args |= {"kv_lora_rank": v.kv_lora_rank, "rope_dim": v.rope_dim, **device_args(opts)}
+            else:  # only the fit methods run the model
+                args |= {"n_kv_heads": v.n_kv_heads, **(device_args(opts) if m in DATA_AWARE else {})}
             jobs.append(Job(conv, work.convert, args, output=True))
             if v.name not in timed:  # speed depends on the shapes only: one timing per variant
                 timed[v.name] = conv

@@ -30,13 +30,20 @@ def convert(args: dict, deps: dict, out: Path | None) -> dict:
     from ..hf import convert_checkpoint, convert_checkpoint_to_mla
 
     calib = args["calib"] if args["method"] in (*DATA_AWARE, "calib") else None
+    device = args.get("device", "cpu")  # (``plan.device_args``: absent on the CPU)
     if args["kind"] == "mla":
         summary = convert_checkpoint_to_mla(
-            args["src"], out, args["kv_lora_rank"], args["rope_dim"], calib=calib, overwrite=True
+            args["src"],
+            out,
+            args["kv_lora_rank"],
+            args["rope_dim"],
+            calib=calib,
+            overwrite=True,
+            device=device,
         )
     else:
         summary = convert_checkpoint(
-            args["src"], out, args["n_kv_heads"], args["method"], calib=calib, overwrite=True
+            args["src"], out, args["n_kv_heads"], args["method"], calib=calib, overwrite=True, device=device
         )
     return {"config": json.loads((out / "config.json").read_text()), "summary": summary}
 
@@ -53,12 +60,15 @@ def uptrain(args: dict, deps: dict, out: Path | None) -> dict:
     fields |= {
         k: args[k] for k in ("warmup", "min_lr", "distill_weight", "temperature") if args.get(k) is not None
     }
+    launcher = os.environ.get(LAUNCH, "").strip()
+    device = args.get("device", "cpu")
+    if launcher and device.startswith("cuda"):
+        device = "cuda"  # under torchrun each rank takes cuda:LOCAL_RANK
     opts = UptrainOptions(
         src=Path(src), dst=out, data=Path(args["data"]), eval_data=Path(args["eval_data"]),
         teacher=Path(args["teacher"]) if args["teacher"] else None, save_every=args["save_every"], resume=True,
-        overwrite=True, **fields,
+        overwrite=True, device=device, **fields,
     )  # fmt: skip
-    launcher = os.environ.get(LAUNCH, "").strip()
     if not launcher:
         return run(opts, progress=False)
     command = [*shlex.split(launcher), "-m", "attnlab", "uptrain", str(opts.src), str(opts.dst)]
@@ -81,8 +91,9 @@ def evaluate(args: dict, deps: dict, out: Path | None) -> dict:
 
     ckpt = args["ckpt"] if args["ckpt"] is not None else next(iter(deps.values()))["out"]
     return evaluate_checkpoint(
-        ckpt, args["eval_data"], seq_len=args["seq_len"], max_windows=args["eval_windows"]
-    )
+        ckpt, args["eval_data"], seq_len=args["seq_len"], max_windows=args["eval_windows"],
+        device=args.get("device", "cpu"),
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -102,7 +113,8 @@ def speed(args: dict, deps: dict, out: Path | None) -> dict:
         paths = {label: deps[c]["out"] if c in deps else c for label, c in args["ckpts"].items()}
     else:
         paths = {"": args["ckpt"] if args["ckpt"] is not None else next(iter(deps.values()))["out"]}
-    models = {label: load_causal_lm(p).float().eval() for label, p in paths.items()}
+    where = torch.device(args.get("device", "cpu"))
+    models = {label: load_causal_lm(p).float().eval().to(where) for label, p in paths.items()}
     steps, batch = args["steps"], args["batch"]
     context = min([args["context"], *(m.cfg.max_seq_len - steps for m in models.values())])
     if context < 1:
@@ -110,7 +122,7 @@ def speed(args: dict, deps: dict, out: Path | None) -> dict:
         raise ValueError(f"the model holds {least} positions: too few to time {steps} steps")
     gen = torch.Generator().manual_seed(0)
     vocab = min(m.cfg.vocab_size for m in models.values())
-    prompt = torch.randint(0, vocab, (batch, context), generator=gen)
+    prompt = torch.randint(0, vocab, (batch, context), generator=gen).to(where)
     times, nbytes = decode_step_times(models, prompt, steps, args["repeats"])
     rows = {}
     for label, model in models.items():

@@ -51,10 +51,13 @@ def run_uptrain(opts: UptrainOptions, *, as_json: bool) -> dict:
     return summary
 
 
-def run_eval(ckpt, data, *, seq_len: int | None, batch_size: int, max_windows: int, as_json: bool) -> dict:
+def run_eval(
+    ckpt, data, *, seq_len: int | None, batch_size: int, max_windows: int, as_json: bool, device: str = "auto"
+) -> dict:
     result = evaluate_checkpoint(
-        ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, show_progress=True
-    )
+        ckpt, data, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows, show_progress=True,
+        device=device,
+    )  # fmt: skip
     if as_json:
         print(json_text(result), end="")
     else:

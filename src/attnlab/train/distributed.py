@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import resources
+
 
 @dataclass(frozen=True)
 class Env:
@@ -62,33 +64,53 @@ class Env:
 ONE_PROCESS = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
-def setup(tp: int = 1) -> Env:
-    """The process's place in the job (one process when not launched by torchrun); ``tp`` ranks split each layer."""
+def setup(tp: int = 1, device: str = "auto") -> Env:
+    """The process's place in the job (one process when not launched by torchrun); ``tp`` ranks split each layer.
+
+    ``device`` is ``--device`` (``resources.resolve_device``). On one process it is the device used; under torchrun
+    a CUDA device means one GPU per rank, ``cuda:LOCAL_RANK`` with NCCL, and the CPU means gloo."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_initialized():
         world = dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    chosen = resources.resolve_device(device)
+    cuda = chosen.type == "cuda"
+    several = world > 1 or "RANK" in os.environ or dist.is_initialized()
+    if cuda and several:  # checked on every rank before any collective, so all of them stop
+        if device.strip().lower() not in ("auto", "cuda"):
+            raise ValueError(
+                f"--device {device}: under torchrun each rank takes its own GPU, cuda:LOCAL_RANK; pass --device cuda"
+            )
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device}: rank with LOCAL_RANK={local_rank} has no GPU of its own (this node shows "
+                f"{torch.cuda.device_count()}): launch at most that many ranks per node"
+            )
+        chosen = torch.device("cuda", local_rank)
     if world % tp:  # checked on every rank before any collective, so all of them stop
         raise ValueError(
             f"--tp {tp} must divide the number of ranks ({world}); launch with torchrun --nproc-per-node "
             f"{tp} (or a multiple of it: the rest is data parallelism)"
         )
-    if world == 1 and "RANK" not in os.environ and not dist.is_initialized():
-        return Env(rank=0, world_size=1, local_rank=0, device=device)
+    if cuda:
+        torch.cuda.set_device(chosen)  # kernels launched without a device (Triton, NCCL) go to this one
+    if not several:
+        return Env(rank=0, world_size=1, local_rank=0, device=chosen)
     owns = not dist.is_initialized()
     if owns:
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(backend(chosen))
     from torch.distributed.device_mesh import init_device_mesh
 
     if tp == 1:
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(chosen.type, (world,), mesh_dim_names=("dp",))
     else:
-        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    return Env(dist.get_rank(), world, local_rank, device, mesh, owns, tp)
+        mesh = init_device_mesh(chosen.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Env(dist.get_rank(), world, local_rank, chosen, mesh, owns, tp)
+
+
+def backend(device: torch.device) -> str:
+    """The process group's backend for ranks on ``device``: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def teardown(env: Env) -> None:

@@ -9,6 +9,7 @@ bytes``, where bytes are the UTF-8 bytes of the text the scored tokens spell (co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -93,12 +94,14 @@ def evaluate_checkpoint(
     batch_size: int = 8,
     max_windows: int = 0,
     show_progress: bool = False,
+    device: str = "auto",
 ) -> dict:
-    """``attnlab eval``: load a causal-LM checkpoint, tokenise ``data`` with its tokenizer, ``evaluate``
-    (``show_progress``: windows scored, on stderr)."""
+    """``attnlab eval``: load a causal-LM checkpoint, tokenise ``data`` with its tokenizer, ``evaluate`` on
+    ``device`` (``resources.resolve_device``; said on stderr) (``show_progress``: windows scored, on stderr)."""
     from ..hf.causal_lm import family_of, load_causal_lm
 
     ckpt = Path(ckpt)
+    env = dataclasses.replace(ONE_PROCESS, device=resources.resolve_device(device))
     model_type = family_of(ckpt)
     model = load_causal_lm(ckpt).float()
     max_len = model.cfg.max_seq_len
@@ -113,14 +116,19 @@ def evaluate_checkpoint(
         raise ValueError(f"--max-windows must be >= 0, got {max_windows}")
     stream = load_stream(ckpt, data, seq_len, vocab_size=model.cfg.vocab_size)
     windows = len(eval_windows(stream, seq_len, max_windows))
-    resources.check_fits(  # the weights are loaded; a forward pass over one batch of windows comes on top
-        activation_bytes(model.cfg, min(batch_size, windows), seq_len, training=False),
-        f"--batch-size {batch_size} x --seq-len {seq_len}",
-        "lower --batch-size",
-    )
+    if (
+        env.device.type == "cpu"
+    ):  # the weights are loaded; a forward pass over one batch of windows comes on top
+        resources.check_fits(
+            activation_bytes(model.cfg, min(batch_size, windows), seq_len, training=False),
+            f"--batch-size {batch_size} x --seq-len {seq_len}",
+            "lower --batch-size",
+        )
+    model = model.to(env.device)
+    resources.announce_device(env.device)
     with Progress("eval (windows)", windows, enabled=show_progress) as bar:
         result = evaluate(
-            model, stream, seq_len, batch_size=batch_size, max_windows=max_windows,
+            model, stream, seq_len, batch_size=batch_size, max_windows=max_windows, env=env,
             progress=lambda done, total: bar.update(done, total=total),
         )  # fmt: skip
     return {
@@ -128,4 +136,5 @@ def evaluate_checkpoint(
         "model_type": model_type,
         "data": str(data),
         "files": len(stream.files),
+        "device": str(env.device),
     } | result

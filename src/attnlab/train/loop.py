@@ -226,7 +226,7 @@ def _batch(
 
 def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
     """Run (or resume) an uptraining; returns the summary (also written to DST/uptrain.json)."""
-    env = distributed.setup(opts.tp)
+    env = distributed.setup(opts.tp, opts.device)
     try:
         # DST's and the run directory's locks (rank 0), for the whole run
         with contextlib.ExitStack() as held:
@@ -237,6 +237,15 @@ def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
         # exception", seen on one rank in ~1 of 5 loaded test runs). Collect them while the group still runs.
         gc.collect()
         distributed.teardown(env)
+
+
+def announce(env: distributed.Env, opts: UptrainOptions) -> None:
+    """The device line: where rank 0 trains, in which precision, and (torchrun) how the ranks split the work."""
+    how = "bf16 autocast (fp32 weights)" if opts.dtype == "bf16" else "fp32"
+    if env.distributed:
+        each = "cuda:LOCAL_RANK" if env.device.type == "cuda" else "the CPU"
+        how += f"; {env.world_size} ranks, each on {each}, {distributed.backend(env.device)}"
+    resources.announce_device(env.device, how)
 
 
 def _last_checkpoint(run: Path) -> str:
@@ -276,6 +285,8 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
     prep = prepare(opts, env, held)
+    if env.is_main:
+        announce(env, opts)
     model, cfg = prep.model.to(env.device), prep.model.cfg
     teacher = None
     if prep.teacher is not None:
@@ -361,6 +372,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
         "model_type": prep.model_type,
         "steps": opts.steps,
         "resumed_from_step": resumed if prep.resume_from is not None else None,
+        "device": str(env.device),  # rank 0's (under torchrun with GPUs each rank has its own)
         "world_size": env.world_size,
         "tp": env.tp,
         "fsdp": distributed.uses_fsdp(env, opts.fsdp),

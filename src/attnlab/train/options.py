@@ -66,6 +66,7 @@ class UptrainOptions:
     train: str = "all"
     dtype: str = "fp32"
     fsdp: bool = False
+    device: str = "auto"  # resources.resolve_device; under torchrun a GPU per rank (cuda:LOCAL_RANK)
     tp: int = 1  # ranks that split each layer's heads (tensor parallelism); the rest is data parallelism
     overwrite: bool = False
     run_dir: Path | None = None  # None: DST.run beside DST
@@ -120,6 +121,8 @@ class UptrainOptions:
             raise ValueError(f"--held-out must be < 1, got {self.held_out}")
         if self.train not in TRAINABLE:
             raise ValueError(f"--train must be one of {', '.join(TRAINABLE)}; got {self.train!r}")
+        if not isinstance(self.device, str):
+            raise TypeError(f"--device must be a string, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         for name in ("resume", "fsdp", "overwrite"):
