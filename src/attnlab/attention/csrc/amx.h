@@ -262,11 +262,6 @@ inline void amx_softmax(int64_t G, int64_t n, float qscale, AmxScratch& w) {
 //   addressed from one register.
 // - values: GT queries times NV slices of 16 columns, each query's weight pair (tokens 2r, 2r+1) broadcast against
 //   the interleaved value pairs.
-template <typename V>
-__attribute__((always_inline)) inline void pin_bh(V& v) {
-  asm("" : "+v"(v));
-}
-
 template <int QV, int R, int S>
 __attribute__((always_inline)) inline void dots_scores(const uint32_t* qt, int64_t Gp, const bf16* k0, int64_t ks,
                                                        int64_t dk, float* st, Cursor& cursor) {
@@ -280,14 +275,14 @@ __attribute__((always_inline)) inline void dots_scores(const uint32_t* qt, int64
     __m512i x[QV];
     for (int v = 0; v < QV; ++v) {
       x[v] = _mm512_loadu_si512(qt + c * Gp + 16 * v);
-      pin_bh(x[v]);
+      pin(x[v]);
     }
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
       std::memcpy(&pair, k0 + r * stride + 2 * c, 4);
       __m512i kb = _mm512_set1_epi32(static_cast<int>(pair));
-      if (QV > 1) pin_bh(kb);
+      if (QV > 1) pin(kb);
       for (int v = 0; v < QV; ++v)
         a[r][v] = _mm512_dpbf16_ps(a[r][v], reinterpret_cast<__m512bh>(x[v]), reinterpret_cast<__m512bh>(kb));
     }
@@ -355,12 +350,12 @@ inline void dots_values(float* acc, int64_t dv, const uint16_t* p, int64_t tb, c
       uint32_t pair;
       std::memcpy(&pair, p + g * tb + 2 * r, 4);
       pb[g] = _mm512_set1_epi32(static_cast<int>(pair));
-      pin_bh(pb[g]);
+      pin(pb[g]);
     }
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
       __m512i x = _mm512_loadu_si512(vs + v * slice + r * 32);
-      pin_bh(x);
+      pin(x);
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g)
         a[g][v] = _mm512_dpbf16_ps(a[g][v], reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(pb[g]));
@@ -380,84 +375,53 @@ inline void dots_values_slices(float* acc, int64_t dv, const uint16_t* p, int64_
   for (; s0 < slices; ++s0) dots_values<GT, 1>(acc, dv, p, tb, vi, slice, pairs, s0, ahead);
 }
 
-// One block of n tokens (t0 ..) of a chunk on the pair path: scores, softmax, values into w.acc; on the tiles where
-// the CPU has them, else on the dot products. Asks for the next block's rows while the scores are computed.
-void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, const Item& it, int64_t t0,
-               int64_t n, float qscale, AmxScratch& w) {
-  const int64_t Gp = w.Gp, tb = kAmxTokens, dk = d.dk, dv = d.dv;
-  const bool tiles = amx_granted();
-  float* st = w.st.data();
-  if (tiles)
-    w.ahead.spread((d.G + 15) / 16 * round_up(n, 16) + round_up(n, 32) / 2 +
-                   round_up(n, 32) / 32 * (Gp / 32 + 1) * dk / 32);
-  else  // the score steps (one per key pair and row step), the softmax's rows, the value interleave's pairs and the
-    // value steps (one per token pair, four queries and 64 columns): spread over all of them, for asked for only
-    // during the scores (which run a step in ~12 cycles) the lines came faster than memory brings them, and the
-    // prefetches stalled (a third of the score tiles' time, 32 heads over 2 KV heads)
-    w.ahead.spread((n + kDotsKeys - 1) / kDotsKeys * ((Gp + 31) / 32) * dk / 2 + (d.G + 15) / 16 * n +
-                   round_up(n, 32) / 2 + (d.G + 3) / 4 * ((dv / 16 + 3) / 4) * ((n + 1) / 2));
-  if (!tiles) {
-    dots_block_scores(d, keys, it, t0, n, w);
-  } else {
 #if defined(ATTNLAB_AMX)
-    // scores S^T (tb, Gp), 32 tokens x 32 queries at a time: four accumulators (tiles 0-3) in flight, key rows in
-    // tiles 4-5, queries in 6-7
-    for (int64_t tt = 0; tt < n; tt += 32) {
-      int64_t s0 = 0, s1 = 0;
-      const char* k0 = static_cast<const char*>(amx_rows(keys, it, t0 + tt, n - tt, dk, w.kstage.data(), &s0));
-      const char* k1 = static_cast<const char*>(
-          amx_rows(keys, it, t0 + tt + 16, n - tt - 16, dk, w.kstage.data() + 16 * dk, &s1));
-      for (int64_t qg = 0; qg < Gp; qg += 32) {
-        const bool two = qg + 16 < Gp;
-        _tile_zero(0);
-        _tile_zero(1);
+// The tile engine's scores S^T (tb, Gp) of one block, 32 tokens x 32 queries at a time: four accumulators (tiles
+// 0-3) in flight, key rows in tiles 4-5, queries in 6-7.
+inline void tile_block_scores(const Dims& d, const Rows<bf16>& keys, const Item& it, int64_t t0, int64_t n,
+                              AmxScratch& w) {
+  const int64_t Gp = w.Gp, dk = d.dk;
+  float* st = w.st.data();
+  for (int64_t tt = 0; tt < n; tt += 32) {
+    int64_t s0 = 0, s1 = 0;
+    const char* k0 = static_cast<const char*>(amx_rows(keys, it, t0 + tt, n - tt, dk, w.kstage.data(), &s0));
+    const char* k1 = static_cast<const char*>(
+        amx_rows(keys, it, t0 + tt + 16, n - tt - 16, dk, w.kstage.data() + 16 * dk, &s1));
+    for (int64_t qg = 0; qg < Gp; qg += 32) {
+      const bool two = qg + 16 < Gp;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t s = 0; s < dk / 32; ++s) {
+        w.ahead.step();
+        _tile_loadd(4, k0 + 64 * s, s0);
+        _tile_loadd(5, k1 + 64 * s, s1);
+        _tile_loadd(6, &w.qt[s * 16 * Gp + qg], Gp * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
         if (two) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
-        for (int64_t s = 0; s < dk / 32; ++s) {
-          w.ahead.step();
-          _tile_loadd(4, k0 + 64 * s, s0);
-          _tile_loadd(5, k1 + 64 * s, s1);
-          _tile_loadd(6, &w.qt[s * 16 * Gp + qg], Gp * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          if (two) {
-            _tile_loadd(7, &w.qt[s * 16 * Gp + qg + 16], Gp * 4);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, st + tt * Gp + qg, Gp * 4);
-        _tile_stored(1, st + (tt + 16) * Gp + qg, Gp * 4);
-        if (two) {
-          _tile_stored(2, st + tt * Gp + qg + 16, Gp * 4);
-          _tile_stored(3, st + (tt + 16) * Gp + qg + 16, Gp * 4);
+          _tile_loadd(7, &w.qt[s * 16 * Gp + qg + 16], Gp * 4);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
         }
       }
+      _tile_stored(0, st + tt * Gp + qg, Gp * 4);
+      _tile_stored(1, st + (tt + 16) * Gp + qg, Gp * 4);
+      if (two) {
+        _tile_stored(2, st + tt * Gp + qg + 16, Gp * 4);
+        _tile_stored(3, st + (tt + 16) * Gp + qg + 16, Gp * 4);
+      }
     }
-#endif
   }
-  amx_softmax(d.G, n, qscale, w);
-  for (int64_t g = 0; g < d.G; ++g)  // what was accumulated, rescaled to the new maximum
-    if (w.alpha[g] != 1.f) {
-      const __m512 a = _mm512_set1_ps(w.alpha[g]);
-      for (int64_t c = 0; c < dv; c += 16)
-        _mm512_storeu_ps(&w.acc[g * dv + c], _mm512_mul_ps(_mm512_loadu_ps(&w.acc[g * dv + c]), a));
-    }
-  const int64_t steps = round_up(n, 32) / 32, slice = tb / 2 * 32;
-  amx_values(values, it, t0, n, steps * 16, dv, w.vi.data(), w.ahead);
-  if (!tiles) {  // O += P V, four queries at a time (the weights past n are zeros, and so are the value rows)
-    const int64_t pairs = (n + 1) / 2;
-    int64_t g = 0;
-    for (; g + 4 <= d.G; g += 4)
-      dots_values_slices<4>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
-    for (; g < d.G; ++g)
-      dots_values_slices<1>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
-    return;
-  }
-#if defined(ATTNLAB_AMX)
-  for (int64_t qg = 0; qg < d.G; qg += 16)  // O += P V: four slices of 16 columns (tiles 0-3) at a time
+}
+
+// The tile engine's O += P V for one block of `steps` value steps of 32 tokens.
+inline void tile_block_values(const Dims& d, int64_t steps, AmxScratch& w) {
+  const int64_t tb = kAmxTokens, dv = d.dv, slice = tb / 2 * 32;
+  for (int64_t qg = 0; qg < d.G; qg += 16)  // four slices of 16 columns (tiles 0-3) at a time
     for (int64_t c = 0; c < dv / 16; c += 4) {
       const int64_t nc = std::min<int64_t>(4, dv / 16 - c);
       float* o = w.acc.data() + qg * dv + 16 * c;
@@ -488,7 +452,53 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
       if (nc > 2) _tile_stored(2, o + 32, dv * 4);
       if (nc > 3) _tile_stored(3, o + 48, dv * 4);
     }
+}
 #endif
+
+// One block of n tokens (t0 ..) of a chunk on the pair path: scores, softmax, values into w.acc; on the tiles where
+// the CPU has them, else on the dot products. Asks for the next block's rows while it computes.
+void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, const Item& it, int64_t t0,
+               int64_t n, float qscale, AmxScratch& w) {
+  const int64_t Gp = w.Gp, tb = kAmxTokens, dk = d.dk, dv = d.dv;
+  const bool tiles = amx_granted();
+  if (tiles)
+    w.ahead.spread((d.G + 15) / 16 * round_up(n, 16) + round_up(n, 32) / 2 +
+                   round_up(n, 32) / 32 * (Gp / 32 + 1) * dk / 32);
+  else  // the score steps (one per key pair and row step), the softmax's rows, the value interleave's pairs and the
+    // value steps (one per token pair, four queries and 64 columns): spread over all of them, for asked for only
+    // during the scores (which run a step in ~12 cycles) the lines came faster than memory brings them, and the
+    // prefetches stalled (a third of the score tiles' time, 32 heads over 2 KV heads)
+    w.ahead.spread((n + kDotsKeys - 1) / kDotsKeys * ((Gp + 31) / 32) * dk / 2 + (d.G + 15) / 16 * n +
+                   round_up(n, 32) / 2 + (d.G + 3) / 4 * ((dv / 16 + 3) / 4) * ((n + 1) / 2));
+  if (tiles) {
+#if defined(ATTNLAB_AMX)
+    tile_block_scores(d, keys, it, t0, n, w);
+#endif
+  } else {
+    dots_block_scores(d, keys, it, t0, n, w);
+  }
+  amx_softmax(d.G, n, qscale, w);
+  for (int64_t g = 0; g < d.G; ++g)  // what was accumulated, rescaled to the new maximum
+    if (w.alpha[g] != 1.f) {
+      const __m512 a = _mm512_set1_ps(w.alpha[g]);
+      for (int64_t c = 0; c < dv; c += 16)
+        _mm512_storeu_ps(&w.acc[g * dv + c], _mm512_mul_ps(_mm512_loadu_ps(&w.acc[g * dv + c]), a));
+    }
+  const int64_t steps = round_up(n, 32) / 32, slice = tb / 2 * 32;
+  amx_values(values, it, t0, n, steps * 16, dv, w.vi.data(), w.ahead);
+  if (tiles) {
+#if defined(ATTNLAB_AMX)
+    tile_block_values(d, steps, w);
+#endif
+    return;
+  }
+  // O += P V, four queries at a time (the weights past n are zeros, and so are the value rows)
+  const int64_t pairs = (n + 1) / 2;
+  int64_t g = 0;
+  for (; g + 4 <= d.G; g += 4)
+    dots_values_slices<4>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
+  for (; g < d.G; ++g)
+    dots_values_slices<1>(w.acc.data() + g * dv, dv, w.p.data() + g * tb, tb, w.vi.data(), slice, pairs, w.ahead);
 }
 
 // One chunk on the tiles; part as attend_chunk's (the maximum in log2 units, as the merge expects).

@@ -108,10 +108,14 @@ struct Ahead {
     for (int64_t k = 0; k < per && left > 0; ++k) {
       __builtin_prefetch(at, 0, 2);
       at += 64;
-      if (--left == 0 && ++r < n_runs) {
-        at = runs[r].p;
-        left = runs[r].lines;
-      }
+      if (--left == 0) next_run();
+    }
+  }
+  // from a run asked for in full to the next one (none left: left stays 0)
+  inline void next_run() {
+    if (++r < n_runs) {
+      at = runs[r].p;
+      left = runs[r].lines;
     }
   }
   void clear() { n_runs = total = r = left = 0; }
@@ -130,10 +134,7 @@ struct Cursor {
   const char* stop;
   int64_t per;
   explicit Cursor(Ahead& a) : ahead(a), per(a.per) {
-    if (a.left == 0 && a.r + 1 < a.n_runs) {
-      a.at = a.runs[++a.r].p;
-      a.left = a.runs[a.r].lines;
-    }
+    if (a.left == 0 && a.r < a.n_runs) a.next_run();
     at = a.at;
     stop = a.at + 64 * a.left;
   }
