@@ -163,6 +163,8 @@ def _reference_run() -> dict | None:
 
 
 def page(result: dict) -> str:
+    from attnlab.bench.decode import row_hardware
+    from attnlab.cost import Hardware
     from attnlab.cost.roofline import compute_peak
 
     runs = list(result["runs"])
@@ -268,8 +270,8 @@ def page(result: dict) -> str:
         compute = [
             x
             for x in r["rows"]
-            if x["flops"] / compute_peak(_row_hardware(hw, x), x["dtype"])
-            > x["bytes"] / (x.get("bandwidth") or hw["bandwidth"])
+            if x["flops"] / compute_peak(h := row_hardware(Hardware(**hw), x), x["dtype"])
+            > x["bytes"] / h.bandwidth
         ]
         by_group: dict[int, list[float]] = {}
         for x in r["rows"]:
@@ -281,13 +283,6 @@ def page(result: dict) -> str:
             + _bf16_bound(r, fp32 / bf16)
         )
     return "\n".join(lines) + "\n"
-
-
-def _row_hardware(hw: dict, row: dict):
-    """The run's hardware with the peaks measured in the row's own rounds, where it has them."""
-    from attnlab.cost import Hardware
-
-    return Hardware(**{**hw, "peak_flops": {**hw["peak_flops"], **row.get("peak_flops", {})}})
 
 
 def _bf16_bound(run: dict, ratio: float) -> str:

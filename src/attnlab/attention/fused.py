@@ -465,7 +465,7 @@ def _library() -> Ops | None:
         seconds = time.perf_counter() - start
         if os.environ.get("ATTNLAB_AMX", "1") == "0":
             ops.amx(0)
-        engine = {1: "AMX tiles", 8: "AVX512-BF16 dot products"}.get(ops.amx(-1) & 9)
+        engine = {_AMX: "AMX tiles", _DOTS: "AVX512-BF16 dot products"}.get(ops.amx(-1) & _PAIRS)
         tiles = f"; bfloat16 on {engine}" if engine else ""
         _state.update(
             tried=True,
@@ -498,12 +498,24 @@ def status() -> str:
     return str(_state["status"])
 
 
+# The kernels' feature bits (kernels.h, features()): bfloat16 pairs on AMX tiles, 16-lane tiles, 8-lane tiles,
+# bfloat16 pairs on AVX512-BF16 dot products; the pair path is either engine.
+_AMX, _AVX512, _AVX2, _DOTS = 1, 2, 4, 8
+_PAIRS = _AMX | _DOTS
+
+
+def _has(bit: int) -> bool:
+    """Whether the kernels run here with feature ``bit`` on (builds them on the first call)."""
+    ops = _library()
+    return ops is not None and bool(ops.amx(-1) & bit)
+
+
 _ISA_NAMES = {"amx": "AVX-512", "avx512": "AVX-512", "avx2": "AVX2", "generic": "no AVX2"}
 
 
 def _isa(ops: Ops) -> str:
     bits = ops.amx(-1)
-    return "amx" if bits & 1 else "avx512" if bits & 2 else "avx2" if bits & 4 else "generic"
+    return "amx" if bits & _AMX else "avx512" if bits & _AVX512 else "avx2" if bits & _AVX2 else "generic"
 
 
 def isa() -> str | None:
@@ -517,16 +529,14 @@ def isa() -> str | None:
 def amx() -> bool:
     """Whether bfloat16 steps run on the CPU's AMX tiles (Intel Sapphire Rapids and later: the kernel built for the
     CPU, the tile state granted by the OS, and not turned off by ``use_amx(False)`` or ``ATTNLAB_AMX=0``)."""
-    ops = _library()
-    return ops is not None and bool(ops.amx(-1) & 1)
+    return _has(_AMX)
 
 
 def bf16_dots() -> bool:
     """Whether bfloat16 steps of groups of 8 or more queries run on AVX512-BF16's dot products, in the tiles'
     layouts (AMD Zen 4 and later, Intel Cooper Lake; where there are AMX tiles, those run instead): the kernel
     built for the CPU, and not turned off by ``use_amx(False)`` or ``ATTNLAB_AMX=0``."""
-    ops = _library()
-    return ops is not None and bool(ops.amx(-1) & 8)
+    return _has(_DOTS)
 
 
 @contextlib.contextmanager
@@ -538,7 +548,7 @@ def use_amx(on: bool):
     if ops is None:
         yield
         return
-    before = bool(ops.amx(-1) & 9)
+    before = bool(ops.amx(-1) & _PAIRS)
     ops.amx(int(on))
     try:
         yield

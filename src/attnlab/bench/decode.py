@@ -223,13 +223,19 @@ OURS = {
 }  # the timed column per kind
 
 
+def row_hardware(hw: Hardware, row: dict) -> Hardware:
+    """``hw`` with the bandwidth and peaks measured in the row's own rounds ("stream"), where it has them."""
+    if not row.get("bandwidth"):
+        return hw
+    return dataclasses.replace(
+        hw, bandwidth=row["bandwidth"], peak_flops={**hw.peak_flops, **row.get("peak_flops", {})}
+    )
+
+
 def _score(row: dict, hw: Hardware, ours: str) -> None:
     """Set a timed row's roofline (``cost.step_seconds`` of its bytes and FLOPs) and the fraction of it that its
     saved (rounded) time for ``ours`` reaches: one definition for fresh rows and rescored ones alike."""
-    if row.get("bandwidth"):  # measured in the row's own rounds ("stream")
-        hw = dataclasses.replace(
-            hw, bandwidth=row["bandwidth"], peak_flops={**hw.peak_flops, **row.get("peak_flops", {})}
-        )
+    hw = row_hardware(hw, row)
     roof = step_seconds(hw, row["flops"], row["bytes"], row["dtype"])  # the fastest this step could run
     row.update(roofline_ms=_sig(roof * 1e3), roofline_fraction=_sig(roof / (row["ms"][ours] / 1e3)))
 
