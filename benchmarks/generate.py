@@ -23,6 +23,7 @@ Roofline fraction = (weights + KV bytes every decode step must read, ``Generatio
                                                            # gqa3 keeps one variant
     python benchmarks/generate.py --long-variants gqa3     # contexts above 4096 for GQA-3 only
     python benchmarks/generate.py --from-json              # rewrite the page section from the saved JSON
+    python benchmarks/generate.py --static                 # also the compiled decode step over static caches
 """
 
 from __future__ import annotations
@@ -112,16 +113,17 @@ def time_hf(hf, prompt: list[int], new: int) -> dict:
     }
 
 
-def time_ours(model, prompt: list[int], new: int) -> dict:
+def time_ours(model, prompt: list[int], new: int, **options) -> dict:
     from attnlab.generate import generate
 
-    gen = generate(model, [prompt], new)
+    gen = generate(model, [prompt], new, **options)
     return {
         "tokens": gen.tokens[0],
         "prefill_s": gen.prefill_s,
         "decode_s": gen.decode_s,
         "decode_bytes": gen.decode_bytes,
         "decode_steps": gen.decode_steps,
+        "compile_s": gen.compile_s,
     }
 
 
@@ -133,7 +135,17 @@ def best(runs: list[dict]) -> dict:
     }
 
 
-def run(variants: list[str], contexts: list[int], new: int, repeats: int, long_variants: list[str]) -> dict:
+STATIC = dict(cache="static", compile=True)  # --static: the decode step compiled over static caches
+
+
+def run(
+    variants: list[str],
+    contexts: list[int],
+    new: int,
+    repeats: int,
+    long_variants: list[str],
+    static: bool = False,
+) -> dict:
     import transformers
 
     from attnlab.attention import fused
@@ -158,10 +170,13 @@ def run(variants: list[str], contexts: list[int], new: int, repeats: int, long_v
                 prompt = torch.randint(
                     0, SHAPE["vocab_size"], (context,), generator=torch.Generator().manual_seed(context)
                 ).tolist()
-                a, b = [], []
+                a, b, c = [], [], []
+                compile_s = time_ours(ours, prompt, new, **STATIC)["compile_s"] if static else None
                 for _ in range(repeats):  # alternating, so both see the same load
                     a.append(time_ours(ours, prompt, new))
                     b.append(time_hf(hf, prompt, new))
+                    if static:
+                        c.append(time_ours(ours, prompt, new, **STATIC))
                 a, b = best(a), best(b)
                 same = next(
                     (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)) if x != y), None
@@ -183,6 +198,14 @@ def run(variants: list[str], contexts: list[int], new: int, repeats: int, long_v
                     "hf_roofline": a["decode_bytes"] / hw.bandwidth / b["decode_s"],
                     "load": load(),
                 }
+                if static:
+                    c = best(c)
+                    row |= {
+                        "static_decode_tok_s": steps / c["decode_s"],
+                        "static_prefill_s": c["prefill_s"],
+                        "static_compile_s": compile_s,
+                        "static_same_tokens": c["tokens"] == a["tokens"],
+                    }
                 rows.append(row)
                 print(
                     f"{variant} {context}: prefill {a['prefill_s']:.3f}s vs {b['prefill_s']:.3f}s, decode "
@@ -266,6 +289,24 @@ def section(result: dict) -> str:
             f"{r['ours_decode_tok_s'] / r['hf_decode_tok_s']:.2f}x | {r['ours_roofline']:.2f} | "
             f"{r['hf_roofline']:.2f} | {same} |"
         )
+    static = [r for r in result["rows"] if "static_decode_tok_s" in r]
+    if static:
+        lines += [
+            "",
+            '`--static`: ours again with `generate(cache="static", compile=True)` (the decode step compiled once by '
+            "`torch.compile` over caches of fixed shapes, the path made for CUDA graphs), in the same rounds; on a CPU "
+            "it gives up the fused C++ block step, which the default cache takes.",
+            "",
+            "| variant | context | decode tok/s, static compiled | default cache | static / default | "
+            "compile (s, not in the times) | same tokens as the default |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['variant']} | {r['context']} | {r['static_decode_tok_s']:.1f} | {r['ours_decode_tok_s']:.1f} | "
+            f"{r['static_decode_tok_s'] / r['ours_decode_tok_s']:.2f}x | {r['static_compile_s']:.1f} | "
+            f"{'yes' if r['static_same_tokens'] else 'no'} |"
+            for r in static
+        ]
     lines += ["", "Targets of issue 13 (GQA-3 rows):", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(result)]
     missing = [c for c in TARGETS if c not in result["contexts"]]
@@ -321,6 +362,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--from-json", action="store_true", help="only rewrite the page section from the JSON"
     )
+    parser.add_argument(
+        "--static", action="store_true", help="also time the compiled decode step over static caches"
+    )
     args = parser.parse_args(argv)
     if bad := [v for v in args.variants.split(",") if v not in VARIANTS]:
         parser.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
@@ -341,7 +385,7 @@ def main() -> int:
         variants = args.variants.split(",")
         contexts = [int(c) for c in args.contexts.split(",")]
         long_variants = variants if args.long_variants is None else args.long_variants.split(",")
-        result = run(variants, contexts, args.new, args.repeats, long_variants)
+        result = run(variants, contexts, args.new, args.repeats, long_variants, args.static)
         result["command"] = "python benchmarks/generate.py " + " ".join(sys.argv[1:])
         write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
     write_section(result, args.doc)

@@ -291,6 +291,28 @@ def test_the_command_prints_text_speed_and_roofline_as_json(checkpoint):
     )
 
 
+def test_the_command_compiles_the_decode_step_over_a_static_cache(checkpoint):
+    args = [
+        "generate",
+        str(checkpoint),
+        "--prompt",
+        "To be, or not",
+        "--max-new",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]
+    result = CliRunner().invoke(app, [*args, "--compile"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["cache"] == "static" and out["compiled"] and out["compile_s"] > 0
+    plain = json.loads(CliRunner().invoke(app, args).stdout)
+    assert plain["cache"] == "contiguous" and not plain["compiled"] and plain["compile_s"] == 0
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in plain["outputs"]]
+    tables = CliRunner().invoke(app, [*args[:-1], "--cache", "static"])
+    assert tables.exit_code == 0 and "static cache" in tables.stdout
+
+
 def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
     result = CliRunner().invoke(app, ["generate", str(checkpoint), "--prompt", "To be", "--max-new", "3"])
     assert result.exit_code == 0, result.output
@@ -313,6 +335,9 @@ def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
         (["--stop", "To be or not to be"], "give a single token"),
         (["--dtype", "fp8"], "--dtype"),
         (["--bandwidth", "0"], "--bandwidth"),
+        (["--cache", "ring"], "--cache must be one of auto, contiguous, paged, static; got 'ring'"),
+        (["--cache", "paged", "--compile"], "--compile compiles the decode step over the static cache"),
+        (["--compile", "--prompt", "Good night, sweet prince"], "--compile needs prompts of one length"),
     ],
 )
 def test_the_command_refuses_bad_input_in_one_line(checkpoint, args, message):
@@ -384,3 +409,9 @@ def test_a_longrope_sequence_growing_past_its_switch_is_prefilled_again():
             tokens.append(int(logits[0, -1].argmax()))
             logits = m(torch.tensor([[tokens[-1]]]), caches=caches)
     assert tokens[len(prompt) :] != want[0]
+
+
+def test_a_static_cache_refuses_a_longrope_model():
+    # its keys are computed again, whole, past the switch: fixed shapes cannot hold that
+    with pytest.raises(ValueError, match="cache='static' cannot hold a longrope model's keys"):
+        generate(_longrope_model(), [[1, 2]], 3, cache="static")

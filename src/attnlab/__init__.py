@@ -18,19 +18,20 @@ __all__ = [
     "ModelConfig",
     "MultiHeadLatentAttention",
     "PagedKVCache",
+    "StaticKVCache",
     "attend",
 ]
 
 if TYPE_CHECKING:
     from .attention import GroupedQueryAttention, MultiHeadLatentAttention, attend
-    from .cache import KVCache, LatentCache, PagedKVCache
+    from .cache import KVCache, LatentCache, PagedKVCache, StaticKVCache
     from .config import AttentionConfig, MLAConfig, ModelConfig
 
 
 def __getattr__(name: str) -> Any:
     if name in ("AttentionConfig", "MLAConfig", "ModelConfig"):
         from . import config as module
-    elif name in ("KVCache", "LatentCache", "PagedKVCache"):
+    elif name in ("KVCache", "LatentCache", "PagedKVCache", "StaticKVCache"):
         from . import cache as module
     elif name in ("GroupedQueryAttention", "MultiHeadLatentAttention", "attend"):
         from . import attention as module

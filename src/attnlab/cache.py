@@ -1,7 +1,7 @@
 """KV caches: preallocated buffers that an attention module fills in place, behind one small protocol.
 
-Every cache (``KVCache``, ``LatentCache``, ``PagedKVCache``; MLA pages its latent rows in a ``PagedKVCache``
-with ``values_in_keys``) implements ``Cache``: an attention module asks it for the positions of its new tokens
+Every cache (``KVCache``, ``LatentCache``, ``PagedKVCache``, ``StaticKVCache``; MLA pages its latent rows in a
+``PagedKVCache`` and keeps them static in a ``StaticKVCache``, both with ``values_in_keys``) implements ``Cache``: an attention module asks it for the positions of its new tokens
 (``positions``), writes their keys and values once per call (``append``) and hands what ``append`` returns to
 ``attnlab.attention.attend``. A contiguous cache returns live views (B, n_kv_heads, len, D) of its buffers, so a
 step costs time proportional to the live length, not to ``max_seq_len``; a paged cache returns ``PagedView``s
@@ -10,6 +10,11 @@ step costs time proportional to the live length, not to ``max_seq_len``; a paged
 All sequences of a batch share one length in ``KVCache`` and ``LatentCache``, and every call must pass the batch
 the cache was made for; ``PagedKVCache`` is the cache for ragged batches. A call with no new tokens (T = 0)
 changes nothing. A failed write leaves a cache exactly as it was.
+
+``StaticKVCache`` is the cache of a decode step captured once and replayed (a CUDA graph, ``torch.compile`` with
+static shapes): its length is a tensor on the cache's device, advanced in place by ``append``, and ``append`` always
+returns the whole buffers, with ``visible`` the mask of the slots each new token may see. No shape and no Python
+value changes from one step to the next, at the price of reading every slot of the buffers at every step.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class Cache(Protocol):
     """
 
     paged: bool
+    static: bool  # StaticKVCache: ``append`` returns whole buffers, masked by ``visible``
 
     def __len__(self) -> int: ...
 
@@ -94,6 +100,7 @@ class _Cache:
     """Position bookkeeping shared by the contiguous caches: how many tokens are held and whether more fit."""
 
     paged = False
+    static = False
     batch_size: int
     max_seq_len: int
     dtype: torch.dtype
@@ -304,6 +311,133 @@ class LatentCache(_Cache):
         return rows, rows[..., : self.kv_lora_rank]
 
 
+class StaticKVCache:
+    """Keys and values in buffers whose every slot attention reads at every call, for a decode step that is captured
+    once and replayed (a CUDA graph, or ``torch.compile(dynamic=False)`` compiling it once for all lengths).
+
+    Layout: ``k`` and ``v`` are (batch_size, n_kv_heads, max_seq_len, head_dim), token ``t`` of row ``b`` for KV head
+    ``h`` at ``k[b, h, t]`` (keys after RoPE), as in ``KVCache``. With ``values_in_keys=True`` (MLA's latent rows: one
+    "head" whose first ``value_dim`` values are the values) only ``k`` is stored and ``v`` is a view of it.
+
+    ``length`` is a tensor (one int64 on the cache's device) that ``append`` writes at and advances in place, so a
+    step reads no Python number that changes between steps, and ``append`` returns the whole buffers.
+    ``visible(t, window)`` is the (T, max_seq_len) bool mask of the slots each of the ``t`` newest tokens may see
+    (the causal rule, and a sliding window when given); the attention modules apply it in place of their causal rule
+    and window, so the unwritten slots never count. The cost of the fixed shapes: every step reads all
+    ``max_seq_len`` slots, written or not, so size the cache to what a run needs (``generate`` makes it prompt plus
+    new tokens long). ``len()`` reads ``length`` back (a host sync on a GPU). Writing past ``max_seq_len`` raises a
+    ValueError on a CPU outside ``torch.compile``; elsewhere the index is checked by the device (no host sync).
+
+    The buffers and ``length`` are marked as static addresses for ``torch.compile``
+    (``torch._dynamo.mark_static_address``), which lets a CUDA graph replay mutate them in place.
+    """
+
+    paged = False
+    static = True
+
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        values_in_keys: bool = False,
+        value_dim: int | None = None,
+    ) -> None:
+        _check_sizes(
+            "StaticKVCache",
+            batch_size=batch_size,
+            n_kv_heads=n_kv_heads,
+            max_seq_len=max_seq_len,
+            head_dim=head_dim,
+        )
+        if values_in_keys:
+            _check_sizes("StaticKVCache", value_dim=value_dim)  # type: ignore[arg-type]
+            if value_dim > head_dim:  # type: ignore[operator]
+                raise ValueError(f"StaticKVCache: value_dim={value_dim} > head_dim={head_dim}")
+        elif value_dim is not None:
+            raise ValueError("StaticKVCache: value_dim is for values_in_keys=True only")
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.dtype, self.values_in_keys = dtype, values_in_keys
+        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = self.k[..., :value_dim] if values_in_keys else torch.zeros_like(self.k)
+        self.length = torch.zeros((), dtype=torch.int64, device=self.k.device)
+        self._slots = torch.arange(max_seq_len, device=self.k.device)
+        for t in (self.k, self.v, self.length, self._slots):
+            torch._dynamo.mark_static_address(t)
+
+    def __len__(self) -> int:
+        return int(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated: B * n_kv_heads * max_seq_len * head_dim * element_size, twice without values_in_keys."""
+        return self.k.nbytes * (1 if self.values_in_keys else 2)
+
+    def reset(self) -> None:
+        """Forget the held tokens (the buffers are reused, not cleared)."""
+        self.length.zero_()
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (a host-side number: no sync)."""
+        check_int("StaticKVCache.crop length", length, minimum=0)
+        if length > self.max_seq_len:
+            raise ValueError(f"StaticKVCache.crop: length {length} > max_seq_len={self.max_seq_len}")
+        self.length.fill_(length)
+
+    def positions(self, t: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """(t,) positions of ``t`` new tokens, from ``length``: computed on the device, never read back."""
+        return (self.length + self._slots[:t]).to(device if device is not None else self.k.device)
+
+    def visible(self, t: int, window: int | None = None) -> torch.Tensor:
+        """(t, max_seq_len) bool: the slots that each of the ``t`` newest tokens (the last ``append``'s) may see,
+        those at or before its position and, with a ``window``, fewer than ``window`` positions before it."""
+        newest = (self.length - t + self._slots[:t])[:, None]
+        seen = self._slots <= newest
+        return seen if window is None else seen & (self._slots > newest - window)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``, ``v`` (B, n_kv_heads, T, head_dim; ``v`` None with ``values_in_keys``) at ``length`` and
+        advance it; return the whole buffers (B, n_kv_heads, max_seq_len, head_dim / value_dim)."""
+        b, h, t, d = k.shape
+        if (
+            (v is None) != self.values_in_keys
+            or (h, d) != (self.n_kv_heads, self.head_dim)
+            or (v is not None and v.shape != k.shape)
+        ):
+            wants = "v=None" if self.values_in_keys else "v of k's shape"
+            raise ValueError(
+                f"StaticKVCache holds (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}) and takes "
+                f"{wants}; got k {tuple(k.shape)}, v {None if v is None else tuple(v.shape)}"
+            )
+        if b != self.batch_size:
+            raise ValueError(
+                f"StaticKVCache: batch of {b} but the cache was made for batch_size={self.batch_size}"
+            )
+        for name, x in (("k", k), ("v", v)):
+            if x is not None and x.dtype != self.dtype:
+                raise TypeError(f"StaticKVCache: {name} has dtype {x.dtype}, the cache holds {self.dtype}")
+        if (
+            self.k.device.type == "cpu" and not torch.compiler.is_compiling()
+        ):  # free here: no device to wait for
+            held = int(self.length)
+            if held + t > self.max_seq_len:
+                raise ValueError(
+                    f"StaticKVCache overflow: {held} tokens held + {t} new > max_seq_len={self.max_seq_len}"
+                )
+        slots = self.positions(t)
+        self.k.index_copy_(2, slots, k)
+        if v is not None:
+            self.v.index_copy_(2, slots, v)
+        self.length.add_(t)
+        return self.k, self.v
+
+
 class OutOfBlocksError(ValueError):
     """A ``PagedKVCache`` has too few free blocks for an update; the cache is left exactly as it was."""
 
@@ -337,6 +471,7 @@ class PagedKVCache:
     """
 
     paged = True
+    static = False
 
     def __init__(
         self,

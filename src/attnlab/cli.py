@@ -353,6 +353,12 @@ def generate(
         None, "--bandwidth", help="Memory bandwidth in GB/s for the roofline (default: measured here)."
     ),
     device: str = _device_option(),
+    cache: str = typer.Option(
+        "auto", "--cache", help="auto, contiguous, paged or static (fixed shapes, for --compile)."
+    ),
+    compile_step: bool = typer.Option(
+        False, "--compile", help="Compile the decode step once (static cache; CUDA graphs on a GPU)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the tables."),
 ) -> None:
     """Generate text from a checkpoint: prefill scores the last position only; prints tokens/s, prefill and
@@ -361,7 +367,8 @@ def generate(
 
     run_generate(
         ckpt, prompt, max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-        ignore_eos=ignore_eos, dtype=dtype, as_json=as_json, bandwidth_gbs=bandwidth, device=device,
+        ignore_eos=ignore_eos, dtype=dtype, as_json=as_json, bandwidth_gbs=bandwidth, device=device, cache=cache,
+        compile_step=compile_step,
     )  # fmt: skip
 
 

@@ -9,6 +9,17 @@ one decode step through the caches. Caches:
     paged       prompts of different lengths (no padding): one ``PagedKVCache`` per layer, each prompt prefilled
                 on its own, then all unfinished rows decoded together; a row that stops leaves the batch and
                 its blocks go back to the pool.
+    static      prompts of one length, as contiguous, in ``StaticKVCache``s of prompt + ``max_new_tokens`` slots
+                (rounded up to a multiple of ``STATIC_SLOTS``):
+                every decode step has the same shapes and reads no Python number that changes, so it can be
+                compiled once (``compile=True``: ``torch.compile(fullgraph=True, dynamic=False)``, on CUDA with
+                ``mode="reduce-overhead"``, which replays the step as a CUDA graph without a kernel launch from
+                Python). Each step reads every slot of the caches, written or not.
+
+``compile=True`` (static cache only; "auto" then picks it) compiles the decode step of each model once per process
+and cache shape: the first call pays the compile (seconds to a minute), later calls of the same shapes reuse it.
+On a CPU the default cache is faster (the fused C++ block step, which a static cache does not take); the static,
+compiled step is for GPUs, where a step of a small model is otherwise bound by Python's kernel launches.
 
 Tokens: greedy (``temperature=0``) or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
 likeliest tokens and then to the smallest set whose probability reaches ``top_p`` (the rules of transformers'
@@ -39,7 +50,11 @@ from .config import AttentionConfig, MLAConfig
 from .cost import kv_cache_bytes, weight_bytes_read
 from .model import Transformer
 
-CACHES = ("auto", "contiguous", "paged")
+CACHES = ("auto", "contiguous", "paged", "static")
+# A static cache's slots are prompt + new tokens rounded up to a multiple of this: calls of nearby lengths share one
+# compiled step (dynamo compiles a shape once, and at most 8 shapes per function before it runs it uncompiled), for
+# at most this many unwritten slots read per step.
+STATIC_SLOTS = 256
 
 
 @dataclass
@@ -55,7 +70,8 @@ class Generation:
     decode_rows: int  # rows computed over all decode steps (stopped rows of a contiguous batch included)
     kv_tokens_read: int  # cached tokens attended over all decode steps, summed over rows
     decode_bytes: int  # what the decode steps had to read at least: see ``_Run.account``
-    cache: str  # "contiguous" or "paged"
+    cache: str  # "contiguous", "paged" or "static"
+    compile_s: float = 0.0  # a compiled step's warm-up call (its compile, the first time for its shapes)
 
     @property
     def new_tokens(self) -> int:
@@ -163,12 +179,14 @@ def generate(
     generator: torch.Generator | None = None,
     cache: str = "auto",
     block_size: int = 256,
+    compile: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Extend every prompt by up to ``max_new_tokens`` tokens; see the module docstring.
 
     ``prompts``: token ids, (T,) or (B, T) tensor, or a sequence of prompts (lists or 1-D tensors) of any
-    lengths. ``cache``: "auto" (contiguous when all prompts have one length, else paged), "contiguous" or "paged".
+    lengths. ``cache``: "auto" (static with ``compile``, else contiguous when all prompts have one length, else
+    paged), "contiguous", "paged" or "static". ``compile``: compile the decode step (static cache only).
     ``progress(done, total)``: called after every decode step with the new tokens made so far (of ``total`` at most).
     """
     if not isinstance(model, Transformer):
@@ -182,10 +200,17 @@ def generate(
     stops = set(stop_tokens)
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(seed)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {type(compile).__name__}")
+    one_length = len({len(r) for r in rows}) == 1
     if cache == "auto":
-        cache = "contiguous" if len({len(r) for r in rows}) == 1 else "paged"
-    if cache == "contiguous" and len({len(r) for r in rows}) != 1:
-        raise ValueError("cache='contiguous' needs prompts of one length; use cache='paged' (or 'auto')")
+        cache = "static" if compile else "contiguous" if one_length else "paged"
+    if compile and cache != "static":
+        raise ValueError(f"compile=True compiles the decode step over a static cache; got cache={cache!r}")
+    if cache in ("contiguous", "static") and not one_length:
+        raise ValueError(
+            f"cache={cache!r} needs prompts of one length; use cache='paged' (or 'auto' without compile)"
+        )
     if cache == "paged" and any(
         getattr(layer.attention, "mode", "auto") == "naive" for layer in model.layers
     ):
@@ -195,8 +220,13 @@ def generate(
         )
     fused.ensure_built(next(model.parameters()).device)  # a first-use build is not prefill time
     run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator), progress)
+    if cache == "static" and run.switches:
+        raise ValueError(
+            "cache='static' cannot hold a longrope model's keys (they are computed again, whole, once a sequence "
+            "passes original_max_position_embeddings); use cache='contiguous' or 'paged'"
+        )
     if max_new_tokens > 0:
-        run.contiguous() if cache == "contiguous" else run.paged(block_size)
+        run.paged(block_size) if cache == "paged" else run.contiguous(cache == "static", compile)
     return Generation(
         prompts=rows,
         tokens=run.out,
@@ -208,6 +238,7 @@ def generate(
         kv_tokens_read=run.kv_tokens,
         decode_bytes=run.bytes,
         cache=cache,
+        compile_s=run.compile_s,
     )
 
 
@@ -227,7 +258,7 @@ class _Run:
         self.progress = progress
         self.out: list[list[int]] = [[] for _ in rows]
         self.stopped = [False] * len(rows)
-        self.prefill_s = self.decode_s = 0.0
+        self.prefill_s = self.decode_s = self.compile_s = 0.0
         self.steps = self.decode_rows = self.kv_tokens = self.bytes = 0
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -268,24 +299,37 @@ class _Run:
     def done(self, row: int) -> bool:
         return self.stopped[row] or len(self.out[row]) >= self.max_new
 
-    def contiguous(self) -> None:
+    def contiguous(self, static: bool = False, compiled: bool = False) -> None:
+        """Prompts of one length, in contiguous caches or (``static``) ``StaticKVCache``s, whose decode step may be
+        ``compiled``; ``held`` counts the cached tokens on the host (a static cache's own count is on its device)."""
         model, b, t = self.model, len(self.rows), len(self.rows[0])
         start = time.perf_counter()
-        caches = model.new_caches(b, t + self.max_new)
+        slots = -(-(t + self.max_new) // STATIC_SLOTS) * STATIC_SLOTS if static else t + self.max_new
+        caches = model.new_caches(b, slots, static=static)
         tokens = self.ids(self.rows)
         nxt = self._take(model(tokens, caches=caches, logits_to_keep=1)[:, -1], list(range(b)))
+        held = t
         self.prefill_s = time.perf_counter() - start
+        step = _step
+        if compiled and not all(self.done(r) for r in range(b)):
+            start = time.perf_counter()
+            step = decode_step(model)
+            step(model, nxt[:, None], caches)  # compiles, the first time for these shapes; then taken back
+            for c in caches:
+                c.crop(held)
+            self.compile_s = time.perf_counter() - start
         start = time.perf_counter()
         while not all(self.done(r) for r in range(b)):
             if self.switches:  # every row's tokens so far (the newest not yet run), to prefill again
                 tokens = torch.cat((tokens, nxt[:, None]), dim=1)
-            if len(caches[0]) in self.switches:  # past a longrope switch: every row again, whole
+            if held in self.switches:  # past a longrope switch: every row again, whole
                 for c in caches:
                     c.reset()
                 logits = model(tokens, caches=caches, logits_to_keep=1)[:, -1]
             else:
-                self.account(b, b * (len(caches[0]) + 1))
-                logits = model(nxt[:, None], caches=caches)[:, -1]
+                self.account(b, b * (held + 1))
+                logits = step(model, nxt[:, None], caches)
+            held += 1
             nxt = self._take(logits, list(range(b)))
         self.decode_s = time.perf_counter() - start
 
@@ -346,3 +390,33 @@ class _Run:
             ):
                 last[row] = token
         self.decode_s = time.perf_counter() - start
+
+
+def _step(model: Transformer, tokens: torch.Tensor, caches: list) -> torch.Tensor:
+    """One decode step: the logits (B, vocab) of the tokens (B, 1) after the cached ones."""
+    return model(tokens, caches=caches)[:, -1]
+
+
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def decode_step(model: Transformer) -> Callable[..., torch.Tensor]:
+    """``_step`` compiled for the model's device type: ``fullgraph=True`` (a graph break is an error, not a slow
+    step) and ``dynamic=False`` (the static caches' shapes never change); on CUDA ``mode="reduce-overhead"``, which
+    records the step as a CUDA graph and replays it (the caches' buffers are static addresses, so the replay writes
+    them in place). One compiled function per device type, shared by every model: dynamo keys its graphs on the
+    model's parameters and the caches' shapes, so a new model or cache size compiles again, a new call of the same
+    shapes does not."""
+    kind = next(model.parameters()).device.type
+    if kind not in _COMPILED:
+        mode = "reduce-overhead" if kind == "cuda" else None
+        _COMPILED[kind] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
+    compiled = _COMPILED[kind]
+    if kind != "cuda":
+        return compiled
+
+    def replay(*args):
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: its graph may be reused
+        return compiled(*args)
+
+    return replay

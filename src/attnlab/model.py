@@ -47,7 +47,7 @@ from .attention.linear import Linear, project
 from .attention.mla import MultiHeadLatentAttention
 from .attention.norm import RMSNorm, make_norm
 from .attention.rope import RopeAngles, token_positions
-from .cache import Cache, KVCache, LatentCache
+from .cache import Cache, KVCache, LatentCache, StaticKVCache
 from .config import GATED_MLPS, AttentionConfig, MLAConfig, ModelConfig
 
 _LINEARS = (Linear, nn.Linear)
@@ -339,10 +339,16 @@ class Transformer(nn.Module):
         max_seq_len: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> list[KVCache | LatentCache]:
-        """One cache per layer; ``max_seq_len`` defaults to the config's."""
+        *,
+        static: bool = False,
+    ) -> list[KVCache | LatentCache] | list[StaticKVCache]:
+        """One cache per layer; ``max_seq_len`` defaults to the config's. ``static``: ``StaticKVCache``s, whose
+        shapes and Python state never change between decode steps (for ``torch.compile`` and CUDA graphs)."""
         max_seq_len = max_seq_len or self.cfg.max_seq_len
-        return [layer.attention.new_cache(batch_size, max_seq_len, dtype, device) for layer in self.layers]
+        return [
+            layer.attention.new_cache(batch_size, max_seq_len, dtype, device, static=static)
+            for layer in self.layers
+        ]
 
     def forward(
         self,

@@ -26,6 +26,7 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
         assert "error" not in r, r
         assert r["logits_rel_err_fp32"] < 1e-5 and r["logits_rel_err_bf16"] < 2e-2, r
         assert r["greedy_equal_contiguous"] and r["greedy_equal_paged"] and r["sampled_same_seed_equal"], r
+        assert r["greedy_equal_static"] and not r["static_compiled"], r  # the static cache, eager on a CPU
     assert all("error" not in r and r["rel_err"] < 2e-2 for r in result["decode"]), result["decode"]
     assert all(r["rel_err_flex"] < 2e-2 and r["rel_err_flex_paged"] < 2e-2 for r in result["decode"])
     mla = result["mla_decode"]
@@ -37,6 +38,16 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
     assert (
         "error" not in e2e and e2e["same_tokens"] and e2e["decode_tok_s"] > 0 and e2e["hf_decode_tok_s"] > 0
     )
+    assert e2e["static_same_tokens"] and e2e["hf_static_same_tokens"] and e2e["static_decode_tok_s"] > 0
+    assert e2e["hf_static_decode_tok_s"] > 0 and not e2e["static_compiled"]
+    big = result["end_to_end_1b"]  # Llama-3.2-1B's section, on the quick run's small stand-in shape
+    assert "error" not in big and big["same_tokens"] and big["static_same_tokens"], big
+    assert "Llama-3.2-1B" in big["model"] and "host_top" not in big
+    up = result["uptrain"]
+    assert "error" not in up and up["steps"] == 4 and up["tokens_per_s"] > 0, up
+    # MFU is tokens/s x the cost model's training FLOPs per token over the measured peak
+    assert up["mfu"] == up["tokens_per_s"] * up["flops_per_token"] / (result["machine"]["bf16_tflops"] * 1e12)
+    assert 0 < up["mfu"] < 1 and up["flops_per_token"] > 6 * up["parameters"] * 0.5
     page = (tmp_path / "page.md").read_text()
     again = subprocess.run(
         [sys.executable, str(SCRIPT), "--from-json", "--json", str(tmp_path / "r.json"), "--doc",
@@ -46,6 +57,8 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "again.md").read_text() == page
     assert "## MLA absorbed decode" in page and "| tiny-40 | 40 | 2 | 256 |" in page
+    assert "| yes (eager) |" in page and "attnlab, static cache (eager" in page
+    assert "## End to end, a ~1B model" in page and "## Uptraining on one GPU" in page and "MFU **" in page
     assert "| mla | " in page and f"{e2e['decode_tok_s'] / e2e['hf_decode_tok_s']:.2f}x" in page
 
 

@@ -92,7 +92,11 @@ def paged_decode(
 
 def _run(q, k, v, block_mask, scale, softcap) -> torch.Tensor:
     score_mod = None if softcap is None else _softcapped(softcap)
-    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # in a compiled graph (a static cache's step): compiled with it
+        return flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True
+        )
+    if q.device.type == "cuda":
         return _compiled()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
     with warnings.catch_warnings():  # eager on purpose (see the module docstring), not by mistake
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, KVCache, PagedKVCache
+from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache
 from ..config import AttentionConfig
 from .kernels import attend, check_mask
 from .linear import Linear, project
@@ -34,11 +34,28 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
 def check_step(owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cache: Cache | None) -> None:
     """The checks made before anything is written to the cache, so that a bad call leaves it as it was."""
     b, n_heads, t, _ = q.shape  # the heads this module holds
-    if cache is not None and cache.paged and attn_mask is not None:
+    if attn_mask is None:  # nothing to check, and no length to read (a StaticKVCache's is on its device)
+        return
+    if cache is not None and cache.paged:
         raise ValueError(
             f"{owner}: attn_mask is not supported with a PagedKVCache (each row has its own length)"
         )
+    if cache is not None and cache.static:
+        raise ValueError(
+            f"{owner}: attn_mask is not supported with a StaticKVCache (its own mask covers every slot)"
+        )
     check_mask(owner, attn_mask, (b, n_heads, t, (0 if cache is None else len(cache)) + t))
+
+
+def cache_rule(
+    cache: Cache | None, t: int, attn_mask: torch.Tensor | None, is_causal: bool, window: int | None
+) -> tuple[torch.Tensor | None, bool, int | None]:
+    """(attn_mask, is_causal, window) for ``attend`` over what ``cache.append`` returned: a ``StaticKVCache``'s
+    whole buffers are masked by its ``visible`` slots (the causal rule and the window in one mask), any other
+    cache's keys by the caller's rule."""
+    if cache is not None and cache.static:
+        return cache.visible(t, window), False, None
+    return attn_mask, is_causal, window
 
 
 def local_weight(linear: nn.Linear) -> torch.Tensor:
@@ -105,16 +122,25 @@ class GroupedQueryAttention(nn.Module):
         max_seq_len: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> KVCache:
-        """A cache for this module's KV heads (a ring of the window's size for a sliding-window layer); dtype and
-        device default to the weights'."""
+        *,
+        static: bool = False,
+    ) -> KVCache | StaticKVCache:
+        """A cache for this module's KV heads (a ring of the window's size for a sliding-window layer), or with
+        ``static`` one of fixed shapes for compiled decode steps (``StaticKVCache``: a window is a mask over every
+        slot, not a ring); dtype and device default to the weights'."""
+        weight = self.wq.weight
+        dtype, device = dtype or weight.dtype, device if device is not None else weight.device
+        if static:
+            return StaticKVCache(
+                batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype=dtype, device=device
+            )
         return KVCache(
             batch_size,
             self.n_kv_heads,
             max_seq_len,
             self.head_dim,
-            dtype=dtype or self.wq.weight.dtype,
-            device=device if device is not None else self.wq.weight.device,
+            dtype=dtype,
+            device=device,
             window=self.cfg.window,
         )
 
@@ -177,7 +203,8 @@ class GroupedQueryAttention(nn.Module):
             interleaved = self.cfg.rope_interleaved
             q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         if cache is not None:
-            k, v = cache.append(k, v)  # everything held: live views, or paged views
+            k, v = cache.append(k, v)  # everything held: live views, paged views, or a static cache's buffers
+        attn_mask, is_causal, window = cache_rule(cache, t, attn_mask, is_causal, self.cfg.window)
         y = attend(
             q,
             k,
@@ -187,7 +214,7 @@ class GroupedQueryAttention(nn.Module):
             scale=self.cfg.softmax_scale,  # per head (head_dim ** -0.5), not per model width, unless set
             backend=self.cfg.backend,
             dropout_p=self.cfg.dropout if self.training else 0.0,
-            window=self.cfg.window,
+            window=window,
             softcap=self.cfg.softcap,
         )
         return self.wo(merge_heads(y))

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, LatentCache, PagedKVCache
+from ..cache import Cache, LatentCache, PagedKVCache, StaticKVCache
 from ..config import MLA_MODES, MLAConfig
-from .gqa import check_input, check_step, local_weight, merge_heads, split_heads
+from .gqa import cache_rule, check_input, check_step, local_weight, merge_heads, split_heads
 from .kernels import attend
 from .linear import Linear, project
 from .norm import RMSNorm
@@ -83,15 +83,22 @@ class MultiHeadLatentAttention(nn.Module):
         max_seq_len: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> LatentCache:
+        *,
+        static: bool = False,
+    ) -> LatentCache | StaticKVCache:
+        """A cache of latent rows (``LatentCache``), or with ``static`` one of fixed shapes for compiled decode steps
+        (``StaticKVCache`` of one KV "head" of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values
+        are also the values); dtype and device default to the weights'."""
         weight = self.wkv_a.weight
+        dtype, device = dtype or weight.dtype, device if device is not None else weight.device
+        cfg = self.cfg
+        if static:
+            return StaticKVCache(
+                batch_size, 1, max_seq_len, cfg.cache_dim, dtype=dtype, device=device, values_in_keys=True,
+                value_dim=cfg.kv_lora_rank,
+            )  # fmt: skip
         return LatentCache(
-            batch_size,
-            max_seq_len,
-            self.cfg.kv_lora_rank,
-            self.cfg.qk_rope_head_dim,
-            dtype=dtype or weight.dtype,
-            device=device if device is not None else weight.device,
+            batch_size, max_seq_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype=dtype, device=device
         )
 
     def new_paged_cache(
@@ -164,6 +171,7 @@ class MultiHeadLatentAttention(nn.Module):
             keys, values = cache.append(rows, None)  # values: the latent part of the held rows
         else:
             keys, values = rows, rows[..., : cfg.kv_lora_rank]
+        attn_mask, is_causal, _ = cache_rule(cache, t, attn_mask, is_causal, None)
         common = dict(
             attn_mask=attn_mask,
             is_causal=is_causal,

@@ -19,7 +19,7 @@ import torch
 from ..atomic import json_text
 from ..console import Grid, print_grid
 from ..cost import weight_bytes_read
-from ..generate import generate
+from ..generate import CACHES, generate
 
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -111,6 +111,8 @@ def run_generate(
     as_json: bool,
     bandwidth_gbs: float | None = None,
     device: str = "auto",
+    cache: str = "auto",
+    compile_step: bool = False,
 ) -> dict[str, Any]:
     from .. import resources
     from ..console import Progress
@@ -126,6 +128,10 @@ def run_generate(
         raise ValueError("give at least one --prompt")
     if max_new < 1:
         raise ValueError(f"--max-new must be >= 1, got {max_new}")
+    if cache not in CACHES:
+        raise ValueError(f"--cache must be one of {', '.join(CACHES)}; got {cache!r}")
+    if compile_step and cache not in ("auto", "static"):
+        raise ValueError(f"--compile compiles the decode step over the static cache; got --cache {cache}")
     check_sampling(temperature, top_k, top_p)
     if bandwidth_gbs is not None and not 0 < bandwidth_gbs < float("inf"):
         raise ValueError(f"--bandwidth must be a number of GB/s > 0, got {bandwidth_gbs}")
@@ -150,13 +156,19 @@ def run_generate(
             f"{len(ids)} --prompt x {longest} tokens (prompt + --max-new)",
             "lower --max-new or give fewer prompts",
         )
+    if (cache in ("contiguous", "static") or compile_step) and len({len(row) for row in ids}) > 1:
+        how = "--compile" if compile_step else f"--cache {cache}"
+        raise ValueError(
+            f"{how} needs prompts of one length in tokens; these have {sorted({len(r) for r in ids})} "
+            "(use --cache paged or auto, without --compile)"
+        )
     stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
     model = model.to(where)  # generate() puts the caches and token ids where the weights are
     resources.announce_device(where)
     with Progress("generate (tokens)", max_new * len(ids)) as bar:
         gen = generate(
             model, ids, max_new, temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops, seed=seed,
-            progress=lambda done, total: bar.update(done, total=total),
+            cache=cache, compile=compile_step, progress=lambda done, total: bar.update(done, total=total),
         )  # fmt: skip
     bandwidth = device_bandwidth(where) if bandwidth_gbs is None else bandwidth_gbs * 1e9
     n_bytes = gen.decode_bytes
@@ -167,6 +179,7 @@ def run_generate(
         "device": str(where),
         "threads": torch.get_num_threads(),
         "cache": gen.cache,
+        "compiled": compile_step,
         "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
         "stop_tokens": sorted(stops),
         "outputs": [
@@ -182,6 +195,7 @@ def run_generate(
         "new_tokens": gen.new_tokens,
         "prefill_s": gen.prefill_s,
         "decode_s": gen.decode_s,
+        "compile_s": gen.compile_s,
         "decode_steps": gen.decode_steps,
         "decode_tokens_per_s": gen.decode_tokens_per_s if gen.decode_tokens else None,
         "tokens_per_s": gen.tokens_per_s,
@@ -205,7 +219,8 @@ def print_result(result: dict[str, Any]) -> None:
         texts.add_row(out["prompt"], str(out["prompt_tokens"]), str(len(out["tokens"])), ended, out["text"])
     print_grid(texts)
     speed = Grid("speed", ["phase", "seconds", "tokens/s", "note"], right=(1, 2))
-    speed.add_row("prefill + first token", f"{result['prefill_s']:.3f}", "", f"{result['cache']} cache")
+    cache = f"{result['cache']} cache" + (", compiled decode step" if result.get("compiled") else "")
+    speed.add_row("prefill + first token", f"{result['prefill_s']:.3f}", "", cache)
     per_s = result["decode_tokens_per_s"]
     fraction = result["roofline_fraction"]
     roof = (
@@ -215,6 +230,10 @@ def print_result(result: dict[str, Any]) -> None:
         if fraction is not None
         else "no decode step"
     )
+    if result.get("compiled"):
+        speed.add_row(
+            "compile (decode step)", f"{result['compile_s']:.3f}", "", "not in decode or end to end"
+        )
     speed.add_row("decode", f"{result['decode_s']:.3f}", f"{per_s:.1f}" if per_s else "", roof)
     speed.add_row(
         "end to end", f"{result['prefill_s'] + result['decode_s']:.3f}", f"{result['tokens_per_s']:.1f}", ""
