@@ -311,6 +311,10 @@ def test_the_command_compiles_the_decode_step_over_a_static_cache(checkpoint):
     assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in plain["outputs"]]
     tables = CliRunner().invoke(app, [*args[:-1], "--cache", "static"])
     assert tables.exit_code == 0 and "static cache" in tables.stdout
+    ragged = [*args[:4], "--prompt", "Good night, sweet prince", *args[4:]]  # two lengths, decoded together
+    both = [json.loads(CliRunner().invoke(app, [*ragged, *flag]).stdout) for flag in ([], ["--compile"])]
+    assert both[0]["cache"] == "paged" and both[1]["cache"] == "static"
+    assert [o["tokens"] for o in both[0]["outputs"]] == [o["tokens"] for o in both[1]["outputs"]]
 
 
 def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
@@ -337,7 +341,10 @@ def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
         (["--bandwidth", "0"], "--bandwidth"),
         (["--cache", "ring"], "--cache must be one of auto, contiguous, paged, static; got 'ring'"),
         (["--cache", "paged", "--compile"], "--compile compiles the decode step over the static cache"),
-        (["--compile", "--prompt", "Good night, sweet prince"], "--compile needs prompts of one length"),
+        (
+            ["--cache", "contiguous", "--prompt", "Good night, sweet prince"],
+            "--cache contiguous needs prompts of",
+        ),
     ],
 )
 def test_the_command_refuses_bad_input_in_one_line(checkpoint, args, message):

@@ -49,27 +49,49 @@ def test_append_writes_at_the_device_length_and_returns_the_whole_buffers():
     assert keys is cache.k and values is cache.v and keys.shape == (2, 3, 10, 4)
     assert torch.equal(cache.k[:, :, :4], k) and torch.equal(cache.v[:, :, :4], v)
     assert not cache.k[:, :, 4:].any()  # nothing else written
-    assert cache.length.device == cache.k.device and cache.length.ndim == 0 and len(cache) == 4
+    assert cache.length.device == cache.k.device and cache.length.tolist() == [4, 4] and len(cache) == 4
     k1 = torch.randn(2, 3, 1, 4)
     cache.append(k1, k1)
     assert torch.equal(cache.k[:, :, 4], k1[:, :, 0]) and len(cache) == 5
-    assert cache.positions(2).tolist() == [5, 6]
+    assert cache.positions(2).tolist() == [[5, 6], [5, 6]]
     assert cache.nbytes == 2 * 2 * 3 * 10 * 4 * 4
+    cache.rewind(1)
+    assert len(cache) == 4 and cache.positions(1).tolist() == [[4], [4]]
     cache.crop(3)
-    assert len(cache) == 3 and cache.positions(1).tolist() == [3]
+    assert len(cache) == 3 and cache.positions(1).tolist() == [[3], [3]]
     cache.reset()
     assert len(cache) == 0 and torch.equal(cache.k[:, :, :4], k)  # reused, not cleared
+
+
+def test_rows_of_different_lengths_write_and_see_their_own_slots():
+    cache = StaticKVCache(3, 2, 8, 4)
+    prompts = [torch.randn(1, 2, n, 4) for n in (2, 5, 1)]
+    for i, k in enumerate(prompts):  # a ragged batch, prefilled one row at a time through views
+        one = cache.row(i)
+        assert one.batch_size == 1 and one.k.data_ptr() == cache.k[i].data_ptr()
+        one.append(k, k * 2)
+    assert cache.length.tolist() == [2, 5, 1] and len(cache) == 5
+    step = torch.randn(3, 2, 1, 4)
+    cache.append(step, step)  # one decode step of every row, each at its own position
+    for i, (k, n) in enumerate(zip(prompts, (2, 5, 1), strict=True)):
+        assert torch.equal(cache.k[i, :, :n], k[0]) and torch.equal(cache.v[i, :, :n], 2 * k[0])
+        assert torch.equal(cache.k[i, :, n], step[i, :, 0])
+        assert not cache.k[i, :, n + 1 :].any()
+    assert cache.visible(1)[:, 0, 0].tolist() == [[j <= n for j in range(8)] for n in (2, 5, 1)]
+    assert cache.positions(1).tolist() == [[3], [6], [2]]
+    with pytest.raises(ValueError, match="row 3 of a batch of 3"):
+        cache.row(3)
 
 
 def test_visible_is_the_causal_rule_and_the_window_over_every_slot():
     cache = StaticKVCache(1, 1, 9, 2)
     cache.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
-    slots = torch.arange(9)
-    # the 3 tokens at positions 0, 1, 2: each sees the slots up to its own
-    assert torch.equal(cache.visible(3), slots[None, :] <= torch.arange(3)[:, None])
+    # the 3 tokens at positions 0, 1, 2: each sees the slots up to its own; one mask for all heads
+    assert cache.visible(3).shape == (1, 1, 3, 9)
+    assert cache.visible(3)[0, 0].tolist() == [[j <= i for j in range(9)] for i in range(3)]
     cache.append(torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2))  # positions 3 and 4
-    assert cache.visible(2).tolist() == [[j <= i for j in range(9)] for i in (3, 4)]
-    assert cache.visible(2, window=2).tolist() == [[i - 2 < j <= i for j in range(9)] for i in (3, 4)]
+    assert cache.visible(2)[0, 0].tolist() == [[j <= i for j in range(9)] for i in (3, 4)]
+    assert cache.visible(2, window=2)[0, 0].tolist() == [[i - 2 < j <= i for j in range(9)] for i in (3, 4)]
 
 
 def test_latent_rows_keep_their_values_in_the_keys():
@@ -156,6 +178,19 @@ def test_generate_over_static_caches_gives_the_contiguous_tokens(kind):
     assert sampled[0] == sampled[1]
 
 
+@pytest.mark.parametrize("kind", ["gqa", "window", "mla"])
+def test_a_ragged_batch_over_static_caches_gives_each_prompts_tokens(kind):
+    m = _model(kind)
+    rows = [r.tolist() for r in _prompts(3, 11)]
+    rows = [rows[0][:3], rows[1], rows[2][:7]]  # 3, 11 and 7 tokens: each prefilled alone into its row
+    stop = generate(m, [rows[0]], 12).tokens[0][4]  # a token the first row emits: it stops early
+    want = generate(m, rows, 12, stop_tokens=[stop], cache="paged", block_size=4)
+    got = generate(m, rows, 12, stop_tokens=[stop], cache="static")
+    assert got.tokens == want.tokens and got.stopped == want.stopped and got.stopped[0]
+    # every row is computed to the end (as a contiguous batch), a stopped one too
+    assert got.decode_steps == 11 and got.decode_rows == 33 and want.decode_rows < 33
+
+
 @pytest.fixture
 def graphs(monkeypatch):
     """``decode_step`` compiled with AOTAutograd and no code generation (as inductor traces it, in a second), fresh
@@ -185,6 +220,9 @@ def test_the_compiled_step_is_one_graph_for_every_step_and_call(kind, graphs):
     assert again.tokens == generate(m, _prompts(2, 5) + 1, 10).tokens
     longer = generate(m, _prompts(2, 9), 30, compile=True)  # another length, the same slots (STATIC_SLOTS)
     assert len(graphs) == 1 and longer.tokens == generate(m, _prompts(2, 9), 30).tokens
+    ragged = [[5, 6, 7], list(range(1, 12))]  # prompts of 3 and 11 tokens: the same shapes again
+    assert generate(m, ragged, 10, compile=True).tokens == generate(m, ragged, 10, cache="paged").tokens
+    assert len(graphs) == 1
     generate(m, _prompts(2, 9), generation.STATIC_SLOTS, compile=True)  # past them: one more shape
     assert len(graphs) == 2
 
@@ -201,9 +239,7 @@ def test_bad_static_options_are_refused_naming_the_field():
     m = _model("gqa")
     with pytest.raises(ValueError, match="compile=True compiles the decode step over a static cache"):
         generate(m, [[1, 2]], 3, cache="paged", compile=True)
-    with pytest.raises(ValueError, match="cache='static' needs prompts of one length"):
-        generate(m, [[1, 2], [3]], 3, cache="static")
-    with pytest.raises(ValueError, match="cache='static' needs prompts of one length"):
-        generate(m, [[1, 2], [3]], 3, compile=True)
+    with pytest.raises(ValueError, match="cache='contiguous' needs prompts of one length"):
+        generate(m, [[1, 2], [3]], 3, cache="contiguous")
     with pytest.raises(TypeError, match="compile must be a bool"):
         generate(m, [[1, 2]], 3, compile="yes")

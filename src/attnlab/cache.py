@@ -19,6 +19,7 @@ value changes from one step to the next, at the price of reading every slot of t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -319,14 +320,15 @@ class StaticKVCache:
     ``h`` at ``k[b, h, t]`` (keys after RoPE), as in ``KVCache``. With ``values_in_keys=True`` (MLA's latent rows: one
     "head" whose first ``value_dim`` values are the values) only ``k`` is stored and ``v`` is a view of it.
 
-    ``length`` is a tensor (one int64 on the cache's device) that ``append`` writes at and advances in place, so a
-    step reads no Python number that changes between steps, and ``append`` returns the whole buffers.
-    ``visible(t, window)`` is the (T, max_seq_len) bool mask of the slots each of the ``t`` newest tokens may see
-    (the causal rule, and a sliding window when given); the attention modules apply it in place of their causal rule
-    and window, so the unwritten slots never count. The cost of the fixed shapes: every step reads all
-    ``max_seq_len`` slots, written or not, so size the cache to what a run needs (``generate`` makes it prompt plus
-    new tokens long). ``len()`` reads ``length`` back (a host sync on a GPU). Writing past ``max_seq_len`` raises a
-    ValueError on a CPU outside ``torch.compile``; elsewhere the index is checked by the device (no host sync).
+    ``length`` is a tensor on the cache's device, each row's number of tokens (rows may differ: ``row(i)`` is row
+    ``i`` alone, to prefill the prompts of a ragged batch one by one). ``append`` writes each row at its length and
+    advances it in place, so a step reads no Python number that changes between steps, and returns the whole
+    buffers. ``visible(t, window)`` is the (B, 1, T, max_seq_len) bool mask of the slots each of the ``t`` newest
+    tokens of a row may see (the causal rule, and a sliding window when given); the attention modules apply it in
+    place of their causal rule and window, so the unwritten slots never count. The cost of the fixed shapes: every
+    step reads all ``max_seq_len`` slots, written or not, so size the cache to what a run needs. ``len()`` reads
+    the longest row's length back (a host sync on a GPU). Writing past ``max_seq_len`` raises a ValueError on a CPU
+    outside ``torch.compile``; elsewhere the index is checked by the device (no host sync).
 
     The buffers and ``length`` are marked as static addresses for ``torch.compile``
     (``torch._dynamo.mark_static_address``), which lets a CUDA graph replay mutate them in place.
@@ -366,43 +368,61 @@ class StaticKVCache:
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = self.k[..., :value_dim] if values_in_keys else torch.zeros_like(self.k)
-        self.length = torch.zeros((), dtype=torch.int64, device=self.k.device)
+        self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
         self._slots = torch.arange(max_seq_len, device=self.k.device)
-        for t in (self.k, self.v, self.length, self._slots):
+        self._rows = torch.arange(batch_size, device=self.k.device)[:, None]
+        for t in (self.k, self.v, self.length, self._slots, self._rows):
             torch._dynamo.mark_static_address(t)
 
     def __len__(self) -> int:
-        return int(self.length)
+        """The longest row's length."""
+        return int(self.length.max())
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated: B * n_kv_heads * max_seq_len * head_dim * element_size, twice without values_in_keys."""
         return self.k.nbytes * (1 if self.values_in_keys else 2)
 
+    def row(self, i: int) -> StaticKVCache:
+        """Row ``i`` alone: a cache of batch 1 over this one's buffers and length (views, written in place)."""
+        check_int("StaticKVCache.row", i, minimum=0)
+        if i >= self.batch_size:
+            raise ValueError(f"StaticKVCache.row: row {i} of a batch of {self.batch_size}")
+        one = copy.copy(self)
+        one.batch_size = 1
+        one.k, one.v, one.length = self.k[i : i + 1], self.v[i : i + 1], self.length[i : i + 1]
+        one._rows = self._rows[:1]
+        return one
+
     def reset(self) -> None:
         """Forget the held tokens (the buffers are reused, not cleared)."""
         self.length.zero_()
 
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` tokens (a host-side number: no sync)."""
+        """Keep only the first ``length`` tokens of every row."""
         check_int("StaticKVCache.crop length", length, minimum=0)
         if length > self.max_seq_len:
             raise ValueError(f"StaticKVCache.crop: length {length} > max_seq_len={self.max_seq_len}")
-        self.length.fill_(length)
+        self.length.clamp_(max=length)
+
+    def rewind(self, n: int) -> None:
+        """Forget the newest ``n`` tokens of every row (on the device: no sync); a row keeps at least none."""
+        check_int("StaticKVCache.rewind n", n, minimum=0)
+        self.length.sub_(n).clamp_(min=0)
 
     def positions(self, t: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """(t,) positions of ``t`` new tokens, from ``length``: computed on the device, never read back."""
-        return (self.length + self._slots[:t]).to(device if device is not None else self.k.device)
+        """(B, t) positions of ``t`` new tokens of each row, from ``length``: computed on the device, never read back."""
+        return (self.length[:, None] + self._slots[:t]).to(device if device is not None else self.k.device)
 
     def visible(self, t: int, window: int | None = None) -> torch.Tensor:
-        """(t, max_seq_len) bool: the slots that each of the ``t`` newest tokens (the last ``append``'s) may see,
-        those at or before its position and, with a ``window``, fewer than ``window`` positions before it."""
-        newest = (self.length - t + self._slots[:t])[:, None]
+        """(B, 1, t, max_seq_len) bool: the slots that each of a row's ``t`` newest tokens (the last ``append``'s) may
+        see, those at or before its position and, with a ``window``, fewer than ``window`` positions before it."""
+        newest = (self.length[:, None] - t + self._slots[:t])[:, None, :, None]
         seen = self._slots <= newest
         return seen if window is None else seen & (self._slots > newest - window)
 
     def append(self, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` (B, n_kv_heads, T, head_dim; ``v`` None with ``values_in_keys``) at ``length`` and
+        """Write ``k``, ``v`` (B, n_kv_heads, T, head_dim; ``v`` None with ``values_in_keys``) at each row's length and
         advance it; return the whole buffers (B, n_kv_heads, max_seq_len, head_dim / value_dim)."""
         b, h, t, d = k.shape
         if (
@@ -424,16 +444,16 @@ class StaticKVCache:
                 raise TypeError(f"StaticKVCache: {name} has dtype {x.dtype}, the cache holds {self.dtype}")
         if (
             self.k.device.type == "cpu" and not torch.compiler.is_compiling()
-        ):  # free here: no device to wait for
-            held = int(self.length)
+        ):  # free here: nothing to wait for
+            held = len(self)
             if held + t > self.max_seq_len:
                 raise ValueError(
                     f"StaticKVCache overflow: {held} tokens held + {t} new > max_seq_len={self.max_seq_len}"
                 )
-        slots = self.positions(t)
-        self.k.index_copy_(2, slots, k)
+        slots = self.positions(t)  # (B, t); the indexed dims come first: (B, t, n_kv_heads, head_dim)
+        self.k[self._rows, :, slots] = k.transpose(1, 2)
         if v is not None:
-            self.v.index_copy_(2, slots, v)
+            self.v[self._rows, :, slots] = v.transpose(1, 2)
         self.length.add_(t)
         return self.k, self.v
 

@@ -9,12 +9,13 @@ one decode step through the caches. Caches:
     paged       prompts of different lengths (no padding): one ``PagedKVCache`` per layer, each prompt prefilled
                 on its own, then all unfinished rows decoded together; a row that stops leaves the batch and
                 its blocks go back to the pool.
-    static      prompts of one length, as contiguous, in ``StaticKVCache``s of prompt + ``max_new_tokens`` slots
-                (rounded up to a multiple of ``STATIC_SLOTS``):
-                every decode step has the same shapes and reads no Python number that changes, so it can be
-                compiled once (``compile=True``: ``torch.compile(fullgraph=True, dynamic=False)``, on CUDA with
-                ``mode="reduce-overhead"``, which replays the step as a CUDA graph without a kernel launch from
-                Python). Each step reads every slot of the caches, written or not.
+    static      prompts of any lengths in ``StaticKVCache``s of the longest prompt + ``max_new_tokens`` slots
+                (rounded up to a multiple of ``STATIC_SLOTS``), each prompt prefilled alone into its row when the
+                lengths differ, then every row decoded together to the end (as contiguous: a row that stops is
+                still computed). Every decode step has the same shapes and reads no Python number that changes,
+                so it can be compiled once (``compile=True``: ``torch.compile(fullgraph=True, dynamic=False)``,
+                on CUDA with ``mode="reduce-overhead"``, which replays the step as a CUDA graph without a kernel
+                launch from Python). Each step reads every slot of the caches, written or not.
 
 ``compile=True`` (static cache only; "auto" then picks it) compiles the decode step of each model once per process
 and cache shape: the first call pays the compile (seconds to a minute), later calls of the same shapes reuse it.
@@ -207,9 +208,9 @@ def generate(
         cache = "static" if compile else "contiguous" if one_length else "paged"
     if compile and cache != "static":
         raise ValueError(f"compile=True compiles the decode step over a static cache; got cache={cache!r}")
-    if cache in ("contiguous", "static") and not one_length:
+    if cache == "contiguous" and not one_length:
         raise ValueError(
-            f"cache={cache!r} needs prompts of one length; use cache='paged' (or 'auto' without compile)"
+            "cache='contiguous' needs prompts of one length; use cache='paged', 'static' or 'auto'"
         )
     if cache == "paged" and any(
         getattr(layer.attention, "mode", "auto") == "naive" for layer in model.layers
@@ -300,15 +301,26 @@ class _Run:
         return self.stopped[row] or len(self.out[row]) >= self.max_new
 
     def contiguous(self, static: bool = False, compiled: bool = False) -> None:
-        """Prompts of one length, in contiguous caches or (``static``) ``StaticKVCache``s, whose decode step may be
-        ``compiled``; ``held`` counts the cached tokens on the host (a static cache's own count is on its device)."""
-        model, b, t = self.model, len(self.rows), len(self.rows[0])
+        """Every row decoded together to the end: prompts of one length in contiguous caches, or in (``static``)
+        ``StaticKVCache``s prompts of any lengths, each prefilled alone into its row when they differ, whose decode
+        step may be ``compiled``. ``held``: each row's cached tokens, counted on the host (a static cache's count is
+        on its device)."""
+        model, b = self.model, len(self.rows)
+        held = [len(r) for r in self.rows]
         start = time.perf_counter()
-        slots = -(-(t + self.max_new) // STATIC_SLOTS) * STATIC_SLOTS if static else t + self.max_new
-        caches = model.new_caches(b, slots, static=static)
-        tokens = self.ids(self.rows)
-        nxt = self._take(model(tokens, caches=caches, logits_to_keep=1)[:, -1], list(range(b)))
-        held = t
+        slots = max(held) + self.max_new
+        caches = model.new_caches(
+            b, -(-slots // STATIC_SLOTS) * STATIC_SLOTS if static else slots, static=static
+        )
+        if len(set(held)) == 1:
+            tokens = self.ids(self.rows)
+            first = model(tokens, caches=caches, logits_to_keep=1)[:, -1]
+        else:  # a ragged batch (static caches only)
+            first = torch.cat([
+                model(self.ids([p]), caches=[c.row(i) for c in caches], logits_to_keep=1)[:, -1]
+                for i, p in enumerate(self.rows)
+            ])  # fmt: skip
+        nxt = self._take(first, list(range(b)))
         self.prefill_s = time.perf_counter() - start
         step = _step
         if compiled and not all(self.done(r) for r in range(b)):
@@ -316,20 +328,20 @@ class _Run:
             step = decode_step(model)
             step(model, nxt[:, None], caches)  # compiles, the first time for these shapes; then taken back
             for c in caches:
-                c.crop(held)
+                c.rewind(1)
             self.compile_s = time.perf_counter() - start
         start = time.perf_counter()
         while not all(self.done(r) for r in range(b)):
             if self.switches:  # every row's tokens so far (the newest not yet run), to prefill again
                 tokens = torch.cat((tokens, nxt[:, None]), dim=1)
-            if held in self.switches:  # past a longrope switch: every row again, whole
+            if held[0] in self.switches:  # past a longrope switch: every row (of one length) again, whole
                 for c in caches:
                     c.reset()
                 logits = model(tokens, caches=caches, logits_to_keep=1)[:, -1]
             else:
-                self.account(b, b * (held + 1))
+                self.account(b, sum(n + 1 for n in held))
                 logits = step(model, nxt[:, None], caches)
-            held += 1
+            held = [n + 1 for n in held]
             nxt = self._take(logits, list(range(b)))
         self.decode_s = time.perf_counter() - start
 

@@ -156,11 +156,10 @@ def run_generate(
             f"{len(ids)} --prompt x {longest} tokens (prompt + --max-new)",
             "lower --max-new or give fewer prompts",
         )
-    if (cache in ("contiguous", "static") or compile_step) and len({len(row) for row in ids}) > 1:
-        how = "--compile" if compile_step else f"--cache {cache}"
+    if cache == "contiguous" and len({len(row) for row in ids}) > 1:
         raise ValueError(
-            f"{how} needs prompts of one length in tokens; these have {sorted({len(r) for r in ids})} "
-            "(use --cache paged or auto, without --compile)"
+            f"--cache contiguous needs prompts of one length in tokens; these have {sorted({len(r) for r in ids})} "
+            "(use --cache auto, paged or static)"
         )
     stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
     model = model.to(where)  # generate() puts the caches and token ids where the weights are
