@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,10 +167,17 @@ def _fail(err: BaseException) -> None:
     message = " ".join(_message(err).split())  # one line, whatever the exception's text holds
     rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
     if rank == "0":
-        print(f"attnlab: error: {message}", file=sys.stderr)
+        print(f"attnlab: error: {message}", file=sys.stderr, flush=True)
     elif not isinstance(err, _SAME_ON_EVERY_RANK):
         print(f"attnlab: error (rank {rank}): {message}", file=sys.stderr)
+    else:
+        # Rank 0 reports it. Leaving at once, this rank could make torchrun stop rank 0 before its line is out (seen
+        # on a loaded machine); torchrun stops this rank as soon as rank 0 exits, so waiting costs nothing.
+        time.sleep(_QUIET_RANK_WAIT_S)
     raise typer.Exit(code=2) from None
+
+
+_QUIET_RANK_WAIT_S = 10.0
 
 
 def _device_option(before: str = "", after: str = ".") -> Any:
