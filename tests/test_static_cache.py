@@ -208,7 +208,9 @@ def graphs(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kind", ["gqa", "window", "mla", "flex", "mla_flex"])
+@pytest.mark.parametrize(
+    "kind", ["window", "flex", "mla_flex"]
+)  # mla_flex: MLA's path on CUDA (no Triton for masks)
 def test_the_compiled_step_is_one_graph_for_every_step_and_call(kind, graphs):
     m, rows = _model(kind), _prompts(2, 5)
     want = generate(m, rows, 10).tokens
