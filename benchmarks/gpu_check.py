@@ -4,6 +4,7 @@ HBM roofline. Writes benchmarks/results/gpu_check.json and docs/performance_gpu.
     python benchmarks/gpu_check.py                       # on the GPU machine (a few minutes)
     python benchmarks/gpu_check.py --device cpu --quick  # the same code on small shapes, on the CPU (the test)
     python benchmarks/gpu_check.py --from-json           # the page from the saved JSON
+    python benchmarks/gpu_check.py --sections end_to_end_1b,uptrain   # some sections, merged into the saved JSON
 
 Correctness: tiny models of every attention variant (MHA, GQA, MQA, MLA) built on the CPU, copied to the device,
 their logits in float32 and bfloat16 compared with the same weights in float64 on the CPU by the relative error
@@ -553,7 +554,12 @@ def uptrain_mfu(device: str, quick: bool, preset: str = "llama-3.2-1b") -> dict:
     return _shown(row)
 
 
-def run(device: str, quick: bool) -> dict:
+# The sections of a run, in order; ``--sections`` runs some of them (a GPU session's calls are limited to 10 minutes
+# each) and merges them into the saved JSON.
+SECTIONS = ("correctness", "decode", "mla_decode", "end_to_end", "end_to_end_1b", "uptrain")
+
+
+def run(device: str, quick: bool, sections: tuple[str, ...] = SECTIONS) -> dict:
     import torch
 
     start = time.time()
@@ -563,21 +569,34 @@ def run(device: str, quick: bool) -> dict:
         )
     info = machine(device)
     print(json.dumps(info), flush=True)
-    result = {
-        "machine": info,
-        "correctness": correctness(device),
-        "decode": decode_rows(device, quick, info["copy_gbps"] * 1e9),
-        "mla_decode": mla_decode_rows(device, quick, info["copy_gbps"] * 1e9),
-        "end_to_end": end_to_end(device, quick),
-        "end_to_end_1b": end_to_end(device, quick, "llama-3.2-1b", profile=False),
-        "uptrain": uptrain_mfu(device, quick),
+    bandwidth = info["copy_gbps"] * 1e9
+    work = {
+        "correctness": lambda: correctness(device),
+        "decode": lambda: decode_rows(device, quick, bandwidth),
+        "mla_decode": lambda: mla_decode_rows(device, quick, bandwidth),
+        "end_to_end": lambda: end_to_end(device, quick),
+        "end_to_end_1b": lambda: end_to_end(device, quick, "llama-3.2-1b", profile=False),
+        "uptrain": lambda: uptrain_mfu(device, quick),
     }
-    up = result["uptrain"]
+    result = {"machine": info} | {name: work[name]() for name in SECTIONS if name in sections}
+    up = result.get("uptrain", {})
     if "tokens_per_s" in up:  # the MFU against this run's measured matrix peak
         up["mfu"] = up["tokens_per_s"] * up["flops_per_token"] / (info["bf16_tflops"] * 1e12)
         up["mfu_datasheet"] = up["tokens_per_s"] * up["flops_per_token"] / H100_BF16_DENSE
     result["seconds"] = round(time.time() - start, 1)
     return result
+
+
+def merged(saved: dict, new: dict) -> dict:
+    """A run of some sections over the saved result of earlier ones: its sections replace theirs, the machine line
+    is the newest run's, and the commands, dates and seconds of both are kept."""
+    out = saved | new
+    out["command"] = f"{saved.get('command', '')}; then {new['command']}".removeprefix("; then ")
+    out["date"] = (
+        new["date"] if saved.get("date") in (None, new["date"]) else f"{saved['date']}, {new['date']}"
+    )
+    out["seconds"] = round(saved.get("seconds", 0) + new["seconds"], 1)
+    return out
 
 
 def page(result: dict) -> str:
@@ -604,7 +623,7 @@ def page(result: dict) -> str:
         "sampled, same seed twice | error |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["correctness"]:
+    for r in result.get("correctness", []):
         static = _yes(r.get("greedy_equal_static"))
         static += " (compiled)" if r.get("static_compiled") else " (eager)" if "static_compiled" in r else ""
         lines.append(
@@ -627,7 +646,7 @@ def page(result: dict) -> str:
         "flex rel. err (paged) | flex 1st s | error |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["decode"]:
+    for r in result.get("decode", []):
         paged_err = f" ({r['rel_err_flex_paged']:.2e})" if "rel_err_flex_paged" in r else ""
         lines.append(
             f"| {r['dtype']} | {r['n_heads']} x {r['head_dim']} | {r['batch']} | {r['context']} | {r['n_kv_heads']} | "
@@ -639,12 +658,12 @@ def page(result: dict) -> str:
             f"{_f(r.get('flex_first_s'), '.1f')} | "
             f"{r.get('error', '')} |"
         )
-    if not any("ms_flex" in r for r in result["decode"]):
+    if not any("ms_flex" in r for r in result.get("decode", [])):
         lines += [
             "",
             "The flex columns are empty: this run predates the flex backend (not measured on a GPU yet).",
         ]
-    timed = [r for r in result["decode"] if "fraction" in r]
+    timed = [r for r in result.get("decode", []) if "fraction" in r]
     big = [r for r in timed if r["batch"] >= 8]
     if timed:
         lines += [
@@ -655,7 +674,8 @@ def page(result: dict) -> str:
         ]
     if "mla_decode" in result:  # runs before this section was added have none
         lines += _mla_page(result["mla_decode"])
-    lines += _e2e_page(result["end_to_end"], "## End to end", target=True)
+    if "end_to_end" in result:
+        lines += _e2e_page(result["end_to_end"], "## End to end", target=True)
     if "end_to_end_1b" in result:  # runs before these sections have neither
         lines += _e2e_page(result["end_to_end_1b"], "## End to end, a ~1B model", target=False)
     if "uptrain" in result:
@@ -782,20 +802,30 @@ def main() -> int:
         "--json", type=Path, help="the result file (default: benchmarks/results/gpu_check.json)"
     )
     parser.add_argument("--doc", type=Path, help="the page (default: docs/performance_gpu.md)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma list of {', '.join(SECTIONS)} (default: all); a subset replaces those in the saved JSON",
+    )
     args = parser.parse_args()
+    sections = tuple(args.sections.split(","))
+    if bad := [x for x in sections if x not in SECTIONS]:
+        parser.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     full = not args.quick and args.device == "cuda"
     args.json = args.json or output(RESULTS / "gpu_check.json", full)
     args.doc = args.doc or output(DOC, full)
     sys.path.insert(0, str(ROOT / "src"))
-    from attnlab.atomic import write_atomic
+    from attnlab.atomic import write_atomic, write_json
 
     if args.from_json:
         result = json.loads(args.json.read_text())
     else:
-        result = run(args.device, args.quick)
+        result = run(args.device, args.quick, sections)
         result["command"] = "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])
         result["date"] = time.strftime("%Y-%m-%d")
-        write_atomic(args.json, json.dumps(result, indent=1), ours=own_path(args.json))
+        if set(sections) != set(SECTIONS) and args.json.is_file():
+            result = merged(json.loads(args.json.read_text()), result)
+        write_json(args.json, result, by="benchmarks/gpu_check.py", ours=own_path(args.json))
     text = page(result)
     write_atomic(args.doc, text, ours=own_path(args.doc))
     print(text)

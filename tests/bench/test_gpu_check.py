@@ -59,6 +59,18 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
     assert "## MLA absorbed decode" in page and "| tiny-40 | 40 | 2 | 256 |" in page
     assert "| yes (eager) |" in page and "attnlab, static cache (eager" in page
     assert "## End to end, a ~1B model" in page and "## Uptraining on one GPU" in page and "MFU **" in page
+    # a run of some sections (a GPU session's calls are limited in time) replaces them in the saved JSON
+    part = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--sections", "uptrain", "--json",
+         str(tmp_path / "r.json"), "--doc", str(tmp_path / "part.md")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert part.returncode == 0, part.stderr
+    both = json.loads((tmp_path / "r.json").read_text())
+    assert both["correctness"] == result["correctness"] and both["decode"] == result["decode"]
+    assert both["uptrain"] != result["uptrain"] and "error" not in both["uptrain"]
+    assert both["command"].count("--quick") == 2 and "; then " in both["command"]
+    assert "## Uptraining on one GPU" in (tmp_path / "part.md").read_text()
     assert "| mla | " in page and f"{e2e['decode_tok_s'] / e2e['hf_decode_tok_s']:.2f}x" in page
 
 
