@@ -79,7 +79,9 @@ class Cache(Protocol):
     length, (B, t) when each row continues from its own. ``append(k, v)``: write the new keys and values
     (B, n_kv_heads, T, D) of the batch's rows (``v`` None for a cache whose values are part of its keys) and
     return the keys and values attention reads: tensors over every held token, or ``PagedView``s. ``paged``:
-    whether those are ``PagedView``s (``attend`` then takes no ``attn_mask``).
+    whether those are ``PagedView``s (``attend`` then takes no ``attn_mask``). ``static``: whether ``append``
+    returns whole buffers of fixed size, whose ``visible(t, window)`` mask the modules attend with instead of the
+    causal rule (``StaticKVCache``; a cache without the attribute counts as not static).
     """
 
     paged: bool

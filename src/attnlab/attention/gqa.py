@@ -40,7 +40,7 @@ def check_step(owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cach
         raise ValueError(
             f"{owner}: attn_mask is not supported with a PagedKVCache (each row has its own length)"
         )
-    if cache is not None and cache.static:
+    if getattr(cache, "static", False):  # a cache of the protocol from before ``static`` reads as False
         raise ValueError(
             f"{owner}: attn_mask is not supported with a StaticKVCache (its own mask covers every slot)"
         )
@@ -53,7 +53,7 @@ def cache_rule(
     """(attn_mask, is_causal, window) for ``attend`` over what ``cache.append`` returned: a ``StaticKVCache``'s
     whole buffers are masked by its ``visible`` slots (the causal rule and the window in one mask), any other
     cache's keys by the caller's rule."""
-    if cache is not None and cache.static:
+    if getattr(cache, "static", False):
         return cache.visible(t, window), False, None
     return attn_mask, is_causal, window
 
