@@ -157,6 +157,21 @@ def _check_sizes(owner: str, **sizes: int) -> None:
         check_int(f"{owner}.{name}", value)
 
 
+def _values(owner: str, k: torch.Tensor, values_in_keys: bool, value_dim: int | None) -> torch.Tensor:
+    """The value buffer beside the key buffer ``k``: with ``values_in_keys`` (MLA's latent rows) a view of the keys'
+    first ``value_dim`` columns (default: all of them), else zeros of the keys' shape."""
+    if not values_in_keys:
+        return torch.zeros_like(k)
+    head_dim = k.shape[-1]
+    value_dim = head_dim if value_dim is None else value_dim
+    _check_sizes(owner, value_dim=value_dim)
+    if value_dim > head_dim:
+        raise ValueError(
+            f"{owner}.value_dim={value_dim} > head_dim={head_dim}: the values are the first columns of each row"
+        )
+    return k[..., :value_dim]
+
+
 class KVCache(_Cache):
     """Keys and values for MHA/GQA/MQA.
 
@@ -358,18 +373,14 @@ class StaticKVCache:
             max_seq_len=max_seq_len,
             head_dim=head_dim,
         )
-        if values_in_keys:
-            _check_sizes("StaticKVCache", value_dim=value_dim)  # type: ignore[arg-type]
-            if value_dim > head_dim:  # type: ignore[operator]
-                raise ValueError(f"StaticKVCache: value_dim={value_dim} > head_dim={head_dim}")
-        elif value_dim is not None:
+        if value_dim is not None and not values_in_keys:
             raise ValueError("StaticKVCache: value_dim is for values_in_keys=True only")
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.dtype, self.values_in_keys = dtype, values_in_keys
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = self.k[..., :value_dim] if values_in_keys else torch.zeros_like(self.k)
+        self.v = _values("StaticKVCache", self.k, values_in_keys, value_dim)
         self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
         self._slots = torch.arange(max_seq_len, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)[:, None]
@@ -532,14 +543,7 @@ class PagedKVCache:
         shape = (n_kv_heads, n_blocks, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.values_in_keys = values_in_keys
-        if values_in_keys:
-            value_dim = head_dim if value_dim is None else value_dim
-            _check_sizes("PagedKVCache", value_dim=value_dim)
-            if value_dim > head_dim:
-                raise ValueError(f"PagedKVCache.value_dim={value_dim} exceeds head_dim={head_dim}")
-            self.v = self.k[..., :value_dim]  # a view: the values are part of the cached rows
-        else:
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = _values("PagedKVCache", self.k, values_in_keys, value_dim)
         self.lengths = [0] * batch_size  # tokens each row has seen
         self.dropped = [0] * batch_size  # blocks each row gave up (a window's): its table starts after them
         self.block_tables: list[list[int]] = [[] for _ in range(batch_size)]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
@@ -48,6 +50,7 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
     # MFU is tokens/s x the cost model's training FLOPs per token over the measured peak
     assert up["mfu"] == up["tokens_per_s"] * up["flops_per_token"] / (result["machine"]["bf16_tflops"] * 1e12)
     assert 0 < up["mfu"] < 1 and up["flops_per_token"] > 6 * up["parameters"] * 0.5
+    assert up["datasheet_bf16_tflops"] == pytest.approx(989.4)  # the cost model's H100, not a copy of it
     page = (tmp_path / "page.md").read_text()
     again = subprocess.run(
         [sys.executable, str(SCRIPT), "--from-json", "--json", str(tmp_path / "r.json"), "--doc",
