@@ -44,15 +44,18 @@ def _covers(backend: backends.Backend, call: Call) -> bool:
         and call.phase in backend.phases
         and all(getattr(backend, flag) or not getattr(call, flag) for flag in FLAGS)
         and (call.latent or not backend.latent_only)
+        and (not call.lengths or backend.lengths or backend.mask)  # rows' lengths: read, or taken as a mask
     )
 
 
 def _calls():
-    for device, dtype, phase, latent, *flags in itertools.product(
+    for device, dtype, phase, latent, lengths, *flags in itertools.product(
         ("cpu", "cuda"), (torch.float32, torch.bfloat16, torch.float64), ("prefill", "decode"), (False, True),
-        *[(False, True)] * len(FLAGS),
+        (False, True), *[(False, True)] * len(FLAGS),
     ):  # fmt: skip
-        yield Call(device, dtype, phase, latent=latent, **dict(zip(FLAGS, flags, strict=True)))
+        yield Call(
+            device, dtype, phase, latent=latent, lengths=lengths, **dict(zip(FLAGS, flags, strict=True))
+        )
 
 
 def test_every_backend_is_registered_where_it_is_defined_and_named_in_the_config():
@@ -100,10 +103,57 @@ def test_auto_by_device_and_phase():
         Call("cuda", torch.bfloat16, "decode", mask=True, latent=True): "flex",
         Call("cuda", torch.float64, "decode", latent=True): "sdpa",
         Call("cpu", torch.bfloat16, "decode", latent=True): "fused",
+        # a static cache's decode step: the rows' lengths read by the Triton kernel, else taken as a mask
+        Call("cuda", torch.bfloat16, "decode", latent=True, lengths=True): "triton_mla",
+        Call("cuda", torch.bfloat16, "decode", lengths=True): "flex",
+        Call("cpu", torch.float32, "decode", lengths=True): "grouped",
+        Call("cpu", torch.bfloat16, "decode", latent=True, lengths=True): "grouped",
         Call("cuda", torch.bfloat16, "prefill", paged=True): "sdpa",
         Call("mps", torch.float32, "decode"): "sdpa",
     }
     assert {call: choose(call).backend.name for call in answers} == answers
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_rows_lengths_over_fixed_buffers_equal_each_rows_own_keys(window):
+    """attend(lengths=) over buffers of 10 slots (a static cache's decode step): each row attends to its first
+    lengths[b] keys (with a window, the last 3 of them), NaN past them never reaching the output, a row of length 0
+    giving zeros; the mask the lengths become equals the static cache's own ``visible`` slots."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(3, 4, 1, 8, generator=g),
+        torch.randn(3, 2, 10, 8, generator=g),
+        torch.randn(3, 2, 10, 8),
+    )
+    lengths = torch.tensor([7, 0, 10])
+    for row, n in enumerate(lengths.tolist()):
+        k[row, :, n:], v[row, :, n:] = float("nan"), float("nan")
+    y = kernels.attend(q, k, v, lengths=lengths, window=window)
+    for row, n in enumerate(lengths.tolist()):
+        lo = 0 if window is None else max(0, n - window)
+        want = kernels.attend(
+            q[row : row + 1], k[row : row + 1, :, lo:n], v[row : row + 1, :, lo:n], backend="reference"
+        )
+        torch.testing.assert_close(y[row : row + 1], torch.nan_to_num(want, nan=0.0) if n == 0 else want)
+    from attnlab import StaticKVCache
+
+    cache = StaticKVCache(3, 2, 10, 8)
+    for row, n in enumerate(lengths.tolist()):
+        cache.row(row).append(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8))
+    assert torch.equal(kernels.length_mask(cache.length, 10, window), cache.visible(1, window))
+
+
+def test_rows_lengths_are_refused_where_they_do_not_apply():
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 5, 8)
+    n = torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="lengths are for one query per row"):
+        kernels.attend(torch.randn(2, 4, 2, 8), k, k, lengths=n)
+    with pytest.raises(ValueError, match="attn_mask"):
+        kernels.attend(q, k, k, lengths=n, attn_mask=torch.ones(2, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="integer tensor"):
+        kernels.attend(q, k, k, lengths=n.float())
+    with pytest.raises(ValueError, match=r"must be \(2,\)"):
+        kernels.attend(q, k, k, lengths=torch.tensor([3]))
 
 
 def test_an_unknown_backend_is_named():

@@ -115,6 +115,19 @@ def _kernel_cases(tm) -> dict:
         out[f"window-{name}"] = _case(y, q, [r[-20:] for r in rows])
         y = tm.decode(q, view, R, scale=SCALE)  # the default chunking (one chunk per row here)
         out[f"one-chunk-{name}"] = _case(y, q, rows)
+        # A static cache's buffers: rows of 75, 0 and 40 tokens live in 96 slots, NaN past each row's length (never
+        # read: a read would reach the output), the lengths on the device as a tensor
+        buffer = torch.randn(3, 96, R + P, generator=g).to(dtype)
+        lengths = torch.tensor([75, 0, 40])
+        for row, n in enumerate(lengths.tolist()):
+            buffer[row, n:] = float("nan")
+        q = torch.randn(3, 6, 1, R + P, generator=g).to(dtype)
+        y = tm.decode(q, buffer[:, None], R, scale=SCALE, chunk=32, lengths=lengths)
+        out[f"lengths-{name}"] = _case(y, q, [buffer[i, :n] for i, n in enumerate(lengths.tolist())])
+        y = tm.decode(q, buffer[:, None], R, scale=SCALE, window=20, chunk=32, lengths=lengths)
+        out[f"lengths-window-{name}"] = _case(
+            y, q, [buffer[i, max(0, n - 20) : n] for i, n in enumerate(lengths.tolist())]
+        )
     return out
 
 
@@ -136,18 +149,24 @@ def _module_cases() -> dict:
                 p.normal_(0.0, 0.3)
         mla = mla.to(dtype)
         x = torch.randn(3, 12, MLA.d_model).to(dtype)
-        for paged in (False, True):
+        for kind in ("contiguous", "paged", "static"):
             got = {}
             for backend in ("auto", "triton_mla"):
                 mla.cfg = mla.cfg.replace(backend=backend)
                 chosen.clear()
-                if paged:
+                if kind == "paged":
                     cache = mla.new_paged_cache(20, 4, 3)
                     cache.placement = "scattered"
                     for row, n in enumerate((9, 3, 6)):  # rows of different lengths, prefilled one by one
                         cache.select([row])
                         mla(x[row : row + 1, :n], cache=cache)
                     cache.select([0, 1, 2])
+                elif (
+                    kind == "static"
+                ):  # fixed buffers of 16 slots, rows of 9, 3 and 6 tokens: read to each length
+                    cache = mla.new_cache(3, 16, static=True)
+                    for row, n in enumerate((9, 3, 6)):
+                        mla(x[row : row + 1, :n], cache=cache.row(row))
                 else:
                     cache = mla.new_cache(3, 16)
                     mla(x[:, :9], cache=cache)
@@ -155,7 +174,7 @@ def _module_cases() -> dict:
                     steps = [mla(x[:, 9 + i : 10 + i], cache=cache) for i in range(3)]
                 got[backend] = (torch.cat(steps, dim=1), chosen[-3:])
             y, ran = got["triton_mla"]
-            out[f"module-{'paged' if paged else 'contiguous'}-{name}"] = {
+            out[f"module-{kind}-{name}"] = {
                 "err": _err(y, got["auto"][0]),
                 "scale": got["auto"][0].abs().max().item(),
                 "ran": ran,
@@ -219,7 +238,15 @@ def test_paged_latent_rows_in_shuffled_blocks_give_the_float64_softmax(measured,
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("case", ["lengths", "lengths-window"])
+def test_rows_of_fixed_buffers_read_to_each_rows_length_give_the_float64_softmax(measured, dtype, case):
+    """A static cache's buffers with the rows' lengths on the device (an empty row among them): each row's own
+    tokens, the NaN past them never read; with a window, the last 20 of each row's tokens."""
+    _close(measured[f"{case}-{dtype}"], dtype)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "static"])
 def test_the_mla_module_through_the_kernel_equals_its_existing_path(measured, dtype, cache):
     case = measured[f"module-{cache}-{dtype}"]
     assert case["ran"] == ["triton_mla"] * 3  # every decode step took the kernel, through the table

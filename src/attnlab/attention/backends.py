@@ -10,7 +10,7 @@ measured there.
 
 ``choose(call, backend)`` is the one place a backend is picked: ``attend`` asks it once per call, the model's block
 plan once per decode step. A ``Call`` says what is asked (device, dtype, phase, paged, mask, dropout, gradient,
-soft-capping, subclass, block step, latent rows). "auto" takes the first backend of the order that accepts the call; a named
+soft-capping, subclass, block step, latent rows, row lengths). "auto" takes the first backend of the order that accepts the call; a named
 backend runs if it accepts it, else the call goes down the order as for "auto" (so "fused" on a masked step runs
 "grouped", and on a paged prefill "sdpa"); a block step is not handed on: it runs on the backend named (with
 "auto", the first of the order that takes it) or, when that has none, module by module. The ``Choice`` names the backend and, for every other backend, why it was
@@ -47,11 +47,16 @@ class Call(NamedTuple):
     subclass: bool = False  # a tensor subclass (DTensor) among the operands
     block: int = 0  # a whole decoder block's decode step of this many rows (0: attention alone)
     latent: bool = False  # one KV head whose values are the first columns of its keys (MLA's latent rows)
+    # each row's keys are the first of fixed buffers, their number per row in a tensor on the device (a static
+    # cache's decode step): a backend that reads lengths takes them, one that takes masks gets them as a mask
+    lengths: bool = False
 
     def __str__(self) -> str:
         what = f"{self.block}-row block step" if self.block else ("paged " if self.paged else "") + self.phase
         what = ("latent " if self.latent else "") + what
-        extras = [n for n in ("mask", "dropout", "grad", "softcap", "subclass") if getattr(self, n)]
+        extras = [
+            n for n in ("mask", "lengths", "dropout", "grad", "softcap", "subclass") if getattr(self, n)
+        ]
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.device} {dtype} {what}" + (f" with {', '.join(extras)}" if extras else "")
 
@@ -79,6 +84,9 @@ class Backend:
     subclass: bool = True
     block_rows: int = 0  # whole decoder-block decode steps of up to this many rows; 0: none
     latent_only: bool = False  # takes only MLA's latent rows (``Call.latent``)
+    lengths: bool = (
+        False  # reads rows' lengths (``Call.lengths``) itself: run(..., lengths=) (else: as a mask)
+    )
     available: Callable[[], bool] | None = None  # None: always; else asked last (it may build a kernel)
 
     def refuses(self, call: Call) -> str | None:
@@ -96,6 +104,8 @@ class Backend:
         for flag in _LIMITS:
             if getattr(call, flag) and not getattr(self, flag):
                 return f"takes no {_WORDS[flag]}"
+        if call.lengths and not (self.lengths or self.mask):
+            return "takes no row lengths or masks"
         if call.block > self.block_rows:
             return (
                 "has no block step"

@@ -49,13 +49,16 @@ def check_step(owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cach
 
 def cache_rule(
     cache: Cache | None, t: int, attn_mask: torch.Tensor | None, is_causal: bool, window: int | None
-) -> tuple[torch.Tensor | None, bool, int | None]:
-    """(attn_mask, is_causal, window) for ``attend`` over what ``cache.append`` returned: a ``StaticKVCache``'s
-    whole buffers are masked by its ``visible`` slots (the causal rule and the window in one mask), any other
-    cache's keys by the caller's rule."""
+) -> dict:
+    """``attend``'s keywords attn_mask, is_causal, window and lengths over what ``cache.append`` returned: over a
+    ``StaticKVCache``'s whole buffers a decode step reads each row's length (kept on the device), several tokens
+    are masked by their ``visible`` slots (the causal rule and the window in one mask); any other cache's keys
+    follow the caller's rule."""
     if getattr(cache, "static", False):
-        return cache.visible(t, window), False, None
-    return attn_mask, is_causal, window
+        if t == 1:
+            return dict(attn_mask=None, is_causal=False, window=window, lengths=cache.length)  # type: ignore[union-attr]
+        return dict(attn_mask=cache.visible(t, window), is_causal=False, window=None, lengths=None)  # type: ignore[union-attr]
+    return dict(attn_mask=attn_mask, is_causal=is_causal, window=window, lengths=None)
 
 
 def local_weight(linear: nn.Linear) -> torch.Tensor:
@@ -204,17 +207,14 @@ class GroupedQueryAttention(nn.Module):
             q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         if cache is not None:
             k, v = cache.append(k, v)  # everything held: live views, paged views, or a static cache's buffers
-        attn_mask, is_causal, window = cache_rule(cache, t, attn_mask, is_causal, self.cfg.window)
         y = attend(
             q,
             k,
             v,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
+            **cache_rule(cache, t, attn_mask, is_causal, self.cfg.window),
             scale=self.cfg.softmax_scale,  # per head (head_dim ** -0.5), not per model width, unless set
             backend=self.cfg.backend,
             dropout_p=self.cfg.dropout if self.training else 0.0,
-            window=window,
             softcap=self.cfg.softcap,
         )
         return self.wo(merge_heads(y))

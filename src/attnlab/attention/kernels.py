@@ -18,6 +18,11 @@ when ``T_q == T_k``.) When both are given, a key is attended only if both allow 
 yields zeros, not NaN, whatever the masked-out keys and values hold (inf and NaN included); keys that no query
 attends never reach an output.
 
+``lengths`` ((B,) integer tensor on q's device; one query per row, contiguous K/V, no mask) says that row ``b``'s keys
+are the first ``lengths[b]`` of buffers longer than that (a ``StaticKVCache``'s decode step, whose lengths stay on
+the device so that a compiled step never reads them on the host), ``window`` counting back from there. A backend
+that reads lengths (``triton_mla``) stops each row there; any other gets them as a mask (``length_mask``).
+
 Backends (each a ``backends.Backend`` declaring what it takes, registered in ``backends.BACKENDS`` below):
     "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read. Takes anything.
     "sdpa"       ``F.scaled_dot_product_attention(enable_gqa=...)``; no soft-capping.
@@ -73,6 +78,7 @@ def attend(
     dropout_p: float = 0.0,
     window: int | None = None,
     softcap: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention for MHA/GQA/MQA shapes; see the module docstring."""
     paged = isinstance(k, PagedView)
@@ -82,6 +88,14 @@ def attend(
         _check_inputs(q, k, v, attn_mask, is_causal)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if lengths is not None:
+        _check_lengths(q, k, attn_mask, is_causal, lengths)
+        call = call_of(q, k, v, None, dropout_p, softcap)._replace(lengths=True)
+        chosen = choose(call, backend).backend
+        if chosen.lengths:  # type: ignore[union-attr]
+            return chosen.run(q, k, v, None, False, scale, dropout_p, window, softcap, lengths=lengths)  # type: ignore[union-attr]
+        attn_mask, window = length_mask(lengths, k.shape[2], window), None
+        return chosen.run(q, k, v, attn_mask, False, scale, dropout_p, None, softcap)  # type: ignore[union-attr]
     t_q = q.shape[2]
     if window is not None and not paged and k.shape[2] > window:
         if t_q == 1:  # a decode step: the window is the newest keys
@@ -207,10 +221,10 @@ def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap)
     return fused.decode(q, k, v, scale=scale)
 
 
-def _triton_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+def _triton_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap, lengths=None):
     from . import triton_mla  # imports triton: only when this backend runs
 
-    return triton_mla.decode(q, k, v.shape[-1], scale=scale, window=window)
+    return triton_mla.decode(q, k, v.shape[-1], scale=scale, window=window, lengths=lengths)
 
 
 def _triton_importable() -> bool:
@@ -261,6 +275,7 @@ register(
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
         **_PLAIN_DECODE,
         latent_only=True,
+        lengths=True,  # a static cache's rows: each program stops at its row's length, read on the device
         available=functools.cache(_triton_importable),
     )
 )
@@ -365,6 +380,38 @@ def _check_inputs(
     if is_causal and t_q > t_k:
         raise ValueError(f"is_causal needs T_q <= T_k, got T_q={t_q}, T_k={t_k}")
     check_mask("attend", attn_mask, (q.shape[0], q.shape[1], t_q, t_k))
+
+
+def _check_lengths(
+    q: torch.Tensor, k: object, attn_mask: torch.Tensor | None, is_causal: bool, lengths: torch.Tensor
+) -> None:
+    if isinstance(k, PagedView) or attn_mask is not None or is_causal or q.shape[2] != 1:
+        raise ValueError(
+            "attend: lengths are for one query per row over contiguous buffers, without attn_mask or is_causal; got "
+            f"{'paged K/V' if isinstance(k, PagedView) else f'{q.shape[2]} queries per row'}"
+            f"{', attn_mask' if attn_mask is not None else ''}{', is_causal' if is_causal else ''}"
+        )
+    if (
+        not isinstance(lengths, torch.Tensor)
+        or lengths.dtype.is_floating_point
+        or lengths.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"attend: lengths must be an integer tensor, got {getattr(lengths, 'dtype', type(lengths))}"
+        )
+    if tuple(lengths.shape) != (q.shape[0],) or lengths.device != q.device:
+        raise ValueError(
+            f"attend: lengths must be ({q.shape[0]},) on {q.device} (one per batch row), got "
+            f"{tuple(lengths.shape)} on {lengths.device}"
+        )
+
+
+def length_mask(lengths: torch.Tensor, t_k: int, window: int | None = None) -> torch.Tensor:
+    """(B, 1, 1, t_k) bool: row b's first ``lengths[b]`` keys (with a ``window``, the last ``window`` of them)."""
+    slots = torch.arange(t_k, device=lengths.device)
+    end = lengths[:, None, None, None]
+    seen = slots < end
+    return seen if window is None else seen & (slots >= end - window)
 
 
 def _check_heads(q: torch.Tensor, k_shape, v_shape, k_dtype: torch.dtype, v_dtype: torch.dtype) -> None:

@@ -171,10 +171,8 @@ class MultiHeadLatentAttention(nn.Module):
             keys, values = cache.append(rows, None)  # values: the latent part of the held rows
         else:
             keys, values = rows, rows[..., : cfg.kv_lora_rank]
-        attn_mask, is_causal, _ = cache_rule(cache, t, attn_mask, is_causal, None)
         common = dict(
-            attn_mask=attn_mask,
-            is_causal=is_causal,
+            **cache_rule(cache, t, attn_mask, is_causal, None),
             scale=cfg.softmax_scale,
             backend=cfg.backend,
             dropout_p=cfg.dropout if self.training else 0.0,

@@ -71,12 +71,12 @@ def _chunk_kernel(
     stride_ob, stride_oh, stride_oc, stride_lb, stride_lh,
     n_heads, seq_len, chunk, scale_log2,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, WIDEN: tl.constexpr,
     ROUND_BF16: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (head group, chunk, batch row): the chunk's attention, normalised, and its log2-sum-exp2."""
     g, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PAGED:
+    if PAGED or RAGGED:  # each row's first token and length from the device (RAGGED: contiguous buffers)
         first, length = tl.load(First + b), tl.load(Lens + b)
     else:
         first, length = 0, seq_len
@@ -164,12 +164,18 @@ def decode(
     scale: float,
     window: int | None = None,
     chunk: int | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H, 1, R + P) over latent rows ``k`` (contiguous (B, 1, S, R + P) with unit last stride, or a
     ``PagedView``), values their first ``value_dim`` = R columns -> (B, H, 1, R) in q's dtype. ``window``: each
-    paged row attends to its last ``window`` tokens only (contiguous rows come already cut by ``attend``).
-    ``chunk``: tokens per program (default: enough chunks to fill the GPU twice over, at least ``MIN_CHUNK``)."""
+    paged row attends to its last ``window`` tokens only (contiguous rows come already cut by ``attend``, but for
+    ``lengths``). ``chunk``: tokens per program (default: enough chunks to fill the GPU twice over, at least
+    ``MIN_CHUNK``). ``lengths`` ((B,) integers on q's device; contiguous rows): row b's tokens are its first
+    ``lengths[b]`` of the S (a static cache's buffers): the grid is cut for all S, which keeps every launch the same
+    for a CUDA graph, and a chunk past its row's length ends at once and weighs nothing in the merge."""
     paged = isinstance(k, PagedView)
+    if paged and lengths is not None:
+        raise ValueError("triton_mla.decode: lengths are for contiguous rows (a PagedView carries its own)")
     kv = k.pool if paged else k
     b, n_heads, _, width = q.shape
     r, p = value_dim, width - value_dim
@@ -184,9 +190,12 @@ def decode(
         longest = max([0, *k.lengths]) if window is None else min(window, max([0, *k.lengths]))
         stride_kb, stride_kt, seq_len = 0, kv.stride(1), 0
     else:
-        slots = lens = first = kv  # unread: PAGED is off
+        slots = lens = first = kv  # unread: PAGED and RAGGED are off
         longest = seq_len = kv.shape[2]
         stride_kb, stride_kt = kv.stride(0), kv.stride(2)
+        if lengths is not None:  # computed on the device: no host sync, nothing a CUDA graph must not hold
+            lens = lengths.to(torch.int32)
+            first = torch.zeros_like(lens) if window is None else (lens - window).clamp_min(0)
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(n_heads)))
     groups = triton.cdiv(n_heads, block_h)
     if chunk is None:
@@ -202,7 +211,7 @@ def decode(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         n_heads, seq_len, chunk, scale * 1.4426950408889634,  # log2(e): the kernel works in powers of 2
         R=r, P=p, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_H=block_h,
-        BLOCK_N=BLOCK_N, PAGED=paged, WIDEN=INTERPRET and q.dtype != torch.float32, ROUND_BF16=round_bf16,
+        BLOCK_N=BLOCK_N, PAGED=paged, RAGGED=lengths is not None, WIDEN=INTERPRET and q.dtype != torch.float32, ROUND_BF16=round_bf16,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
         num_warps=4 if block_h <= 16 else 8, num_stages=2,
     )  # fmt: skip
@@ -218,7 +227,11 @@ def decode(
 def _chunk(longest: int, programs_per_chunk: int, device: torch.device) -> int:
     """Tokens per program: enough chunks that the grid fills every SM twice, none shorter than ``MIN_CHUNK``,
     a multiple of ``BLOCK_N``. (A guess until timed on a GPU: see docs/performance.md.)"""
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.compiler.is_compiling():
+        # a traced step (a static cache's compiled decode) asks the device nothing, which could break its graph:
+        # the count an eager call saw, else an H100's 132
+        sms = _SM_COUNT.get(device.index if device.index is not None else 0, 132)
+    elif device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _SM_COUNT:
             _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
