@@ -106,8 +106,9 @@ def test_auto_by_device_and_phase():
         # a static cache's decode step: the rows' lengths read by the Triton kernel, else taken as a mask
         Call("cuda", torch.bfloat16, "decode", latent=True, lengths=True): "triton_mla",
         Call("cuda", torch.bfloat16, "decode", lengths=True): "flex",
-        Call("cpu", torch.float32, "decode", lengths=True): "grouped",
-        Call("cpu", torch.bfloat16, "decode", latent=True, lengths=True): "grouped",
+        Call("cpu", torch.float32, "decode", lengths=True): "fused",  # fused.static_decode
+        Call("cpu", torch.bfloat16, "decode", latent=True, lengths=True): "fused",
+        Call("cpu", torch.float64, "decode", lengths=True): "grouped",  # as a mask
         Call("cuda", torch.bfloat16, "prefill", paged=True): "sdpa",
         Call("mps", torch.float32, "decode"): "sdpa",
     }

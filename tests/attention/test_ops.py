@@ -178,6 +178,8 @@ def _operands():
         "decode strided": (q, k[:, :, :20], v[:, :, 3:23], 0.25),
         "mla_decode": (torch.randn(2, 4, 1, 24), rows, 16, 0.2),
         "paged_decode": _paged_operands(),
+        "static_decode": (q, k, v, torch.tensor([5, 0]), 0, 0.25),
+        "static_decode window": (q, k, v, torch.tensor([9, 4]), 3, 0.25),
         "linear": (x, [torch.randn(16, 32), torch.randn(8, 32)], [torch.randn(16), None]),
         "block_step": _block_operands(),
     }
@@ -211,6 +213,20 @@ def test_the_operators_equal_the_pytorch_kernels():
             q[b : b + 1], k_pool[None, :, slots], v_pool[None, :, slots], scale=scale, backend="reference"
         )
         torch.testing.assert_close(out[b : b + 1], ref, rtol=1e-5, atol=1e-5)
+    for case in ("static_decode", "static_decode window"):  # each row to its length, NaN past it never read
+        q, k, v, lengths, window, scale = ops[case]
+        k, v = k.clone(), v.clone()
+        for b, n in enumerate(lengths.tolist()):
+            k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+        out = OPS.static_decode(q, k, v, lengths, window, scale)
+        for b, n in enumerate(lengths.tolist()):
+            lo = max(0, n - window) if window else 0
+            ref = attend(
+                q[b : b + 1], k[b : b + 1, :, lo:n], v[b : b + 1, :, lo:n], scale=scale, backend="reference"
+            )
+            torch.testing.assert_close(
+                out[b : b + 1], ref.nan_to_num() if n == 0 else ref, rtol=1e-5, atol=1e-5
+            )
     x, ws, bs = ops["linear"]
     ref = torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs, strict=True)], -1)
     torch.testing.assert_close(OPS.linear(x, ws, bs), ref, rtol=1e-5, atol=1e-5)
@@ -232,6 +248,11 @@ def test_bad_operands_are_refused_by_name():
     args[2] = args[2][:, :-1]  # wq one column short
     with pytest.raises(ValueError, match="wq"):
         OPS.block_step(*args)
+    q, k, v = _decode_operands()
+    with pytest.raises(ValueError, match="row 1 has length 99"):
+        OPS.static_decode(q, k, v, torch.tensor([3, 99]), 0, 0.25)
+    with pytest.raises(ValueError, match="int64 CPU tensor of shape"):
+        OPS.static_decode(q, k, v, torch.tensor([3, 4], dtype=torch.int32), 0, 0.25)
     paged = list(_paged_operands())
     paged[3] = [8, 0, 22, 0]  # a slot whose block runs past the pool
     with pytest.raises(ValueError, match="outside the pool"):

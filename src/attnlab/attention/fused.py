@@ -266,6 +266,7 @@ def _schemas() -> dict[str, str]:
     return {
         "decode": "decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
         "mla_decode": "mla_decode(Tensor q, Tensor rows, int value_dim, float scale) -> Tensor",
+        "static_decode": "static_decode(Tensor q, Tensor k, Tensor v, Tensor lengths, int window, float scale) -> Tensor",
         "paged_decode": "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, int[] table, int block, int[] first, "
         "int[] lengths, float scale) -> Tensor",
         "linear": "linear(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor",
@@ -328,6 +329,10 @@ def _register(namespace: str, library: torch.library.Library) -> None:
     def _(q, rows, value_dim, scale):
         return _attention_out(q, value_dim)
 
+    @fake("static_decode")
+    def _(q, k, v, lengths, window, scale):
+        return _attention_out(q, v.shape[-1])
+
     @fake("paged_decode")
     def _(q, k_pool, v_pool, table, block, first, lengths, scale):
         return _attention_out(q, v_pool.shape[-1])
@@ -347,6 +352,11 @@ def _register(namespace: str, library: torch.library.Library) -> None:
     @flops("mla_decode")
     def _(q, rows, value_dim, scale, out_shape=None, **kwargs) -> int:
         return _attention_flops(q, q[0] * rows[2], value_dim)
+
+    @flops("static_decode")
+    def _(q, k, v, lengths, window, scale, out_shape=None, **kwargs) -> int:
+        # the formula sees shapes, not the lengths: every slot of the buffers, as the masked path over them computes
+        return _attention_flops(q, q[0] * k[2], v[-1])
 
     @flops("paged_decode")
     def _(q, k_pool, v_pool, table, block, first, lengths, scale, out_shape=None, **kwargs) -> int:
@@ -391,6 +401,7 @@ class Ops:
         self.namespace = namespace
         self.decode = ops.decode.default
         self.mla_decode = ops.mla_decode.default
+        self.static_decode = ops.static_decode.default
         self.paged_decode = ops.paged_decode.default
         self.linear = ops.linear.default
         self.block_step = ops.block_step.default
@@ -604,6 +615,17 @@ def _first_columns(v: torch.Tensor, k: torch.Tensor) -> bool:
         and v.stride() == k.stride()
         and v.shape[:-1] == k.shape[:-1]
     )
+
+
+def static_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, scale: float, window=None
+) -> torch.Tensor:
+    """q (B, H, 1, Dk) over fixed buffers k (B, n_kv, S, Dk), v (B, n_kv, S, Dv) (a ``StaticKVCache``'s; v may be a
+    view of k's first columns) of which row b holds its first ``lengths[b]`` tokens (an integer CPU tensor, read by
+    the kernel: a compiled step keeps it a tensor); with a ``window``, each row's last ``window`` of them. Only
+    those rows are read."""
+    ops: Ops = _state["ops"]  # type: ignore[assignment]
+    return ops.static_decode(q, k, v, lengths.long(), window or 0, scale)
 
 
 def paged_decode(

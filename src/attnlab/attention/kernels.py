@@ -21,7 +21,8 @@ attends never reach an output.
 ``lengths`` ((B,) integer tensor on q's device; one query per row, contiguous K/V, no mask) says that row ``b``'s keys
 are the first ``lengths[b]`` of buffers longer than that (a ``StaticKVCache``'s decode step, whose lengths stay on
 the device so that a compiled step never reads them on the host), ``window`` counting back from there. A backend
-that reads lengths (``triton_mla``) stops each row there; any other gets them as a mask (``length_mask``).
+that reads lengths (``fused``, ``triton_mla``) stops each row there; any other gets them as a mask
+(``length_mask``).
 
 Backends (each a ``backends.Backend`` declaring what it takes, registered in ``backends.BACKENDS`` below):
     "reference"  repeat each KV head for its group, explicit softmax in float32; written to be read. Takes anything.
@@ -35,7 +36,8 @@ Backends (each a ``backends.Backend`` declaring what it takes, registered in ``b
                  values are the first columns of its keys; no mask, dropout, gradient, soft-capping or subclass).
     "fused"      the C++ decode operators of ``fused`` (CPU, float32/bfloat16, one query per head; no mask,
                  dropout, gradient, soft-capping or tensor subclass; built): scores, online softmax and weighted sum
-                 in one pass over each KV block, paged rows all in one call; and whole decoder-block steps.
+                 in one pass over each KV block, paged rows all in one call, a static cache's rows each to its
+                 length (``fused.static_decode``); and whole decoder-block steps.
     "flex"       ``flex`` (PyTorch's FlexAttention; CPU and CUDA, 16/32-bit floats, one query per head; no dropout,
                  gradient or tensor subclass): compiled on CUDA, eager elsewhere; paged rows read in place through a block mask
                  of the block table, masks and soft-capping as its mask_mod and score_mod.
@@ -215,7 +217,11 @@ def _flex_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
     return out
 
 
-def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap, lengths=None):
+    if (
+        lengths is not None
+    ):  # a static cache's buffers: each row read to its length, its window a start offset
+        return fused.static_decode(q, k, v, lengths, scale=scale, window=window)
     if isinstance(k, PagedView):  # every row in one call, its window a start offset
         return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale, window=window)
     return fused.decode(q, k, v, scale=scale)
@@ -247,6 +253,7 @@ register(
         devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32, torch.bfloat16}),
         **_PLAIN_DECODE,
+        lengths=True,  # a static cache's rows: each read to its length (fused.static_decode)
         block_rows=fused.LINEAR_MAX_ROWS,
         available=fused.available,
     )

@@ -42,6 +42,7 @@ using torch::stable::detail::to;
 // there at load: ``signatures``).
 constexpr std::string_view kDecode[] = {"q", "k", "v", "scale"};
 constexpr std::string_view kMlaDecode[] = {"q", "rows", "value_dim", "scale"};
+constexpr std::string_view kStaticDecode[] = {"q", "k", "v", "lengths", "window", "scale"};
 constexpr std::string_view kPagedDecode[] = {"q", "k_pool", "v_pool", "table", "block", "first", "lengths", "scale"};
 constexpr std::string_view kLinear[] = {"x", "weights", "biases"};
 constexpr std::string_view kBlockStep[] = {
@@ -141,11 +142,11 @@ Tensor run_decode(const Tensor& q, DecodeArgs cache, double scale, const char* o
   return out;
 }
 
-// Attention over contiguous rows 0 .. S-1 of every batch row; the values are `v`, or the first `dv` columns of
+// Attention over contiguous rows lo[b] .. hi[b]-1 of batch row b; the values are `v`, or the first `dv` columns of
 // the key rows (MLA) when v is k.
-Tensor attend(const Tensor& q_in, const Tensor& k, const Tensor& v, int64_t dv, double scale, const char* op) {
+Tensor attend(const Tensor& q_in, const Tensor& k, const Tensor& v, int64_t dv, double scale, const char* op,
+              const std::vector<int64_t>& lo, const std::vector<int64_t>& hi) {
   const Tensor q = dense(q_in);
-  const std::vector<int64_t> lo(q.size(0), 0), hi(q.size(0), k.size(2));
   return run_decode(q,
                     {.n_kv = k.size(1),
                      .dv = dv,
@@ -156,6 +157,12 @@ Tensor attend(const Tensor& q_in, const Tensor& k, const Tensor& v, int64_t dv, 
                      .lo = lo.data(),
                      .hi = hi.data()},
                     scale, op);
+}
+
+// ... over rows 0 .. S-1 of every batch row.
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, int64_t dv, double scale, const char* op) {
+  const std::vector<int64_t> lo(q.size(0), 0), hi(q.size(0), k.size(2));
+  return attend(q, k, v, dv, scale, op, lo, hi);
 }
 
 // decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor
@@ -180,6 +187,34 @@ void mla_decode(StableIValue* stack, uint64_t, uint64_t) {
   check_cache(q, k, k);
   TORCH_CHECK_VALUE(0 < dv && dv <= k.size(3), "attnlab: value_dim must be in 1 .. ", k.size(3), ", got ", dv);
   stack[0] = from(attend(q, k, k, dv, scale, "mla_decode"));
+}
+
+// static_decode(Tensor q, Tensor k, Tensor v, Tensor lengths, int window, float scale) -> Tensor: k, v fixed
+// buffers (B, n_kv, S, d) of which row b holds its first lengths[b] tokens (an int64 tensor, read here: on a CPU
+// that costs no sync, and a compiled step keeps it a tensor); window > 0: each row's last `window` of them.
+void static_decode(StableIValue* stack, uint64_t, uint64_t) {
+  constexpr auto& n = kStaticDecode;
+  const Tensor q = dense(to<Tensor>(stack[ARG(n, "q")]));
+  const Tensor k = rows(to<Tensor>(stack[ARG(n, "k")])), v = rows(to<Tensor>(stack[ARG(n, "v")]));
+  const Tensor lengths = dense(to<Tensor>(stack[ARG(n, "lengths")]));
+  const int64_t window = to<int64_t>(stack[ARG(n, "window")]);
+  const double scale = to<double>(stack[ARG(n, "scale")]);
+  check_queries(q);
+  check_cache(q, k, v);
+  const int64_t B = q.size(0), S = k.size(2);
+  TORCH_CHECK_VALUE(lengths.is_cpu() && lengths.scalar_type() == torch::headeronly::ScalarType::Long &&
+                        has_shape(lengths, {B}),
+                    "attnlab: static_decode lengths must be an int64 CPU tensor of shape (", B, "), got ",
+                    lengths.scalar_type(), " ", shape(lengths));
+  TORCH_CHECK_VALUE(window >= 0, "attnlab: static_decode window must be >= 0 (0: none), got ", window);
+  const auto* len = static_cast<const int64_t*>(lengths.const_data_ptr());
+  std::vector<int64_t> lo(B), hi(len, len + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(0 <= hi[b] && hi[b] <= S, "attnlab: static_decode row ", b, " has length ", hi[b],
+                      ", outside 0 .. ", S);
+    lo[b] = window > 0 ? std::max<int64_t>(0, hi[b] - window) : 0;
+  }
+  stack[0] = from(attend(q, k, v, v.size(3), scale, "static_decode", lo, hi));
 }
 
 // paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, int[] table, int block, int[] first, int[] lengths,
@@ -380,7 +415,8 @@ std::string signature(std::string_view op, const std::string_view (&names)[N]) {
 
 void signatures(StableIValue* stack, uint64_t, uint64_t) {
   stack[0] = from(std::vector<std::string>{
-      signature("decode", kDecode), signature("mla_decode", kMlaDecode), signature("paged_decode", kPagedDecode),
+      signature("decode", kDecode), signature("mla_decode", kMlaDecode),
+      signature("static_decode", kStaticDecode), signature("paged_decode", kPagedDecode),
       signature("linear", kLinear), signature("block_step", kBlockStep), signature("amx", kAmx)});
 }
 
@@ -395,6 +431,7 @@ ATTNLAB_IMPL(ATTNLAB_OPS, CPU, m) {
   namespace f = attnlab_fused;
   m.impl("decode", &f::decode);
   m.impl("mla_decode", &f::mla_decode);
+  m.impl("static_decode", &f::static_decode);
   m.impl("paged_decode", &f::paged_decode);
   m.impl("linear", &f::linear);
   m.impl("block_step", &f::block_step);
