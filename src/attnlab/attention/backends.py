@@ -84,9 +84,8 @@ class Backend:
     subclass: bool = True
     block_rows: int = 0  # whole decoder-block decode steps of up to this many rows; 0: none
     latent_only: bool = False  # takes only MLA's latent rows (``Call.latent``)
-    lengths: bool = (
-        False  # reads rows' lengths (``Call.lengths``) itself: run(..., lengths=) (else: as a mask)
-    )
+    # reads rows' lengths (``Call.lengths``) itself, through run(..., lengths=); else it gets them as a mask
+    lengths: bool = False
     available: Callable[[], bool] | None = None  # None: always; else asked last (it may build a kernel)
 
     def refuses(self, call: Call) -> str | None:

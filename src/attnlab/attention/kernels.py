@@ -218,9 +218,7 @@ def _flex_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
 
 
 def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap, lengths=None):
-    if (
-        lengths is not None
-    ):  # a static cache's buffers: each row read to its length, its window a start offset
+    if lengths is not None:  # a static cache's buffers: each row to its length, its window a start offset
         return fused.static_decode(q, k, v, lengths, scale=scale, window=window)
     if isinstance(k, PagedView):  # every row in one call, its window a start offset
         return fused.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=scale, window=window)
