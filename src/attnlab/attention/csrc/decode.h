@@ -32,8 +32,8 @@ namespace attnlab_fused {
 // memory, or on their way): the first query then takes the values row by row (the order the hardware prefetcher
 // follows), which leaves the block in cache for the others' column slices; staged rows are in cache already.
 template <typename T, typename E>
-void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
-                  const E* const* vr, bool from_memory, Scratch<T>& w, float* part) {
+void attend_block(const Dims& d, int64_t n, const E* const* kr, const E* const* vr, bool from_memory, Scratch<T>& w,
+                  float* part) {
   const int64_t G = d.G, tb = d.tb, stride = d.dv_pad + 2;
   float* s = w.s.data();
   {  // the next block's lines (w.ahead, from attend_chunk), over this block's tile steps (roughly counted)
@@ -49,10 +49,10 @@ void attend_block(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0
   const float* p = in_lanes ? w.st.data() : s;
   const int64_t p_stride = in_lanes ? 1 : tb, p_step = in_lanes ? G : 1;
   if (in_lanes) {
-    if constexpr (std::is_same<E, float>::value) scores_in_lanes(d, keys, it, t0, kr, w);
+    if constexpr (std::is_same<E, float>::value) scores_in_lanes(d, kr, w);
     softmax_lanes(d, n, w.st.data(), part);
   } else {
-    scores_in_rows(d, keys, it, t0, n, kr, vr, w);
+    scores_in_rows(d, kr, w);
     for (int64_t g = 0; g < G; ++g) {  // online softmax: new maximum, rescale what was accumulated, weights
       float* sg = s + g * tb;
       float* st = part + g * stride;
@@ -123,7 +123,7 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
         w.kc[j] = kw.next();
         w.vc[j] = vw.next();
       }
-      attend_block(d, keys, it, t0, n, w.kc.data(), w.vc.data(), true, w, part);
+      attend_block(d, n, w.kc.data(), w.vc.data(), true, w, part);
       continue;
     }
     stage(keys, it.b, it.h, t0, n, d.dk, w.k.data(), d.dk_pad);
@@ -132,7 +132,7 @@ void attend_chunk(const Dims& d, const Rows<T>& keys, const Rows<T>& values, con
       std::fill(w.k.begin() + n * d.dk_pad, w.k.end(), 0.f);
       std::fill(w.v.begin() + n * d.dv_pad, w.v.end(), 0.f);
     }
-    attend_block(d, keys, it, t0, n, w.kr.data(), w.vr.data(), false, w, part);
+    attend_block(d, n, w.kr.data(), w.vr.data(), false, w, part);
   }
 }
 

@@ -132,16 +132,11 @@ inline bool in_place(const Dims& d, int64_t n) { return d.dk == d.dk_pad && d.dv
 // The scores (G, tb) of one block's key rows kr (n of them; the rest zeros), 4 keys per step: with W = 16 the
 // queries in fours (4 x 4 tiles, each key row read once per four queries), with W = 8 in threes (3 x 4: 12 of
 // 16 registers), then a pair, then a single query (1 x 8 tiles, load-bound: avoided unless G is odd); with W = 8
-// groups of 4 take 4 x 2 tiles, so that each key row is read (for bfloat16: widened) once. Also asks for the next
-// block's keys, four rows per 4-key step: the tiles read four rows side by side, a pattern the hardware prefetcher
-// follows poorly (benchmarks/kernel_ab.py, 32 heads of 128, KV from memory, float32: groups of 4 and 8
-// 1.03-1.32x, of 16 and 32 1.03-1.25x; bfloat16, then staged block by block: within the tool's spread). bfloat16
-// rows read in place also ask for this block's values vr, four rows per step, so that they arrive while the scores
-// are computed (groups of 4 1.09-1.10x over two runs, others 1.02-1.07x); float32 values, twice the lines, lose
-// 2-6 % that way (and 2-10 % when the next block's values are asked for during this block's value tiles instead).
+// groups of 4 take 4 x 2 tiles, so that each key row is read (for bfloat16: widened) once. Every tile step also
+// asks for a few lines of the next block's keys and values (w.ahead, planned by attend_chunk: rows.h's Ahead), so
+// that memory streams while the FMAs run.
 template <typename T, typename E>
-void scores_in_rows(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, int64_t n, const E* const* kr,
-                    const E* const* vr, Scratch<T>& w) {
+void scores_in_rows(const Dims& d, const E* const* kr, Scratch<T>& w) {
   const int64_t G = d.G, tb = d.tb, dq = d.dk_pad;
   const float* q = w.q.data();
   float* s = w.s.data();
@@ -190,8 +185,7 @@ inline void lanes_tile(int64_t rows, int S, const float* q, int64_t G, const flo
 }
 
 template <typename T>
-void scores_in_lanes(const Dims& d, const Rows<T>& keys, const Item& it, int64_t t0, const float* const* kr,
-                     Scratch<T>& w) {
+void scores_in_lanes(const Dims& d, const float* const* kr, Scratch<T>& w) {
   constexpr int64_t R = kLanesKeys;
   constexpr int QV = 16 / W;  // vectors of queries in a 16-query tile
   const int64_t G = d.G, tb = d.tb;
