@@ -1,8 +1,8 @@
 """KV caches: preallocated buffers that an attention module fills in place, behind one small protocol.
 
 Every cache (``KVCache``, ``LatentCache``, ``PagedKVCache``, ``StaticKVCache``; MLA pages its latent rows in a
-``PagedKVCache`` and keeps them static in a ``StaticKVCache``, both with ``values_in_keys``) implements ``Cache``: an attention module asks it for the positions of its new tokens
-(``positions``), writes their keys and values once per call (``append``) and hands what ``append`` returns to
+``PagedKVCache`` and keeps them static in a ``StaticKVCache``, both with ``values_in_keys``) implements ``Cache``:
+an attention module asks it for the positions of its new tokens (``positions``), writes their keys and values once per call (``append``) and hands what ``append`` returns to
 ``attnlab.attention.attend``. A contiguous cache returns live views (B, n_kv_heads, len, D) of its buffers, so a
 step costs time proportional to the live length, not to ``max_seq_len``; a paged cache returns ``PagedView``s
 (its pool and each row's runs of blocks), which ``attend`` reads in place. The module has one forward path.
@@ -13,8 +13,9 @@ changes nothing. A failed write leaves a cache exactly as it was.
 
 ``StaticKVCache`` is the cache of a decode step captured once and replayed (a CUDA graph, ``torch.compile`` with
 static shapes): its length is a tensor on the cache's device, advanced in place by ``append``, and ``append`` always
-returns the whole buffers, with ``visible`` the mask of the slots each new token may see. No shape and no Python
-value changes from one step to the next, at the price of reading every slot of the buffers at every step.
+returns the whole buffers. No shape and no Python value changes from one step to the next. A decode step hands
+attention the rows' lengths (the fused C++ and Triton MLA kernels read each row only to its length; other backends
+take them as a mask over every slot); several new tokens are masked by ``visible``.
 """
 
 from __future__ import annotations
@@ -134,15 +135,7 @@ class _Cache:
 
     def _reserve(self, batch: int, n_new: int, dtype: torch.dtype, name: str) -> tuple[int, int]:
         owner = type(self).__name__
-        if batch != self.batch_size:
-            # A smaller batch would leave the other rows' slots unwritten, and a later full batch would attend
-            # to them as if they held tokens: a cache's batch is fixed when it is made.
-            raise ValueError(
-                f"{owner}: batch of {batch} but the cache was made for batch_size={self.batch_size}; a cache's "
-                "batch is fixed (make a new cache, or use PagedKVCache for sequences that come and go)"
-            )
-        if dtype != self.dtype:
-            raise TypeError(f"{owner}: {name} has dtype {dtype}, the cache holds {self.dtype}")
+        _check_rows(owner, self.batch_size, self.dtype, batch, dtype, name)
         if self.pos + n_new > self.max_seq_len:
             raise ValueError(
                 f"{owner} overflow: {self.pos} tokens held + {n_new} new > max_seq_len={self.max_seq_len}"
@@ -150,6 +143,22 @@ class _Cache:
         start = self.pos
         self.pos += n_new
         return start, self.pos
+
+
+def _check_rows(
+    owner: str, batch_size: int, dtype: torch.dtype, batch: int, got: torch.dtype, name: str
+) -> None:
+    """A write of ``batch`` rows of ``got`` (the tensor ``name``) into a cache made for ``batch_size`` rows of
+    ``dtype``: refused when either differs."""
+    if batch != batch_size:
+        # A smaller batch would leave the other rows' slots unwritten, and a later full batch would attend to them
+        # as if they held tokens: a cache's batch is fixed when it is made.
+        raise ValueError(
+            f"{owner}: batch of {batch} but the cache was made for batch_size={batch_size}; a cache's batch is fixed "
+            "(make a new cache, or use PagedKVCache for sequences that come and go)"
+        )
+    if got != dtype:
+        raise TypeError(f"{owner}: {name} has dtype {got}, the cache holds {dtype}")
 
 
 def _check_sizes(owner: str, **sizes: int) -> None:
@@ -340,10 +349,12 @@ class StaticKVCache:
     ``length`` is a tensor on the cache's device, each row's number of tokens (rows may differ: ``row(i)`` is row
     ``i`` alone, to prefill the prompts of a ragged batch one by one). ``append`` writes each row at its length and
     advances it in place, so a step reads no Python number that changes between steps, and returns the whole
-    buffers. ``visible(t, window)`` is the (B, 1, T, max_seq_len) bool mask of the slots each of the ``t`` newest
-    tokens of a row may see (the causal rule, and a sliding window when given); the attention modules apply it in
-    place of their causal rule and window, so the unwritten slots never count. The cost of the fixed shapes: every
-    step reads all ``max_seq_len`` slots, written or not, so size the cache to what a run needs. ``len()`` reads
+    buffers. The attention modules replace their causal rule and window with the cache's: a decode step (one token
+    per row) passes ``length`` to ``attend(lengths=)``, which the fused C++ and Triton MLA kernels read to stop each
+    row at its length; several tokens are masked by ``visible(t, window)``, the (B, 1, T, max_seq_len) bool mask of
+    the slots each of the ``t`` newest tokens of a row may see (the causal rule, and a sliding window when given).
+    Either way the unwritten slots never count. The cost of the fixed shapes: a backend that takes the lengths as a
+    mask computes over all ``max_seq_len`` slots, written or not, so size the cache to what a run needs. ``len()`` reads
     the longest row's length back (a host sync on a GPU). Writing past ``max_seq_len`` raises a ValueError on a CPU
     outside ``torch.compile``; elsewhere the index is checked by the device (no host sync).
 
@@ -448,16 +459,11 @@ class StaticKVCache:
                 f"StaticKVCache holds (n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}) and takes "
                 f"{wants}; got k {tuple(k.shape)}, v {None if v is None else tuple(v.shape)}"
             )
-        if b != self.batch_size:
-            raise ValueError(
-                f"StaticKVCache: batch of {b} but the cache was made for batch_size={self.batch_size}"
-            )
         for name, x in (("k", k), ("v", v)):
-            if x is not None and x.dtype != self.dtype:
-                raise TypeError(f"StaticKVCache: {name} has dtype {x.dtype}, the cache holds {self.dtype}")
-        if (
-            self.k.device.type == "cpu" and not torch.compiler.is_compiling()
-        ):  # free here: nothing to wait for
+            if x is not None:
+                _check_rows("StaticKVCache", self.batch_size, self.dtype, b, x.dtype, name)
+        # the overflow check reads the lengths back: free on a CPU outside a compiled graph, else left to the device
+        if self.k.device.type == "cpu" and not torch.compiler.is_compiling():
             held = len(self)
             if held + t > self.max_seq_len:
                 raise ValueError(

@@ -15,12 +15,13 @@ one decode step through the caches. Caches:
                 still computed). Every decode step has the same shapes and reads no Python number that changes,
                 so it can be compiled once (``compile=True``: ``torch.compile(fullgraph=True, dynamic=False)``,
                 on CUDA with ``mode="reduce-overhead"``, which replays the step as a CUDA graph without a kernel
-                launch from Python). Each step reads every slot of the caches, written or not.
+                launch from Python). Each step hands attention the rows' lengths (see ``cache.StaticKVCache``).
 
 ``compile=True`` (static cache only; "auto" then picks it) compiles the decode step of each model once per process
 and cache shape: the first call pays the compile (seconds to a minute), later calls of the same shapes reuse it.
-On a CPU the default cache is faster (the fused C++ block step, which a static cache does not take); the static,
-compiled step is for GPUs, where a step of a small model is otherwise bound by Python's kernel launches.
+The static, compiled step is made for GPUs, where a step of a small model is otherwise bound by Python's kernel
+launches; on a CPU it gives up the fused C++ block step (its attention runs in the fused kernel, each row read to its
+length) and measured 0.94-1.41x the default cache (benchmarks/generate.py --static, SmolLM-135M's shape).
 
 Tokens: greedy (``temperature=0``) or sampled from ``softmax(logits / temperature)`` restricted to the ``top_k``
 likeliest tokens and then to the smallest set whose probability reaches ``top_p`` (the rules of transformers'
