@@ -532,6 +532,7 @@ void amx_chunk(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
 void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Rows<bf16>& keys,
                 const Rows<bf16>& values, const std::vector<Item>& items, float qscale, int n_threads, float* parts) {
   const int64_t n_items = static_cast<int64_t>(items.size()), stride = d.dv_pad + 2;
+  std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(n_threads)
   {
     static thread_local AmxScratch w;
@@ -541,16 +542,14 @@ void amx_decode(const Dims& d, const bf16* q, int64_t H, int64_t n_kv, const Row
     if (amx_granted()) _tile_loadconfig(&cfg);
 #endif
     int64_t q_of = -1;  // the (b, h) whose queries are in w.qt
-    const int64_t nt = omp_get_num_threads();
-#pragma omp for schedule(static, 1)  // round-robin: a thread knows its next chunk (as in decode)
-    for (int64_t i = 0; i < n_items; ++i) {
+    for_each_chunk(taken, n_items, [&](int64_t i, int64_t next) {  // as decode's chunks
       const Item& it = items[i];
       if (q_of != it.b * n_kv + it.h) {
         q_of = it.b * n_kv + it.h;
         amx_queries(q + (it.b * H + it.h * d.G) * d.dk, d.G, d.dk, w);
       }
-      amx_chunk(d, keys, values, it, i + nt < n_items ? &items[i + nt] : nullptr, qscale, w, parts + i * d.G * stride);
-    }
+      amx_chunk(d, keys, values, it, next >= 0 ? &items[next] : nullptr, qscale, w, parts + i * d.G * stride);
+    });
 #if defined(ATTNLAB_AMX)
     if (amx_granted()) _tile_release();  // hand the tile state back: a context switch then saves 8 KiB less
 #endif
