@@ -93,3 +93,25 @@ def test_the_grids_are_the_24_shapes_with_sdpa_beside_the_kernel(isa_bench):
     )
     with pytest.raises(ValueError, match="attention_baselines"):
         DecodeGrid(attention_baselines=("flash",))
+
+
+def test_the_typical_roofline_holds_every_row_to_the_median_of_its_rounds(isa_bench, monkeypatch):
+    """A row whose own rounds caught the matmul slow reads high against its own roofline; against the run's
+    median bandwidth and peaks it reads what its time is worth."""
+    monkeypatch.setattr(isa_bench, "_reference_run", lambda: None)
+    run = _run("cpu A", "avx2", [0.6] * 24)
+    for x in run["rows"]:
+        x.update(bandwidth=20e9, peak_flops={"fp32": 1e11, "bf16": 6e11})
+    slow = run["rows"][3]  # fp32 B1 ctx 4096 n_kv 1: 8 MiB, 2^26 FLOPs, bound by FLOPs at 1e11
+    slow["peak_flops"] = {"fp32": 5e10, "bf16": 6e11}
+    slow["roofline_fraction"] = 1.34  # 2^26 / 5e10 s over its 1 ms
+    typical = isa_bench._typical_fractions(run)
+    assert typical[3] == pytest.approx(2**26 / 1e11 / 1e-3)  # 0.67: the median peak, not its own
+    bytes_bound = run["rows"][0]  # fp32 B1 ctx 4096 n_kv 8: 64 MiB at 20 GB/s
+    assert typical[0] == pytest.approx(bytes_bound["bytes"] / 20e9 / 1e-3)
+    text = isa_bench.page({"runs": [run]})
+    # below half: the bf16 B1 ctx 4096 rows of 2 and 1 KV heads at 1 ms (8 and 4 MiB at 20 GB/s: 0.42, 0.21)
+    assert (
+        "| 1 | AVX2 | 24 of 24 | 0.60 (fp32 B1 ctx 4096 n_kv 8) | yes | 22 of 24 | 0.21 (bf16 B1 ctx 4096 n_kv 1) |"
+        in text
+    )
