@@ -208,14 +208,15 @@ def test_absorbed_mla_decode_through_the_kernel_equals_the_reference_backend(dty
 @pytest.mark.parametrize("page", [None, 1, 16, 48, 256])
 @pytest.mark.parametrize(
     "dims",
-    [(128, 128, 2, 8), (128, 128, 1, 32), (64, 64, 1, 20), (32, 16, 3, 9), (576, 512, 1, 16)],
-    ids=["gqa-8", "mqa-32", "gqa-20", "small", "mla"],
+    [(128, 128, 2, 8), (64, 64, 1, 8), (128, 128, 1, 32), (64, 64, 1, 20), (32, 16, 3, 9), (576, 512, 1, 16)],
+    ids=["gqa-8", "gqa-8-64", "mqa-32", "gqa-20", "small", "mla"],
 )
 def test_bfloat16_on_the_pair_path_and_off_it_equals_the_reference(dims, page, tiles):
     """Where the CPU has AMX tiles or AVX512-BF16 dot products, bfloat16 steps with groups of 8 or more queries (keys
     a multiple of 32 wide) run on the pair path: scores of exact bfloat16 products summed in float32, weights
     rounded to bfloat16. Both that path and the float32 tiles (``use_amx(False)``) equal the reference within
-    bfloat16's tolerance, for padded groups (9, 20), MLA's latent rows, rows of lengths that end mid-tile and
+    bfloat16's tolerance, for groups of 8 (on the dot products: two pairs of a key per lane pair, rows 128 and 64
+    wide), padded groups (9, 20), MLA's latent rows, rows of lengths that end mid-tile and
     mid-block, contiguous caches and pages of 1 to 256 tokens (pages under 16 tokens are staged tile by tile, or
     read in steps of 4 and single rows on the dot products); and every row's result is the same bits alone or in a
     batch, from pages or a contiguous cache."""
