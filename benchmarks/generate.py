@@ -89,30 +89,6 @@ def checkpoints(work: Path, variants: list[str]) -> dict[str, Path]:
     return {v: out[v] for v in variants}
 
 
-def time_hf(hf, prompt: list[int], new: int) -> dict:
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    stamps: list[float] = []
-
-    class Clock(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
-
-    ids = torch.tensor([prompt])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-            logits_processor=LogitsProcessorList([Clock()]),
-        )  # fmt: skip
-    return {
-        "tokens": out[0, len(prompt) :].tolist(),
-        "prefill_s": stamps[0] - start,
-        "decode_s": stamps[-1] - stamps[0],
-    }
-
-
 def time_ours(model, prompt: list[int], new: int, **options) -> dict:
     from attnlab.generate import generate
 
@@ -149,6 +125,7 @@ def run(
     import transformers
 
     from attnlab.attention import fused
+    from attnlab.bench.baselines import timed_generate
     from attnlab.bench.machine import measure_local
     from attnlab.cost import kv_cache_bytes
     from attnlab.hf import load_causal_lm
@@ -174,7 +151,7 @@ def run(
                 compile_s = time_ours(ours, prompt, new, **STATIC)["compile_s"] if static else None
                 for _ in range(repeats):  # alternating, so both see the same load
                     a.append(time_ours(ours, prompt, new))
-                    b.append(time_hf(hf, prompt, new))
+                    b.append(timed_generate(hf, prompt, new))
                     if static:
                         c.append(time_ours(ours, prompt, new, **STATIC))
                 a, b = best(a), best(b)

@@ -408,6 +408,7 @@ def end_to_end(device: str, quick: bool, preset: str = "smollm-135m", profile: b
     import torch
     import transformers
 
+    from attnlab.bench.baselines import timed_generate
     from attnlab.generate import generate
     from attnlab.hf import load_causal_lm
 
@@ -429,20 +430,8 @@ def end_to_end(device: str, quick: bool, preset: str = "smollm-135m", profile: b
         hf.generation_config.pad_token_id = 0
 
         def time_hf(**options) -> tuple[list[int], float, float]:
-            stamps: list[float] = []
-
-            class Clock(transformers.LogitsProcessor):
-                def __call__(self, input_ids, scores):
-                    _sync(device)
-                    stamps.append(time.perf_counter())
-                    return scores
-
-            ids = torch.tensor([prompt], device=device)
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                  logits_processor=transformers.LogitsProcessorList([Clock()]), **options)  # fmt: skip
-            return out[0, len(prompt) :].tolist(), stamps[0] - start, (new - 1) / (stamps[-1] - stamps[0])
+            run = timed_generate(hf, prompt, new, **options)
+            return run["tokens"], run["prefill_s"], (new - 1) / run["decode_s"]
 
         # the static cache's decode step compiled (mode "reduce-overhead": CUDA graphs) against transformers'
         # static cache, which its generate compiles the same way on a GPU; on a CPU (the quick test) both eager

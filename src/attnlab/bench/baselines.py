@@ -4,12 +4,15 @@
 ``deepseek_attention(mla)`` builds ``DeepseekV3Attention`` from a ``MultiHeadLatentAttention``. Each returns a
 ``step(x)`` callable doing one decode step through a ``DynamicCache`` filled with the same keys/values (or latents)
 as attnlab's cache, and a ``crop()`` that drops the step's token again. Both use half-split RoPE as attnlab
-does, so outputs are comparable. transformers is imported here only (an optional dependency).
+does, so outputs are comparable. ``timed_generate(hf, prompt, new)`` times transformers' own greedy ``generate``
+(the end-to-end baselines of benchmarks/generate.py and benchmarks/gpu_check.py). transformers is imported here
+only (an optional dependency).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -114,3 +117,33 @@ def deepseek_attention(
         return hf(x, position_embeddings=cos_sin, attention_mask=None, past_key_values=cache)[0]
 
     return step, lambda: _crop(cache, s)
+
+
+def timed_generate(hf, prompt: list[int], new: int, **options) -> dict:
+    """transformers' greedy ``hf.generate`` of ``new`` tokens after ``prompt`` (one row, on the model's device), its
+    time stamped by a logits processor at every step, the device synchronised first: the new tokens, the seconds
+    from the call to the first token (``prefill_s``) and from the first to the last (``decode_s``, ``new - 1``
+    steps). ``options`` go to ``generate`` (e.g. ``cache_implementation="static"``)."""
+    transformers = _transformers()
+    device = hf.device
+    stamps: list[float] = []
+
+    class Clock(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor([prompt], device=device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([Clock()]), **options,
+        )  # fmt: skip
+    return {
+        "tokens": out[0, len(prompt) :].tolist(),
+        "prefill_s": stamps[0] - start,
+        "decode_s": stamps[-1] - stamps[0],
+    }
