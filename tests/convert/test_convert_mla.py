@@ -189,6 +189,23 @@ def test_latent_norm_fold_scales_each_token_and_balancing_makes_the_rms_constant
     assert (ratio - ratio[..., :1]).abs().max() < 1e-5  # RMSNorm computes in float32
 
 
+def test_the_latent_norms_nnls_meets_its_optimality_conditions_and_repeats_bit_for_bit():
+    # Lawson & Hanson's conditions for argmin p^T G p - 2 r^T p over p >= 0: p >= 0, and the residual r - G p is
+    # zero where p > 0 and <= 0 where p = 0. A rank-deficient G (64 x 64 of rank 40), as a latent's squares give.
+    from attnlab.convert.latent_norm import _nnls
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 64, generator=gen, dtype=torch.float64)
+    gram, rhs = a.T @ a, a.T @ torch.randn(40, generator=gen, dtype=torch.float64)
+    p = _nnls(gram, rhs)
+    residual = rhs - gram @ p
+    assert (p >= 0).all() and 0 < int((p > 0).sum()) < 64
+    assert residual[p > 0].abs().max() < 1e-8 * rhs.abs().max()
+    assert residual[p == 0].max() < 1e-8 * rhs.abs().max()
+    # the same inputs, the same bits: a conversion's weights must not change from run to run
+    assert all(torch.equal(_nnls(gram, rhs), p) for _ in range(20))
+
+
 def test_bad_targets_name_the_value():
     attn = make(n_kv_heads=2)  # head_dim 8, d_model 64
     for kwargs, match in [

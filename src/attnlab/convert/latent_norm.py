@@ -43,7 +43,9 @@ def _nnls(gram: torch.Tensor, rhs: torch.Tensor, tol: float = 1e-12) -> torch.Te
         while True:
             s = torch.zeros_like(p)
             idx = torch.where(free)[0]
-            s[idx] = torch.linalg.lstsq(gram[idx][:, idx], rhs[idx, None]).solution[:, 0]
+            # gelsd (SVD): the CPU default, gelsy, gave a different solution from call to call on the same
+            # inputs (MKL, 1e-8 relative), so that a conversion's bytes changed from run to run
+            s[idx] = torch.linalg.lstsq(gram[idx][:, idx], rhs[idx, None], driver="gelsd").solution[:, 0]
             if bool((s[idx] > 0).all()):
                 p = s
                 break
