@@ -257,11 +257,42 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
         ms_flex = _median_ms(flex, device, flex_reps) / n_ring
         ms_flex_paged = _median_ms(flex_paged, device, flex_reps) / len(paged)
         ms_sdpa_paged = _median_ms(sdpa_paged, device, flex_reps) / len(paged)
+        flashinfer = _flashinfer_columns(q, ring, paged, scale, ref, device)
     roof_ms = (kv_bytes + 2 * b * heads * d * elem) / bandwidth * 1e3
+    if "ms_flashinfer" in flashinfer:
+        flashinfer["fraction_flashinfer"] = roof_ms / flashinfer["ms_flashinfer"]
     return dict(rel_err=err, ms_attnlab=ms_ours, ms_sdpa=ms_sdpa, roofline_ms=roof_ms, fraction=roof_ms / ms_ours,
                 fraction_sdpa=roof_ms / ms_sdpa, rel_err_flex=err_flex, rel_err_flex_paged=err_flex_paged,
                 ms_flex=ms_flex, ms_flex_paged=ms_flex_paged, ms_sdpa_paged=ms_sdpa_paged,
-                fraction_flex=roof_ms / ms_flex, flex_first_s=flex_first_s)  # fmt: skip
+                fraction_flex=roof_ms / ms_flex, flex_first_s=flex_first_s, **flashinfer)  # fmt: skip
+
+
+def _flashinfer_columns(q, ring, paged, scale, ref, device) -> dict:
+    """The "flashinfer" backend over the ring (contiguous) and the shuffled blocks (paged): its errors against the
+    float64 reference and its median ms per cache; nothing where it cannot run (no FlashInfer, no CUDA, a dtype it
+    does not take), and an error's text in its place when it fails (it has not run on a GPU before)."""
+    from attnlab.attention.backends import BACKENDS, Call
+
+    if BACKENDS["flashinfer"].refuses(Call(q.device.type, q.dtype, "decode", paged=True)) is not None:
+        return {}
+    from attnlab.attention.kernels import attend
+
+    def contiguous():
+        return [attend(q, k, v, scale=scale, backend="flashinfer") for k, v in ring]
+
+    def in_pages():
+        return [attend(q, k, v, scale=scale, backend="flashinfer") for k, v in paged]
+
+    try:
+        k0, v0 = ring[0]
+        return dict(
+            rel_err_flashinfer=_rel(attend(q, k0, v0, scale=scale, backend="flashinfer"), ref),
+            rel_err_flashinfer_paged=_rel(attend(q, *paged[0], scale=scale, backend="flashinfer"), ref),
+            ms_flashinfer=_median_ms(contiguous, device, 20) / len(ring),
+            ms_flashinfer_paged=_median_ms(in_pages, device, 20) / len(paged),
+        )
+    except Exception as err:  # the row keeps the other backends' figures and says what failed
+        return dict(flashinfer_error=f"{type(err).__name__}: {err}"[:300])
 
 
 PAGE = 16  # tokens per block of the paged caches timed (vLLM's default block size)
@@ -655,6 +686,30 @@ def page(result: dict) -> str:
         lines += [
             "",
             "The flex columns are empty: this run predates the flex backend (not measured on a GPU yet).",
+        ]
+    lines += [
+        "",
+        'FlashInfer: `attend` with backend "flashinfer" (FlashInfer\'s batch decode kernels, where `flashinfer-python` '
+        "is installed) over the same caches, contiguous (one page per row) and paged (the shuffled blocks, read in "
+        "place through its page table).",
+        "",
+        "| dtype | B | context | n_kv | FlashInfer ms | FlashInfer paged ms | FlashInfer of roofline | rel. err "
+        "(paged) | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result.get("decode", []):
+        if not {"ms_flashinfer", "flashinfer_error"} & r.keys():
+            continue
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['n_kv_heads']} | "
+            f"{_f(r.get('ms_flashinfer'), '.4f')} | {_f(r.get('ms_flashinfer_paged'), '.4f')} | "
+            f"{_f(r.get('fraction_flashinfer'), '.2f')} | {_f(r.get('rel_err_flashinfer'))} "
+            f"({_f(r.get('rel_err_flashinfer_paged'))}) | {r.get('flashinfer_error', '')} |"
+        )
+    if not any({"ms_flashinfer", "flashinfer_error"} & r.keys() for r in result.get("decode", [])):
+        lines += [
+            "",
+            "No row: FlashInfer has not run in a saved run (it needs a GPU with `flashinfer-python`).",
         ]
     timed = [r for r in result.get("decode", []) if "fraction" in r]
     big = [r for r in timed if r["batch"] >= 8]

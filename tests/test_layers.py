@@ -85,7 +85,8 @@ ATTENTION: dict[str, set[str]] = {
     "backends": set(),
     "flex": set(),
     "triton_mla": set(),
-    "kernels": {"backends", "decode", "fused", "flex", "triton_mla"},
+    "flashinfer_decode": set(),
+    "kernels": {"backends", "decode", "fused", "flex", "triton_mla", "flashinfer_decode"},
     "linear": {"fused"},
     "gqa": {"kernels", "linear", "rope", "norm"},
     "mla": {"gqa", "kernels", "linear", "rope", "norm"},
@@ -105,8 +106,13 @@ CORE = (
 ONLY_IN = {"transformers": {"bench"}, "typer": {"cli"}}  # third-party packages kept to one unit
 # The one exception, by file: scaled RoPE takes its frequencies from transformers' own ROPE_INIT_FUNCTIONS (issue
 # 30: computed as transformers computes them, not re-derived), imported there lazily for scaled RoPE only.
-# And the MLA decode kernel in Triton (issue 34), an optional dependency imported only when its backend runs.
-ALLOWED = {("attention/rope.py", "transformers"), ("attention/triton_mla.py", "triton")}
+# And the MLA decode kernel in Triton and FlashInfer's decode kernels (issue 34), optional dependencies imported only
+# when their backends run.
+ALLOWED = {
+    ("attention/rope.py", "transformers"),
+    ("attention/triton_mla.py", "triton"),
+    ("attention/flashinfer_decode.py", "flashinfer"),
+}
 
 
 def _module_name(path: Path) -> str:

@@ -44,7 +44,9 @@ def _covers(backend: backends.Backend, call: Call) -> bool:
         and call.phase in backend.phases
         and all(getattr(backend, flag) or not getattr(call, flag) for flag in FLAGS)
         and (call.latent or not backend.latent_only)
+        and (not call.latent or backend.latent)
         and (not call.lengths or backend.lengths or backend.mask)  # rows' lengths: read, or taken as a mask
+        and (backend.available is None or backend.available())
     )
 
 
@@ -59,7 +61,7 @@ def _calls():
 
 
 def test_every_backend_is_registered_where_it_is_defined_and_named_in_the_config():
-    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused", "flex", "triton_mla"]
+    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused", "flex", "triton_mla", "flashinfer"]
     assert ("auto", *BACKENDS) == config.BACKENDS
     assert all(b.run.__module__ == kernels.__name__ for b in BACKENDS.values())
     assert not hasattr(fused, "supports") and not hasattr(fused, "block_supports")  # no decision elsewhere
@@ -160,7 +162,7 @@ def test_rows_lengths_are_refused_where_they_do_not_apply():
 def test_an_unknown_backend_is_named():
     with pytest.raises(
         ValueError,
-        match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex, triton_mla; got 'flash'",
+        match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex, triton_mla, flashinfer; got 'flash'",
     ):
         choose(Call("cpu", torch.float32, "decode"), "flash")
 

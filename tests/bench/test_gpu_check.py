@@ -85,3 +85,28 @@ def test_the_committed_page_is_made_from_the_committed_json(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "page.md").read_text() == (ROOT / "docs" / "performance_gpu.md").read_text()
     assert "NVIDIA H100" in (ROOT / "docs" / "performance_gpu.md").read_text()
+
+
+def test_the_page_shows_flashinfers_figures_and_its_failures(monkeypatch):
+    """A GPU run with FlashInfer installed fills its table: the figures of a row it ran, the error of one it failed
+    (it has not run on a GPU before, and the rest of the row must survive that)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_for_tests", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    shape = dict(dtype="bf16", n_heads=32, head_dim=128, context=4096, ms_attnlab=0.1, ms_sdpa=0.2)
+    ran = dict(shape, batch=8, n_kv_heads=8, ms_flashinfer=0.0421, ms_flashinfer_paged=0.0502,
+               fraction_flashinfer=0.81, rel_err_flashinfer=1.5e-3, rel_err_flashinfer_paged=1.6e-3)  # fmt: skip
+    failed = dict(shape, batch=1, n_kv_heads=2, flashinfer_error="RuntimeError: no kernel for head_dim 128")
+    saved = json.loads(
+        (ROOT / "benchmarks" / "results" / "gpu_check.json").read_text()
+    )  # the H100 run, then these
+    text = module.page({**saved, "decode": [ran, failed]})
+    assert "| bf16 | 8 | 4096 | 8 | 0.0421 | 0.0502 | 0.81 | 1.50e-03 (1.60e-03) |  |" in text
+    assert "| bf16 | 1 | 4096 | 2 |  |  |  |  () | RuntimeError: no kernel for head_dim 128 |" in text
+    assert "No row: FlashInfer has not run" not in text
+    assert "No row: FlashInfer has not run" in module.page(
+        {**saved, "decode": [dict(shape, batch=1, n_kv_heads=2)]}
+    )

@@ -3,7 +3,7 @@
 A ``Backend`` declares its capabilities: the device types and dtypes it runs on, the phases it computes
 ("prefill": several queries per row, "decode": one), and whether it takes paged K/V, a mask, dropout, a gradient to
 record, logit soft-capping, tensor subclasses (DTensor), and whole decoder-block steps (and of how many rows); whether
-it takes only MLA's latent rows (one KV head whose values are the first columns of its keys); and
+it takes MLA's latent rows (one KV head whose values are the first columns of its keys), or only those; and
 whether it can run here at all (the C++ kernels built). ``BACKENDS`` maps each name to its backend; the backends are
 added where they are defined (``attention/kernels.py``), and ``AUTO`` orders them per (device type, phase) as
 measured there.
@@ -84,6 +84,7 @@ class Backend:
     subclass: bool = True
     block_rows: int = 0  # whole decoder-block decode steps of up to this many rows; 0: none
     latent_only: bool = False  # takes only MLA's latent rows (``Call.latent``)
+    latent: bool = True  # takes MLA's latent rows (values the first columns of the keys, narrower than them)
     # reads rows' lengths (``Call.lengths``) itself, through run(..., lengths=); else it gets them as a mask
     lengths: bool = False
     available: Callable[[], bool] | None = None  # None: always; else asked last (it may build a kernel)
@@ -100,6 +101,8 @@ class Backend:
             return "reads no paged K/V"
         if self.latent_only and not call.latent:
             return "reads MLA latent rows only"
+        if call.latent and not self.latent:
+            return "reads no MLA latent rows"
         for flag in _LIMITS:
             if getattr(call, flag) and not getattr(self, flag):
                 return f"takes no {_WORDS[flag]}"

@@ -41,6 +41,10 @@ Backends (each a ``backends.Backend`` declaring what it takes, registered in ``b
     "flex"       ``flex`` (PyTorch's FlexAttention; CPU and CUDA, 16/32-bit floats, one query per head; no dropout,
                  gradient or tensor subclass): compiled on CUDA, eager elsewhere; paged rows read in place through a block mask
                  of the block table, masks and soft-capping as its mask_mod and score_mod.
+    "flashinfer" ``flashinfer_decode``: FlashInfer's batch decode kernels (CUDA, bfloat16/float16, one query per head,
+                 keys and values of one width; no mask, dropout, gradient or tensor subclass; ``flashinfer-python``
+                 installed): contiguous caches as one page per row, paged rows in place through a CSR page table.
+                 Not yet run on a GPU: in no order of "auto" until ``benchmarks/gpu_check.py`` has measured it.
     "auto"       the first backend of ``backends.AUTO`` for the device type and phase that takes the call.
 ``attend`` asks ``backends.choose`` once per call; a named backend that cannot take a call hands it on as "auto"
 would. "reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length (none when
@@ -61,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import PagedView
-from . import flex, fused
+from . import flashinfer_decode, flex, fused
 from .backends import AUTO, Backend, Call, choose, register
 from .decode import grouped_decode, paged_decode
 
@@ -231,6 +235,15 @@ def _triton_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, sof
     return triton_mla.decode(q, k, v.shape[-1], scale=scale, window=window, lengths=lengths)
 
 
+def _flashinfer_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+    if isinstance(k, PagedView):
+        return flashinfer_decode.paged_decode(
+            q, k.pool, v.pool, k.runs, k.lengths, scale=scale, block_size=k.block_size, window=window,
+            softcap=softcap,
+        )  # fmt: skip
+    return flashinfer_decode.decode(q, k, v, scale=scale, window=window, softcap=softcap)
+
+
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -282,6 +295,22 @@ register(
         latent_only=True,
         lengths=True,  # a static cache's rows: each program stops at its row's length, read on the device
         available=functools.cache(_triton_importable),
+    )
+)
+
+register(
+    Backend(
+        "flashinfer",
+        _flashinfer_run,
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float16}),
+        phases=frozenset({"decode"}),
+        mask=False,
+        dropout=False,
+        grad=False,
+        subclass=False,
+        latent=False,  # its kernels take keys and values of one width
+        available=flashinfer_decode.available,
     )
 )
 

@@ -1,0 +1,166 @@
+"""Decode attention through FlashInfer's batch decode kernels (Ye et al. 2025, arXiv 2501.01005; the
+``flashinfer-python`` package, CUDA only): one query per head, GQA/MQA without repeating K/V, a paged cache read in
+place through its block table.
+
+Shapes as in ``kernels``: q (B, n_heads, 1, D); contiguous k, v (B, n_kv_heads, T_k, D); or a paged pool
+(n_kv_heads, slots, D) with each row's runs of slots and length (a ``PagedView``'s fields).
+
+Layout. FlashInfer reads K/V as pages, (pages, n_kv_heads, page_size, D) in its "HND" layout, through a CSR table:
+row ``b``'s pages are ``indices[indptr[b] : indptr[b + 1]]``, all full but the last, which holds
+``last_page_len[b]`` tokens (``page_table``). It reads the tensors' strides, so both of attnlab's caches are pages
+without a copy:
+- a paged pool (n_kv_heads, n_blocks * block, D) is (n_blocks, n_kv_heads, block, D) once its slot axis is split
+  into blocks and the block axis put first (a view); each run of a row's slots is a run of whole blocks;
+- a contiguous cache (B, n_kv_heads, T_k, D) is already (pages, n_kv_heads, page_size, D): one page per batch row,
+  of T_k tokens, row ``b`` reading page ``b`` whole.
+
+Planning. ``BatchDecodeWithPagedKVCacheWrapper.plan`` schedules the work of a batch on the host (and cannot run in a
+CUDA graph or under ``torch.compile``); a model's layers attend over the same table in one decode step, so the
+wrapper of a device keeps the last plan and plans again only when the table, the shapes, the dtype, the scale, the
+window or the soft-cap change.
+
+Status: written against FlashInfer's documented API (``flashinfer.decode``, 2026-08) and tested on a CPU through a
+stand-in module that computes what that API specifies (tests/attention/test_flashinfer.py); not yet run on a GPU,
+so no backend order lists it: it runs when named (``backend="flashinfer"``), and ``benchmarks/gpu_check.py``
+checks and times it beside SDPA and FlexAttention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented workspace for its split-K scheduling
+
+
+def available() -> bool:
+    """FlashInfer installed and a CUDA device present (its kernels are CUDA only)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+
+
+def page_table(
+    runs: tuple[tuple[tuple[int, int], ...], ...], lengths: tuple[int, ...], block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table (int32 on the CPU: indptr (B + 1,), indices, last_page_len (B,)) of a paged
+    cache's rows: the blocks of each row's runs of slots, in order. Every row must hold a token (FlashInfer's last
+    page holds 1 to ``block``), and every run must start on a block boundary (a ``PagedKVCache``'s do)."""
+    if block <= 0:
+        raise ValueError(f"page_table: the cache's block size must be known (> 0), got {block}")
+    indptr, indices, last = [0], [], []
+    for b, (row, n) in enumerate(zip(runs, lengths, strict=True)):
+        if n <= 0:
+            raise ValueError(f"page_table: row {b} holds no token; FlashInfer's rows hold at least one")
+        held = 0
+        for start, count in row:
+            if start % block:
+                raise ValueError(
+                    f"page_table: row {b} has a run starting at slot {start}, not a multiple of {block}"
+                )
+            indices.extend(range(start // block, (start + count + block - 1) // block))
+            held += count
+        if held != n:
+            raise ValueError(f"page_table: row {b}'s runs hold {held} slots, its length is {n}")
+        indptr.append(len(indices))
+        last.append(n - (indptr[-1] - indptr[-2] - 1) * block)
+    as_int = dict(dtype=torch.int32)
+    return torch.tensor(indptr, **as_int), torch.tensor(indices, **as_int), torch.tensor(last, **as_int)
+
+
+def pages(pool: torch.Tensor, block: int) -> torch.Tensor:
+    """A pool (n_kv_heads, n_blocks * block, D) as FlashInfer's HND pages (n_blocks, n_kv_heads, block, D), a view."""
+    n_kv, slots, d = pool.shape
+    if slots % block:
+        raise ValueError(f"pages: a pool of {slots} slots is not whole blocks of {block}")
+    return pool.view(n_kv, slots // block, block, d).transpose(0, 1)
+
+
+_wrappers: dict[torch.device, list] = {}  # device -> [wrapper, the key of its last plan]
+
+
+def _run(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q (B, H, 1, D) over pages (pages, n_kv, page_size, D) through ``table``: (B, H, 1, D)."""
+    if k_pages.shape[-1] != v_pages.shape[-1] or k_pages.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"flashinfer: queries, keys and values must have one width, got {q.shape[-1]}, {k_pages.shape[-1]} "
+            f"and {v_pages.shape[-1]}"
+        )
+    import flashinfer  # an optional dependency (attnlab[gpu]): imported when this backend runs
+
+    h, d = q.shape[1], q.shape[-1]
+    n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
+    slot = _wrappers.get(q.device)
+    if slot is None:
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+        slot = _wrappers[q.device] = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND"), None]
+    wrapper = slot[0]
+    indptr, indices, last = table
+    key = (
+        tuple(indptr.tolist()), tuple(indices.tolist()), tuple(last.tolist()), h, n_kv, d, page_size, q.dtype,
+        k_pages.dtype, scale, window, softcap,
+    )  # fmt: skip
+    if slot[1] != key:
+        wrapper.plan(
+            indptr.to(q.device), indices.to(q.device), last.to(q.device), h, n_kv, d, page_size,
+            pos_encoding_mode="NONE", window_left=-1 if window is None else window - 1,
+            logits_soft_cap=softcap, q_data_type=q.dtype, kv_data_type=k_pages.dtype, sm_scale=scale,
+        )  # fmt: skip
+        slot[1] = key
+    return wrapper.run(q[:, :, 0], (k_pages, v_pages)).unsqueeze(2)
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q (B, H, 1, D) over contiguous k, v (B, n_kv, T_k, D): each batch row one page of T_k tokens."""
+    b, _, t_k, _ = k.shape
+    if t_k == 0 or q.numel() == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    if k.stride() != v.stride() or k.stride(-1) != 1:  # FlashInfer reads one set of strides for both
+        k, v = k.contiguous(), v.contiguous()
+    table = (
+        torch.arange(b + 1, dtype=torch.int32),
+        torch.arange(b, dtype=torch.int32),
+        torch.full((b,), t_k, dtype=torch.int32),
+    )
+    return _run(q, k, v, table, scale=scale, window=window, softcap=softcap)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    runs: tuple[tuple[tuple[int, int], ...], ...],
+    lengths: tuple[int, ...],
+    *,
+    scale: float,
+    block_size: int,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q (B, H, 1, D) over a paged pool (n_kv, slots, D), row ``b`` its ``runs[b]`` of slots, read in place."""
+    table = page_table(runs, lengths, block_size)
+    return _run(
+        q,
+        pages(k_pool, block_size),
+        pages(v_pool, block_size),
+        table,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )

@@ -1,0 +1,168 @@
+"""The "flashinfer" backend (``attention/flashinfer_decode.py``) on a CPU: its page tables against the paged views
+they describe, and its calls into FlashInfer through a stand-in ``flashinfer`` module that computes what FlashInfer's
+documented API specifies (``BatchDecodeWithPagedKVCacheWrapper``: HND pages, a CSR page table, ``window_left``,
+``logits_soft_cap``, ``sm_scale``), checked against a float64 oracle. FlashInfer itself runs on CUDA only: its own
+kernels are checked by ``benchmarks/gpu_check.py`` on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+from test_flex import HEADS, _err, _oracle, _paged
+
+from attnlab.attention import flashinfer_decode
+from attnlab.attention.backends import AUTO, BACKENDS, Call, choose
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Wrapper:
+    """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` as its documentation specifies it, in PyTorch: ``plan``
+    keeps the table and the options, ``run`` attends each row over the tokens of its pages."""
+
+    plans = 0
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str):
+        assert kv_layout == "HND" and workspace.dtype == torch.uint8
+        self.planned = None
+
+    def plan(
+        self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **options
+    ):
+        assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
+        assert options["pos_encoding_mode"] == "NONE"
+        type(self).plans += 1
+        self.planned = (
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            options,
+        )
+
+    def run(self, q, paged_kv_cache):
+        indptr, indices, last, h, n_kv, d, page_size, options = self.planned
+        k_cache, v_cache = paged_kv_cache  # (pages, n_kv, page_size, D)
+        assert q.shape[1:] == (h, d) and k_cache.shape[1:] == (n_kv, page_size, d)
+        assert k_cache.stride() == v_cache.stride() and q.dtype == options["q_data_type"]
+        out = []
+        for b in range(q.shape[0]):
+            pages = indices[indptr[b] : indptr[b + 1]].tolist()
+            n = (len(pages) - 1) * page_size + int(last[b])
+            k = torch.cat([k_cache[p] for p in pages], 1)[:, :n].double().repeat_interleave(h // n_kv, 0)
+            v = torch.cat([v_cache[p] for p in pages], 1)[:, :n].double().repeat_interleave(h // n_kv, 0)
+            if options["window_left"] >= 0:
+                k, v = k[:, -(options["window_left"] + 1) :], v[:, -(options["window_left"] + 1) :]
+            s = (q[b].double()[:, None] @ k.transpose(-1, -2))[:, 0] * options["sm_scale"]
+            if options["logits_soft_cap"]:
+                s = options["logits_soft_cap"] * torch.tanh(s / options["logits_soft_cap"])
+            out.append((torch.softmax(s, -1)[:, None] @ v)[:, 0])
+        return torch.stack(out).to(q.dtype)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = _Wrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(flashinfer_decode, "WORKSPACE_BYTES", 64)
+    monkeypatch.setattr(flashinfer_decode, "_wrappers", {})
+    monkeypatch.setattr(_Wrapper, "plans", 0)
+    return module
+
+
+@pytest.mark.parametrize("block", [16, 5])
+def test_the_page_table_lists_each_rows_blocks_in_order(block):
+    gen = torch.Generator().manual_seed(block)
+    k, _, keys, _ = _paged(2, 8, [37, 1, block, 2 * block + 3], block, gen)
+    indptr, indices, last = flashinfer_decode.page_table(k.runs, k.lengths, block)
+    pages = flashinfer_decode.pages(k.pool, block)
+    assert pages.shape == (k.pool.shape[1] // block, 2, block, 8) and pages.data_ptr() == k.pool.data_ptr()
+    for b, want in enumerate(keys):  # the rows read back through the table equal the tokens the view holds
+        row = torch.cat([pages[p] for p in indices[indptr[b] : indptr[b + 1]].tolist()], 1)
+        n = (indptr[b + 1] - indptr[b] - 1) * block + last[b]
+        assert 1 <= last[b] <= block and torch.equal(row[:, :n], want)
+
+
+def test_bad_tables_are_refused_by_name():
+    with pytest.raises(ValueError, match="block size must be known"):
+        flashinfer_decode.page_table((((0, 4),),), (4,), 0)
+    with pytest.raises(ValueError, match="row 1 holds no token"):
+        flashinfer_decode.page_table((((0, 4),), ()), (4, 0), 4)
+    with pytest.raises(ValueError, match="starting at slot 2, not a multiple of 4"):
+        flashinfer_decode.page_table((((2, 2),),), (2,), 4)
+    with pytest.raises(ValueError, match="runs hold 4 slots, its length is 5"):
+        flashinfer_decode.page_table((((0, 4),),), (5,), 4)
+    with pytest.raises(ValueError, match="not whole blocks of 4"):
+        flashinfer_decode.pages(torch.zeros(1, 6, 2), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (7, None), (None, 5.0)])
+@pytest.mark.parametrize("variant", HEADS)
+def test_paged_and_contiguous_decode_equal_float64(stand_in, variant, window, softcap, dtype):
+    heads, n_kv = HEADS[variant]
+    gen = torch.Generator().manual_seed(heads + n_kv)
+    k, v, keys, values = _paged(n_kv, 16, [33, 1, 16, 50], 16, gen, dtype=dtype)
+    q = torch.randn(4, heads, 1, 16, generator=gen).to(dtype)
+    want = _oracle(q, keys, values, softcap=softcap, window=window)
+    got = flashinfer_decode.paged_decode(
+        q, k.pool, v.pool, k.runs, k.lengths, scale=16**-0.5, block_size=16, window=window, softcap=softcap
+    )
+    assert got.shape == (4, heads, 1, 16) and got.dtype == dtype and _err(got, want) < 2e-2
+    # a contiguous cache (a view of a longer buffer): one page per row
+    buf_k = torch.randn(4, n_kv, 64, 16, generator=gen).to(dtype)
+    buf_v = torch.randn(4, n_kv, 64, 16, generator=gen).to(dtype)
+    ck, cv = buf_k[:, :, :40], buf_v[:, :, :40]
+    want = _oracle(q, list(ck), list(cv), softcap=softcap, window=window)
+    got = flashinfer_decode.decode(q, ck, cv, scale=16**-0.5, window=window, softcap=softcap)
+    assert _err(got, want) < 2e-2
+
+
+def test_the_plan_is_made_again_only_when_the_table_changes(stand_in):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 2, 12, 8, generator=gen).to(torch.bfloat16)
+    for _ in range(3):  # a model's layers in one step: one table
+        flashinfer_decode.decode(q, k, k, scale=0.3)
+    assert _Wrapper.plans == 1
+    flashinfer_decode.decode(q, k[:, :, :11], k[:, :, :11], scale=0.3)  # the next step's lengths
+    flashinfer_decode.decode(q, k[:, :, :11], k[:, :, :11], scale=0.3, window=4)
+    assert _Wrapper.plans == 3
+    with pytest.raises(ValueError, match="one width, got 8, 8 and 6"):
+        flashinfer_decode.decode(q, k, k[..., :6], scale=0.3)
+
+
+def test_the_table_runs_it_when_named_on_cuda_and_never_by_auto(monkeypatch):
+    backend = BACKENDS["flashinfer"]
+    monkeypatch.setitem(BACKENDS, "flashinfer", dataclasses.replace(backend, available=lambda: True))
+    named = choose(Call("cuda", torch.bfloat16, "decode", paged=True), "flashinfer")
+    assert named.backend.name == "flashinfer"
+    assert all("flashinfer" not in order for order in AUTO.values())  # not measured on a GPU yet
+    refusals = {
+        Call("cuda", torch.bfloat16, "decode", latent=True): "reads no MLA latent rows",
+        Call("cuda", torch.float32, "decode"): "takes bfloat16, float16 only",
+        Call("cuda", torch.bfloat16, "decode", mask=True): "takes no masks",
+        Call("cuda", torch.bfloat16, "decode", lengths=True): "takes no row lengths or masks",
+        Call("cuda", torch.bfloat16, "prefill"): "computes decode only",
+        Call("cpu", torch.bfloat16, "decode"): "runs on cuda only",
+    }
+    for call, why in refusals.items():
+        choice = choose(call, "flashinfer")
+        assert choice.backend.name != "flashinfer" and dict(choice.skipped)["flashinfer"] == why
+    softcapped = choose(Call("cuda", torch.bfloat16, "decode", softcap=True), "flashinfer")
+    assert softcapped.backend.name == "flashinfer"  # FlashInfer's logits_soft_cap
+
+
+def test_without_a_gpu_it_is_not_available():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert not flashinfer_decode.available()
+    assert BACKENDS["flashinfer"].refuses(Call("cuda", torch.bfloat16, "decode")) == "not available here"
