@@ -257,7 +257,7 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
         ms_flex = _median_ms(flex, device, flex_reps) / n_ring
         ms_flex_paged = _median_ms(flex_paged, device, flex_reps) / len(paged)
         ms_sdpa_paged = _median_ms(sdpa_paged, device, flex_reps) / len(paged)
-        flashinfer = _flashinfer_columns(q, ring, paged, scale, ref, device)
+        flashinfer = _named_columns("flashinfer", q, ring, paged, scale, ref, device)
     roof_ms = (kv_bytes + 2 * b * heads * d * elem) / bandwidth * 1e3
     if "ms_flashinfer" in flashinfer:
         flashinfer["fraction_flashinfer"] = roof_ms / flashinfer["ms_flashinfer"]
@@ -267,32 +267,32 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
                 fraction_flex=roof_ms / ms_flex, flex_first_s=flex_first_s, **flashinfer)  # fmt: skip
 
 
-def _flashinfer_columns(q, ring, paged, scale, ref, device) -> dict:
-    """The "flashinfer" backend over the ring (contiguous) and the shuffled blocks (paged): its errors against the
-    float64 reference and its median ms per cache; nothing where it cannot run (no FlashInfer, no CUDA, a dtype it
-    does not take), and an error's text in its place when it fails (it has not run on a GPU before)."""
-    from attnlab.attention.backends import BACKENDS, Call
+def _named_columns(name, q, ring, paged, scale, ref, device) -> dict:
+    """Backend ``name`` (run when named: FlashInfer's, not yet in any order of "auto") over the ring of (k, v) and
+    the paged (k, v) views: its errors against the float64 reference and its median ms per cache; nothing where
+    the table refuses it (no FlashInfer, no CUDA, a dtype it does not take), and an error's text in their place
+    when it fails (it has not run on a GPU before)."""
+    from attnlab.attention.backends import BACKENDS
+    from attnlab.attention.kernels import attend, call_of
 
-    if BACKENDS["flashinfer"].refuses(Call(q.device.type, q.dtype, "decode", paged=True)) is not None:
+    if BACKENDS[name].refuses(call_of(q, *paged[0])) is not None:
         return {}
-    from attnlab.attention.kernels import attend
 
     def contiguous():
-        return [attend(q, k, v, scale=scale, backend="flashinfer") for k, v in ring]
+        return [attend(q, k, v, scale=scale, backend=name) for k, v in ring]
 
     def in_pages():
-        return [attend(q, k, v, scale=scale, backend="flashinfer") for k, v in paged]
+        return [attend(q, k, v, scale=scale, backend=name) for k, v in paged]
 
     try:
-        k0, v0 = ring[0]
-        return dict(
-            rel_err_flashinfer=_rel(attend(q, k0, v0, scale=scale, backend="flashinfer"), ref),
-            rel_err_flashinfer_paged=_rel(attend(q, *paged[0], scale=scale, backend="flashinfer"), ref),
-            ms_flashinfer=_median_ms(contiguous, device, 20) / len(ring),
-            ms_flashinfer_paged=_median_ms(in_pages, device, 20) / len(paged),
-        )
+        return {
+            f"rel_err_{name}": _rel(attend(q, *ring[0], scale=scale, backend=name), ref),
+            f"rel_err_{name}_paged": _rel(attend(q, *paged[0], scale=scale, backend=name), ref),
+            f"ms_{name}": _median_ms(contiguous, device, 20) / len(ring),
+            f"ms_{name}_paged": _median_ms(in_pages, device, 20) / len(paged),
+        }
     except Exception as err:  # the row keeps the other backends' figures and says what failed
-        return dict(flashinfer_error=f"{type(err).__name__}: {err}"[:300])
+        return {f"{name}_error": f"{type(err).__name__}: {err}"[:300]}
 
 
 PAGE = 16  # tokens per block of the paged caches timed (vLLM's default block size)
@@ -375,7 +375,11 @@ def _mla_decode_row(device, dt, b, ctx, heads, rank, rope, bandwidth, quick) -> 
         pool = torch.empty(b * per_row, block, width, device=device, dtype=dt)
         pool[place.to(device)] = k.reshape(b * per_row, block, width)  # block j of the rows to its place
         pool = pool.view(1, -1, width)
-        paged.append((PagedView(pool, runs, (ctx,) * b), PagedView(pool[..., :rank], runs, (ctx,) * b)))
+        views = (
+            PagedView(pool, runs, (ctx,) * b, block),
+            PagedView(pool[..., :rank], runs, (ctx,) * b, block),
+        )
+        paged.append(views)
 
     def path(backend, rows):
         return lambda: [attend(q, k, k[..., :rank], scale=scale, backend=backend) for k in rows]
@@ -404,10 +408,12 @@ def _mla_decode_row(device, dt, b, ctx, heads, rank, rope, bandwidth, quick) -> 
                 lambda: [attend(q, *kv, scale=scale, backend="triton_mla") for kv in paged], device, repeats
             )
             out["ms_triton_paged"] = ms / n_ring  # with the slot table built from the runs at every call
+        pairs = [(k, k[..., :rank]) for k in ring]
+        out |= _named_columns("flashinfer_mla", q, pairs, paged, scale, ref, device)
     # the latent rows, the queries and the outputs, each once
     roof_ms = (latent_bytes + b * heads * (width + rank) * elem) / bandwidth * 1e3
     out["roofline_ms"] = roof_ms
-    for name in ("triton", "triton_paged", "sdpa", "grouped"):
+    for name in ("triton", "triton_paged", "sdpa", "grouped", "flashinfer_mla"):
         if f"ms_{name}" in out:
             out[f"fraction_{name}"] = roof_ms / out[f"ms_{name}"]
     return out
@@ -687,30 +693,11 @@ def page(result: dict) -> str:
             "",
             "The flex columns are empty: this run predates the flex backend (not measured on a GPU yet).",
         ]
-    lines += [
-        "",
-        'FlashInfer: `attend` with backend "flashinfer" (FlashInfer\'s batch decode kernels, where `flashinfer-python` '
-        "is installed) over the same caches, contiguous (one page per row) and paged (the shuffled blocks, read in "
-        "place through its page table).",
-        "",
-        "| dtype | B | context | n_kv | FlashInfer ms | FlashInfer paged ms | FlashInfer of roofline | rel. err "
-        "(paged) | error |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result.get("decode", []):
-        if not {"ms_flashinfer", "flashinfer_error"} & r.keys():
-            continue
-        lines.append(
-            f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['n_kv_heads']} | "
-            f"{_f(r.get('ms_flashinfer'), '.4f')} | {_f(r.get('ms_flashinfer_paged'), '.4f')} | "
-            f"{_f(r.get('fraction_flashinfer'), '.2f')} | {_f(r.get('rel_err_flashinfer'))} "
-            f"({_f(r.get('rel_err_flashinfer_paged'))}) | {r.get('flashinfer_error', '')} |"
-        )
-    if not any({"ms_flashinfer", "flashinfer_error"} & r.keys() for r in result.get("decode", [])):
-        lines += [
-            "",
-            "No row: FlashInfer has not run in a saved run (it needs a GPU with `flashinfer-python`).",
-        ]
+    lines += _named_table(
+        result.get("decode", []), "flashinfer", 'FlashInfer: `attend` with backend "flashinfer" (FlashInfer\'s batch '
+        "decode kernels, where `flashinfer-python` is installed) over the same caches, contiguous (one page per row) "
+        "and paged (the shuffled blocks, read in place through its page table).",
+    )  # fmt: skip
     timed = [r for r in result.get("decode", []) if "fraction" in r]
     big = [r for r in timed if r["batch"] >= 8]
     if timed:
@@ -824,6 +811,11 @@ def _mla_page(rows: list[dict]) -> list[str]:
             f"{_f(r.get('fraction_sdpa'), '.2f')} | {_f(r.get('rel_err_triton'))} | "
             f"{r.get('error', r.get('triton_skipped', ''))} |"
         )
+    lines += _named_table(
+        rows, "flashinfer_mla", 'FlashInfer MLA: `attend` with backend "flashinfer_mla" (FlashInfer\'s MLA '
+        "kernels, the latent rows' compressed and rotary columns read as two caches) over the same rows, contiguous "
+        "and paged.",
+    )  # fmt: skip
     timed = [r for r in rows if "fraction_triton" in r and r["context"] >= 4096]
     if timed:
         lines += [
@@ -831,6 +823,23 @@ def _mla_page(rows: list[dict]) -> list[str]:
             f"The Triton kernel reaches 0.6 of the roofline (issue 34's target at context >= 4096) on "
             f"{sum(r['fraction_triton'] >= 0.6 for r in timed)} of {len(timed)} shapes.",
         ]
+    return lines
+
+
+def _named_table(rows: list[dict], name: str, what: str) -> list[str]:
+    """The table of a backend run when named (``_named_columns``): one line per row it ran or failed on."""
+    lines = ["", what, "", "| dtype | B | context | n_kv | ms | paged ms | of roofline | rel. err (paged) | error |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ran = [r for r in rows if {f"ms_{name}", f"{name}_error"} & r.keys()]
+    for r in ran:
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {r['context']} | {r.get('n_kv_heads', 1)} | "
+            f"{_f(r.get(f'ms_{name}'), '.4f')} | {_f(r.get(f'ms_{name}_paged'), '.4f')} | "
+            f"{_f(r.get(f'fraction_{name}'), '.2f')} | {_f(r.get(f'rel_err_{name}'))} "
+            f"({_f(r.get(f'rel_err_{name}_paged'))}) | {r.get(f'{name}_error', '')} |"
+        )
+    if not ran:
+        lines += ["", f"No row: {name} has not run in a saved run (it needs a GPU with `flashinfer-python`)."]
     return lines
 
 

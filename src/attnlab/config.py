@@ -14,7 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-BACKENDS = ("auto", "reference", "sdpa", "grouped", "fused", "flex", "triton_mla", "flashinfer")
+BACKENDS = (
+    *("auto", "reference", "sdpa", "grouped", "fused", "flex", "triton_mla"),
+    *("flashinfer", "flashinfer_mla"),  # FlashInfer's kernels, run when named (not yet measured on a GPU)
+)
 MLA_MODES = ("auto", "naive", "absorbed")
 # MLPs: gated ``w2(act(w1 x) * w3 x)`` with SiLU (SwiGLU, Llama) or tanh-GELU (GeGLU, Gemma); plain ``w2(act(w1 x))``
 # with exact GELU (GPT-NeoX, BERT) or tanh-GELU (GPT-2).

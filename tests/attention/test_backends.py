@@ -61,7 +61,16 @@ def _calls():
 
 
 def test_every_backend_is_registered_where_it_is_defined_and_named_in_the_config():
-    assert list(BACKENDS) == ["reference", "sdpa", "grouped", "fused", "flex", "triton_mla", "flashinfer"]
+    assert list(BACKENDS) == [
+        "reference",
+        "sdpa",
+        "grouped",
+        "fused",
+        "flex",
+        "triton_mla",
+        "flashinfer",
+        "flashinfer_mla",
+    ]
     assert ("auto", *BACKENDS) == config.BACKENDS
     assert all(b.run.__module__ == kernels.__name__ for b in BACKENDS.values())
     assert not hasattr(fused, "supports") and not hasattr(fused, "block_supports")  # no decision elsewhere
@@ -162,7 +171,7 @@ def test_rows_lengths_are_refused_where_they_do_not_apply():
 def test_an_unknown_backend_is_named():
     with pytest.raises(
         ValueError,
-        match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex, triton_mla, flashinfer; got 'flash'",
+        match=r"backend must be one of auto, reference, sdpa, grouped, fused, flex, triton_mla, flashinfer, flashinfer_mla; got 'flash'",
     ):
         choose(Call("cpu", torch.float32, "decode"), "flash")
 

@@ -67,10 +67,46 @@ class _Wrapper:
         return torch.stack(out).to(q.dtype)
 
 
+class _MLAWrapper:
+    """FlashInfer's ``mla.BatchMLAPagedAttentionWrapper`` as documented: the compressed and rotary caches
+    (pages, page_size, width) through a CSR page table and each row's token count; values the compressed rows."""
+
+    def __init__(self, workspace: torch.Tensor):
+        self.planned = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type):  # fmt: skip
+        assert qo_indptr.tolist() == list(range(len(kv_len_arr) + 1)) and not causal  # one query per row
+        self.planned = (
+            kv_indptr,
+            kv_indices,
+            kv_len_arr,
+            num_heads,
+            head_dim_ckv,
+            head_dim_kpe,
+            page_size,
+            sm_scale,
+        )
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache):
+        indptr, indices, tokens, h, ckv, kpe, page_size, scale = self.planned
+        assert q_nope.shape[1:] == (h, ckv) and q_pe.shape[1:] == (h, kpe)
+        assert ckv_cache.shape[1:] == (page_size, ckv) and kpe_cache.shape[1:] == (page_size, kpe)
+        out = []
+        for b in range(q_nope.shape[0]):
+            pages = indices[indptr[b] : indptr[b + 1]].tolist()
+            c = torch.cat([ckv_cache[p] for p in pages])[: int(tokens[b])].double()
+            r = torch.cat([kpe_cache[p] for p in pages])[: int(tokens[b])].double()
+            s = (q_nope[b].double() @ c.T + q_pe[b].double() @ r.T) * scale
+            out.append(torch.softmax(s, -1) @ c)
+        return torch.stack(out).to(q_nope.dtype)
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     module = types.ModuleType("flashinfer")
     module.BatchDecodeWithPagedKVCacheWrapper = _Wrapper
+    module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_MLAWrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(flashinfer_decode, "WORKSPACE_BYTES", 64)
     monkeypatch.setattr(flashinfer_decode, "_wrappers", {})
@@ -140,12 +176,50 @@ def test_the_plan_is_made_again_only_when_the_table_changes(stand_in):
         flashinfer_decode.decode(q, k, k[..., :6], scale=0.3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_decode_over_latent_rows_equals_float64(stand_in, dtype):
+    # DeepSeek's absorbed decode: every head's query against the one latent head (rank 32 + rope 8 here), values
+    # the latent part; paged rows from a shuffled pool and contiguous rows of a longer buffer
+    rank, width, heads = 32, 40, 6
+    gen = torch.Generator().manual_seed(1)
+    k, _, keys, _ = _paged(1, width, [33, 1, 16, 50], 16, gen, dtype=dtype)
+    q = torch.randn(4, heads, 1, width, generator=gen).to(dtype)
+    values = [r[..., :rank] for r in keys]
+    want = torch.stack(
+        [
+            _oracle(
+                q[i : i + 1].double(), [keys[i].expand(heads, -1, -1)], [values[i].expand(heads, -1, -1)]
+            )[0]
+            for i in range(4)
+        ]
+    )
+    got = flashinfer_decode.paged_mla_decode(
+        q, k.pool, k.runs, k.lengths, rank, scale=width**-0.5, block_size=16
+    )
+    assert got.shape == (4, heads, 1, rank) and got.dtype == dtype and _err(got, want) < 2e-2
+    rows = torch.randn(4, 1, 64, width, generator=gen).to(dtype)[:, :, :40]
+    want = torch.stack(
+        [
+            _oracle(
+                q[i : i + 1].double(),
+                [rows[i].expand(heads, -1, -1)],
+                [rows[i, ..., :rank].expand(heads, -1, -1)],
+            )[0]
+            for i in range(4)
+        ]
+    )
+    assert _err(flashinfer_decode.mla_decode(q, rows, rank, scale=width**-0.5), want) < 2e-2
+    with pytest.raises(ValueError, match="take no window, got window=8"):
+        flashinfer_decode.mla_decode(q, rows, rank, scale=width**-0.5, window=8)
+
+
 def test_the_table_runs_it_when_named_on_cuda_and_never_by_auto(monkeypatch):
     backend = BACKENDS["flashinfer"]
     monkeypatch.setitem(BACKENDS, "flashinfer", dataclasses.replace(backend, available=lambda: True))
     named = choose(Call("cuda", torch.bfloat16, "decode", paged=True), "flashinfer")
     assert named.backend.name == "flashinfer"
-    assert all("flashinfer" not in order for order in AUTO.values())  # not measured on a GPU yet
+    # not measured on a GPU yet
+    assert all("flashinfer" not in order and "flashinfer_mla" not in order for order in AUTO.values())
     refusals = {
         Call("cuda", torch.bfloat16, "decode", latent=True): "reads no MLA latent rows",
         Call("cuda", torch.float32, "decode"): "takes bfloat16, float16 only",
@@ -159,6 +233,17 @@ def test_the_table_runs_it_when_named_on_cuda_and_never_by_auto(monkeypatch):
         assert choice.backend.name != "flashinfer" and dict(choice.skipped)["flashinfer"] == why
     softcapped = choose(Call("cuda", torch.bfloat16, "decode", softcap=True), "flashinfer")
     assert softcapped.backend.name == "flashinfer"  # FlashInfer's logits_soft_cap
+    mla = dataclasses.replace(BACKENDS["flashinfer_mla"], available=lambda: True)
+    monkeypatch.setitem(BACKENDS, "flashinfer_mla", mla)
+    assert (
+        choose(Call("cuda", torch.bfloat16, "decode", paged=True, latent=True), "flashinfer_mla").backend
+        is mla
+    )
+    assert mla.refuses(Call("cuda", torch.bfloat16, "decode")) == "reads MLA latent rows only"
+    assert (
+        mla.refuses(Call("cuda", torch.bfloat16, "decode", latent=True, softcap=True))
+        == "takes no soft-capping"
+    )
 
 
 def test_without_a_gpu_it_is_not_available():

@@ -14,6 +14,12 @@ without a copy:
 - a contiguous cache (B, n_kv_heads, T_k, D) is already (pages, n_kv_heads, page_size, D): one page per batch row,
   of T_k tokens, row ``b`` reading page ``b`` whole.
 
+MLA. DeepSeek's absorbed decode (``mla_decode``, ``paged_mla_decode``) goes to FlashInfer's
+``BatchMLAPagedAttentionWrapper``, which takes the latent rows as two caches, the compressed part (pages, page_size,
+rank) and the rotary part (pages, page_size, rope): both are column slices of attnlab's latent rows (rank + rope
+values a token), read through their strides, and the queries likewise; its plan takes each row's token count
+instead of its last page's. It has no window and no soft-capping.
+
 Planning. ``BatchDecodeWithPagedKVCacheWrapper.plan`` schedules the work of a batch on the host (and cannot run in a
 CUDA graph or under ``torch.compile``); a model's layers attend over the same table in one decode step, so the
 wrapper of a device keeps the last plan and plans again only when the table, the shapes, the dtype, the scale, the
@@ -67,6 +73,13 @@ def page_table(
     return torch.tensor(indptr, **as_int), torch.tensor(indices, **as_int), torch.tensor(last, **as_int)
 
 
+def _one_page_per_row(b: int, t_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The table of a contiguous cache: row ``b`` reads page ``b``, all ``t_k`` of its tokens (the last page's count
+    and the row's count alike)."""
+    i32 = dict(dtype=torch.int32)
+    return torch.arange(b + 1, **i32), torch.arange(b, **i32), torch.full((b,), t_k, **i32)
+
+
 def pages(pool: torch.Tensor, block: int) -> torch.Tensor:
     """A pool (n_kv_heads, n_blocks * block, D) as FlashInfer's HND pages (n_blocks, n_kv_heads, block, D), a view."""
     n_kv, slots, d = pool.shape
@@ -75,7 +88,20 @@ def pages(pool: torch.Tensor, block: int) -> torch.Tensor:
     return pool.view(n_kv, slots // block, block, d).transpose(0, 1)
 
 
-_wrappers: dict[torch.device, list] = {}  # device -> [wrapper, the key of its last plan]
+_wrappers: dict[tuple, list] = {}  # (kind, device) -> [wrapper, the key of its last plan]
+
+
+def _planned(kind: str, device: torch.device, key: tuple, make, plan):
+    """The wrapper of ``kind`` on ``device`` (made by ``make(workspace)`` once), planned for ``key`` (by
+    ``plan(wrapper)``) unless its last plan was for the same key."""
+    slot = _wrappers.get((kind, device))
+    if slot is None:
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        slot = _wrappers[(kind, device)] = [make(workspace), None]
+    if slot[1] != key:
+        plan(slot[0])
+        slot[1] = key
+    return slot[0]
 
 
 def _run(
@@ -98,24 +124,47 @@ def _run(
 
     h, d = q.shape[1], q.shape[-1]
     n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
-    slot = _wrappers.get(q.device)
-    if slot is None:
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
-        slot = _wrappers[q.device] = [flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND"), None]
-    wrapper = slot[0]
     indptr, indices, last = table
     key = (
         tuple(indptr.tolist()), tuple(indices.tolist()), tuple(last.tolist()), h, n_kv, d, page_size, q.dtype,
         k_pages.dtype, scale, window, softcap,
     )  # fmt: skip
-    if slot[1] != key:
-        wrapper.plan(
+    wrapper = _planned(
+        "decode", q.device, key, lambda workspace: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND"),
+        lambda w: w.plan(
             indptr.to(q.device), indices.to(q.device), last.to(q.device), h, n_kv, d, page_size,
-            pos_encoding_mode="NONE", window_left=-1 if window is None else window - 1,
-            logits_soft_cap=softcap, q_data_type=q.dtype, kv_data_type=k_pages.dtype, sm_scale=scale,
-        )  # fmt: skip
-        slot[1] = key
+            pos_encoding_mode="NONE", window_left=-1 if window is None else window - 1, logits_soft_cap=softcap,
+            q_data_type=q.dtype, kv_data_type=k_pages.dtype, sm_scale=scale,
+        ),
+    )  # fmt: skip
     return wrapper.run(q[:, :, 0], (k_pages, v_pages)).unsqueeze(2)
+
+
+def _run_mla(
+    q: torch.Tensor, pages_: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rank: int, *,
+    scale: float, window: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """q (B, H, 1, rank + rope) over latent pages (pages, page_size, rank + rope) through ``table`` (indptr,
+    indices, tokens per row): (B, H, 1, rank)."""
+    if window is not None:
+        raise ValueError(f"flashinfer_mla: FlashInfer's MLA kernels take no window, got window={window}")
+    import flashinfer  # an optional dependency (attnlab[gpu]): imported when this backend runs
+
+    b, h = q.shape[0], q.shape[1]
+    page_size, rope = pages_.shape[1], pages_.shape[-1] - rank
+    indptr, indices, tokens = table
+    key = (tuple(indptr.tolist()), tuple(indices.tolist()), tuple(tokens.tolist()), h, rank, rope, page_size,
+           q.dtype, pages_.dtype, scale)  # fmt: skip
+    device = q.device
+    wrapper = _planned(
+        "mla", device, key, lambda workspace: flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace),
+        lambda w: w.plan(
+            torch.arange(b + 1, dtype=torch.int32, device=device), indptr.to(device), indices.to(device),
+            tokens.to(device), h, rank, rope, page_size, False, scale, q.dtype, pages_.dtype,
+        ),
+    )  # fmt: skip
+    q1 = q[:, :, 0]
+    return wrapper.run(q1[..., :rank], q1[..., rank:], pages_[..., :rank], pages_[..., rank:]).unsqueeze(2)
 
 
 def decode(
@@ -133,12 +182,7 @@ def decode(
         return q.new_zeros(*q.shape[:3], v.shape[-1])
     if k.stride() != v.stride() or k.stride(-1) != 1:  # FlashInfer reads one set of strides for both
         k, v = k.contiguous(), v.contiguous()
-    table = (
-        torch.arange(b + 1, dtype=torch.int32),
-        torch.arange(b, dtype=torch.int32),
-        torch.full((b,), t_k, dtype=torch.int32),
-    )
-    return _run(q, k, v, table, scale=scale, window=window, softcap=softcap)
+    return _run(q, k, v, _one_page_per_row(b, t_k), scale=scale, window=window, softcap=softcap)
 
 
 def paged_decode(
@@ -164,3 +208,32 @@ def paged_decode(
         window=window,
         softcap=softcap,
     )
+
+
+def mla_decode(
+    q: torch.Tensor, rows: torch.Tensor, rank: int, *, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """q (B, H, 1, rank + rope) over contiguous latent rows (B, 1, T_k, rank + rope), values their first ``rank``
+    columns: (B, H, 1, rank). Each batch row is one page of T_k tokens."""
+    b, _, t_k, _ = rows.shape
+    if t_k == 0 or q.numel() == 0:
+        return q.new_zeros(*q.shape[:3], rank)
+    return _run_mla(q, rows[:, 0], _one_page_per_row(b, t_k), rank, scale=scale, window=window)
+
+
+def paged_mla_decode(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    runs: tuple[tuple[tuple[int, int], ...], ...],
+    lengths: tuple[int, ...],
+    rank: int,
+    *,
+    scale: float,
+    block_size: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q (B, H, 1, rank + rope) over a paged pool of latent rows (1, slots, rank + rope), read in place."""
+    indptr, indices, _ = page_table(runs, lengths, block_size)
+    pages_ = pages(pool, block_size)[:, 0]  # (blocks, block, rank + rope)
+    return _run_mla(q, pages_, (indptr, indices, torch.tensor(lengths, dtype=torch.int32)), rank, scale=scale,
+                    window=window)  # fmt: skip

@@ -45,6 +45,9 @@ Backends (each a ``backends.Backend`` declaring what it takes, registered in ``b
                  keys and values of one width; no mask, dropout, gradient or tensor subclass; ``flashinfer-python``
                  installed): contiguous caches as one page per row, paged rows in place through a CSR page table.
                  Not yet run on a GPU: in no order of "auto" until ``benchmarks/gpu_check.py`` has measured it.
+    "flashinfer_mla" the same module's ``mla_decode`` / ``paged_mla_decode``: MLA's absorbed decode over its latent
+                 rows on FlashInfer's MLA kernels (CUDA, bfloat16/float16; no window, mask, soft-capping, dropout,
+                 gradient or subclass); not yet run on a GPU either, and in no order of "auto".
     "auto"       the first backend of ``backends.AUTO`` for the device type and phase that takes the call.
 ``attend`` asks ``backends.choose`` once per call; a named backend that cannot take a call hands it on as "auto"
 would. "reference" and "sdpa" read paged K/V through a gathered copy with a mask of each row's length (none when
@@ -244,6 +247,14 @@ def _flashinfer_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, sof
     return flashinfer_decode.decode(q, k, v, scale=scale, window=window, softcap=softcap)
 
 
+def _flashinfer_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
+    if isinstance(k, PagedView):
+        return flashinfer_decode.paged_mla_decode(
+            q, k.pool, k.runs, k.lengths, v.shape[-1], scale=scale, block_size=k.block_size, window=window
+        )
+    return flashinfer_decode.mla_decode(q, k, v.shape[-1], scale=scale, window=window)
+
+
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -310,6 +321,17 @@ register(
         grad=False,
         subclass=False,
         latent=False,  # its kernels take keys and values of one width
+        available=flashinfer_decode.available,
+    )
+)
+register(
+    Backend(
+        "flashinfer_mla",
+        _flashinfer_mla_run,
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float16}),
+        **_PLAIN_DECODE,
+        latent_only=True,
         available=flashinfer_decode.available,
     )
 )
