@@ -16,6 +16,7 @@ from test_flex import HEADS, _err, _oracle, _paged
 
 from attnlab.attention import flashinfer_decode
 from attnlab.attention.backends import AUTO, BACKENDS, Call, choose
+from attnlab.attention.kernels import attend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,6 +68,51 @@ class _Wrapper:
         return torch.stack(out).to(q.dtype)
 
 
+class _PrefillWrapper:
+    """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` as documented: row b's queries are
+    ``q[qo_indptr[b] : qo_indptr[b + 1]]``, the last of its n tokens; causal (aligned to the bottom right), a left
+    window counted from each query's position, soft-capping."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str):
+        assert kv_layout == "HND"
+        self.planned = None
+
+    def plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             **opts):  # fmt: skip
+        assert opts["pos_encoding_mode"] == "NONE" and qo_indptr.dtype == torch.int32
+        self.planned = (
+            qo_indptr,
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads // num_kv_heads,
+            page_size,
+            opts,
+        )
+
+    def run(self, q, paged_kv_cache):
+        qo, indptr, indices, last, group, page_size, opts = self.planned
+        k_cache, v_cache = paged_kv_cache
+        out = []
+        for b in range(len(indptr) - 1):
+            pages = indices[indptr[b] : indptr[b + 1]].tolist()
+            n = (len(pages) - 1) * page_size + int(last[b])
+            k = torch.cat([k_cache[p] for p in pages], 1)[:, :n].double().repeat_interleave(group, 0)
+            v = torch.cat([v_cache[p] for p in pages], 1)[:, :n].double().repeat_interleave(group, 0)
+            qb = q[qo[b] : qo[b + 1]].double().transpose(0, 1)  # (H, T, D)
+            s = qb @ k.transpose(-1, -2) * opts["sm_scale"]
+            if opts["logits_soft_cap"]:
+                s = opts["logits_soft_cap"] * torch.tanh(s / opts["logits_soft_cap"])
+            pos = torch.arange(n - qb.shape[1], n)[:, None]  # each query's position among the row's tokens
+            seen = torch.ones(qb.shape[1], n, dtype=torch.bool)
+            if opts["causal"]:
+                seen &= torch.arange(n)[None] <= pos
+            if opts["window_left"] >= 0:
+                seen &= torch.arange(n)[None] >= pos - opts["window_left"]
+            out.append((torch.softmax(s.masked_fill(~seen, float("-inf")), -1) @ v).transpose(0, 1))
+        return torch.cat(out).to(q.dtype)
+
+
 class _MLAWrapper:
     """FlashInfer's ``mla.BatchMLAPagedAttentionWrapper`` as documented: the compressed and rotary caches
     (pages, page_size, width) through a CSR page table and each row's token count; values the compressed rows."""
@@ -106,6 +152,7 @@ class _MLAWrapper:
 def stand_in(monkeypatch):
     module = types.ModuleType("flashinfer")
     module.BatchDecodeWithPagedKVCacheWrapper = _Wrapper
+    module.BatchPrefillWithPagedKVCacheWrapper = _PrefillWrapper
     module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_MLAWrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(flashinfer_decode, "WORKSPACE_BYTES", 64)
@@ -159,6 +206,28 @@ def test_paged_and_contiguous_decode_equal_float64(stand_in, variant, window, so
     ck, cv = buf_k[:, :, :40], buf_v[:, :, :40]
     want = _oracle(q, list(ck), list(cv), softcap=softcap, window=window)
     got = flashinfer_decode.decode(q, ck, cv, scale=16**-0.5, window=window, softcap=softcap)
+    assert _err(got, want) < 2e-2
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 5.0)])
+@pytest.mark.parametrize("variant", ["gqa", "mqa"])
+def test_a_causal_prefill_over_pages_equals_each_row_alone(stand_in, variant, window, softcap):
+    # 6 new tokens a row over rows of 33, 6, 16 and 50 tokens: the queries are each row's last 6 positions
+    heads, n_kv = HEADS[variant]
+    gen = torch.Generator().manual_seed(2)
+    k, v, keys, values = _paged(n_kv, 16, [33, 6, 16, 50], 16, gen, dtype=torch.bfloat16)
+    q = torch.randn(4, heads, 6, 16, generator=gen).to(torch.bfloat16)
+    got = flashinfer_decode.paged_decode(q, k.pool, v.pool, k.runs, k.lengths, scale=0.25, block_size=16,
+                                         window=window, softcap=softcap, causal=True)  # fmt: skip
+    assert got.shape == (4, heads, 6, 16)
+    for b in range(4):  # the reference backend over the row's own tokens, in float64
+        want = attend(q[b : b + 1].double(), keys[b][None].double(), values[b][None].double(), is_causal=True,
+                      scale=0.25, window=window, softcap=softcap, backend="reference")  # fmt: skip
+        assert _err(got[b : b + 1], want) < 2e-2, b
+    ck, cv = torch.stack(keys[:1] * 2), torch.stack(values[:1] * 2)  # contiguous: one page per row
+    want = attend(q[:2].double(), ck.double(), cv.double(), is_causal=True, scale=0.25, window=window,
+                  softcap=softcap, backend="reference")  # fmt: skip
+    got = flashinfer_decode.decode(q[:2], ck, cv, scale=0.25, window=window, softcap=softcap, causal=True)
     assert _err(got, want) < 2e-2
 
 
@@ -225,7 +294,6 @@ def test_the_table_runs_it_when_named_on_cuda_and_never_by_auto(monkeypatch):
         Call("cuda", torch.float32, "decode"): "takes bfloat16, float16 only",
         Call("cuda", torch.bfloat16, "decode", mask=True): "takes no masks",
         Call("cuda", torch.bfloat16, "decode", lengths=True): "takes no row lengths or masks",
-        Call("cuda", torch.bfloat16, "prefill"): "computes decode only",
         Call("cpu", torch.bfloat16, "decode"): "runs on cuda only",
     }
     for call, why in refusals.items():
@@ -233,6 +301,9 @@ def test_the_table_runs_it_when_named_on_cuda_and_never_by_auto(monkeypatch):
         assert choice.backend.name != "flashinfer" and dict(choice.skipped)["flashinfer"] == why
     softcapped = choose(Call("cuda", torch.bfloat16, "decode", softcap=True), "flashinfer")
     assert softcapped.backend.name == "flashinfer"  # FlashInfer's logits_soft_cap
+    assert (
+        choose(Call("cuda", torch.bfloat16, "prefill", paged=True), "flashinfer").backend.name == "flashinfer"
+    )
     mla = dataclasses.replace(BACKENDS["flashinfer_mla"], available=lambda: True)
     monkeypatch.setitem(BACKENDS, "flashinfer_mla", mla)
     assert (

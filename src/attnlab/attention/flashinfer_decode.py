@@ -1,8 +1,9 @@
-"""Decode attention through FlashInfer's batch decode kernels (Ye et al. 2025, arXiv 2501.01005; the
-``flashinfer-python`` package, CUDA only): one query per head, GQA/MQA without repeating K/V, a paged cache read in
-place through its block table.
+"""Attention through FlashInfer's batch decode and prefill kernels (Ye et al. 2025, arXiv 2501.01005; the
+``flashinfer-python`` package, CUDA only): GQA/MQA without repeating K/V, a paged cache read in place through its
+block table; a decode step (one query per row) on its decode kernels, several queries per row (a prefill, causal
+or not) on its prefill kernels.
 
-Shapes as in ``kernels``: q (B, n_heads, 1, D); contiguous k, v (B, n_kv_heads, T_k, D); or a paged pool
+Shapes as in ``kernels``: q (B, n_heads, T_q, D); contiguous k, v (B, n_kv_heads, T_k, D); or a paged pool
 (n_kv_heads, slots, D) with each row's runs of slots and length (a ``PagedView``'s fields).
 
 Layout. FlashInfer reads K/V as pages, (pages, n_kv_heads, page_size, D) in its "HND" layout, through a CSR table:
@@ -113,8 +114,12 @@ def _run(
     scale: float,
     window: int | None,
     softcap: float | None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """q (B, H, 1, D) over pages (pages, n_kv, page_size, D) through ``table``: (B, H, 1, D)."""
+    """q (B, H, T_q, D) over pages (pages, n_kv, page_size, D) through ``table``: (B, H, T_q, D). One query per row
+    goes to the decode wrapper; several to the prefill wrapper, each row's queries its last T_q positions (with
+    ``causal``, query i of a row of n tokens sees keys up to n - T_q + i: FlashInfer's causal mask is aligned to the
+    bottom right when there are more keys than queries)."""
     if k_pages.shape[-1] != v_pages.shape[-1] or k_pages.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"flashinfer: queries, keys and values must have one width, got {q.shape[-1]}, {k_pages.shape[-1]} "
@@ -122,22 +127,36 @@ def _run(
         )
     import flashinfer  # an optional dependency (attnlab[gpu]): imported when this backend runs
 
-    h, d = q.shape[1], q.shape[-1]
+    b, h, t_q, d = q.shape
     n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
     indptr, indices, last = table
+    device = q.device
+    window_left = -1 if window is None else window - 1
     key = (
         tuple(indptr.tolist()), tuple(indices.tolist()), tuple(last.tolist()), h, n_kv, d, page_size, q.dtype,
-        k_pages.dtype, scale, window, softcap,
+        k_pages.dtype, scale, window, softcap, t_q, causal,
     )  # fmt: skip
+    if t_q == 1:
+        wrapper = _planned(
+            "decode", device, key, lambda workspace: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND"),
+            lambda w: w.plan(
+                indptr.to(device), indices.to(device), last.to(device), h, n_kv, d, page_size,
+                pos_encoding_mode="NONE", window_left=window_left, logits_soft_cap=softcap, q_data_type=q.dtype,
+                kv_data_type=k_pages.dtype, sm_scale=scale,
+            ),
+        )  # fmt: skip
+        return wrapper.run(q[:, :, 0], (k_pages, v_pages)).unsqueeze(2)
     wrapper = _planned(
-        "decode", q.device, key, lambda workspace: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND"),
+        "prefill", device, key, lambda workspace: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND"),
         lambda w: w.plan(
-            indptr.to(q.device), indices.to(q.device), last.to(q.device), h, n_kv, d, page_size,
-            pos_encoding_mode="NONE", window_left=-1 if window is None else window - 1, logits_soft_cap=softcap,
-            q_data_type=q.dtype, kv_data_type=k_pages.dtype, sm_scale=scale,
+            torch.arange(0, b * t_q + 1, t_q, dtype=torch.int32, device=device), indptr.to(device),
+            indices.to(device), last.to(device), h, n_kv, d, page_size, causal=causal, pos_encoding_mode="NONE",
+            sm_scale=scale, window_left=window_left, logits_soft_cap=softcap, q_data_type=q.dtype,
+            kv_data_type=k_pages.dtype,
         ),
     )  # fmt: skip
-    return wrapper.run(q[:, :, 0], (k_pages, v_pages)).unsqueeze(2)
+    out = wrapper.run(q.transpose(1, 2).reshape(b * t_q, h, d), (k_pages, v_pages))
+    return out.view(b, t_q, h, d).transpose(1, 2)
 
 
 def _run_mla(
@@ -175,14 +194,18 @@ def decode(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """q (B, H, 1, D) over contiguous k, v (B, n_kv, T_k, D): each batch row one page of T_k tokens."""
+    """q (B, H, T_q, D) over contiguous k, v (B, n_kv, T_k, D): each batch row one page of T_k tokens (``causal``:
+    the queries are the row's last T_q positions)."""
     b, _, t_k, _ = k.shape
     if t_k == 0 or q.numel() == 0:
         return q.new_zeros(*q.shape[:3], v.shape[-1])
     if k.stride() != v.stride() or k.stride(-1) != 1:  # FlashInfer reads one set of strides for both
         k, v = k.contiguous(), v.contiguous()
-    return _run(q, k, v, _one_page_per_row(b, t_k), scale=scale, window=window, softcap=softcap)
+    return _run(
+        q, k, v, _one_page_per_row(b, t_k), scale=scale, window=window, softcap=softcap, causal=causal
+    )
 
 
 def paged_decode(
@@ -196,18 +219,12 @@ def paged_decode(
     block_size: int,
     window: int | None = None,
     softcap: float | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """q (B, H, 1, D) over a paged pool (n_kv, slots, D), row ``b`` its ``runs[b]`` of slots, read in place."""
+    """q (B, H, T_q, D) over a paged pool (n_kv, slots, D), row ``b`` its ``runs[b]`` of slots, read in place."""
+    k_pages, v_pages = pages(k_pool, block_size), pages(v_pool, block_size)
     table = page_table(runs, lengths, block_size)
-    return _run(
-        q,
-        pages(k_pool, block_size),
-        pages(v_pool, block_size),
-        table,
-        scale=scale,
-        window=window,
-        softcap=softcap,
-    )
+    return _run(q, k_pages, v_pages, table, scale=scale, window=window, softcap=softcap, causal=causal)
 
 
 def mla_decode(

@@ -41,8 +41,8 @@ Backends (each a ``backends.Backend`` declaring what it takes, registered in ``b
     "flex"       ``flex`` (PyTorch's FlexAttention; CPU and CUDA, 16/32-bit floats, one query per head; no dropout,
                  gradient or tensor subclass): compiled on CUDA, eager elsewhere; paged rows read in place through a block mask
                  of the block table, masks and soft-capping as its mask_mod and score_mod.
-    "flashinfer" ``flashinfer_decode``: FlashInfer's batch decode kernels (CUDA, bfloat16/float16, one query per head,
-                 keys and values of one width; no mask, dropout, gradient or tensor subclass; ``flashinfer-python``
+    "flashinfer" ``flashinfer_decode``: FlashInfer's batch decode and prefill kernels (CUDA, bfloat16/float16, keys
+                 and values of one width; no mask, dropout, gradient or tensor subclass; ``flashinfer-python``
                  installed): contiguous caches as one page per row, paged rows in place through a CSR page table.
                  Not yet run on a GPU: in no order of "auto" until ``benchmarks/gpu_check.py`` has measured it.
     "flashinfer_mla" the same module's ``mla_decode`` / ``paged_mla_decode``: MLA's absorbed decode over its latent
@@ -242,9 +242,9 @@ def _flashinfer_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, sof
     if isinstance(k, PagedView):
         return flashinfer_decode.paged_decode(
             q, k.pool, v.pool, k.runs, k.lengths, scale=scale, block_size=k.block_size, window=window,
-            softcap=softcap,
+            softcap=softcap, causal=is_causal,
         )  # fmt: skip
-    return flashinfer_decode.decode(q, k, v, scale=scale, window=window, softcap=softcap)
+    return flashinfer_decode.decode(q, k, v, scale=scale, window=window, softcap=softcap, causal=is_causal)
 
 
 def _flashinfer_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap):
@@ -315,7 +315,6 @@ register(
         _flashinfer_run,
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.bfloat16, torch.float16}),
-        phases=frozenset({"decode"}),
         mask=False,
         dropout=False,
         grad=False,
