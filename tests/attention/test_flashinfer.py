@@ -181,6 +181,8 @@ def test_bad_tables_are_refused_by_name():
         flashinfer_decode.page_table((((0, 4),), ()), (4, 0), 4)
     with pytest.raises(ValueError, match="starting at slot 2, not a multiple of 4"):
         flashinfer_decode.page_table((((2, 2),),), (2,), 4)
+    with pytest.raises(ValueError, match="row 0's run at slot 0 ends inside a block of 4"):
+        flashinfer_decode.page_table((((0, 3), (4, 2)),), (5,), 4)
     with pytest.raises(ValueError, match="runs hold 4 slots, its length is 5"):
         flashinfer_decode.page_table((((0, 4),),), (5,), 4)
     with pytest.raises(ValueError, match="not whole blocks of 4"):

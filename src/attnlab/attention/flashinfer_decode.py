@@ -21,15 +21,16 @@ rank) and the rotary part (pages, page_size, rope): both are column slices of at
 values a token), read through their strides, and the queries likewise; its plan takes each row's token count
 instead of its last page's. It has no window and no soft-capping.
 
-Planning. ``BatchDecodeWithPagedKVCacheWrapper.plan`` schedules the work of a batch on the host (and cannot run in a
-CUDA graph or under ``torch.compile``); a model's layers attend over the same table in one decode step, so the
-wrapper of a device keeps the last plan and plans again only when the table, the shapes, the dtype, the scale, the
+Planning. A wrapper's ``plan`` schedules the work of a batch on the host (and cannot run in a CUDA graph or under
+``torch.compile``); a model's layers attend over the same table in one step, so each wrapper (decode, prefill,
+MLA) of a device keeps its last plan and plans again only when the table, the shapes, the dtype, the scale, the
 window or the soft-cap change.
 
-Status: written against FlashInfer's documented API (``flashinfer.decode``, 2026-08) and tested on a CPU through a
-stand-in module that computes what that API specifies (tests/attention/test_flashinfer.py); not yet run on a GPU,
-so no backend order lists it: it runs when named (``backend="flashinfer"``), and ``benchmarks/gpu_check.py``
-checks and times it beside SDPA and FlexAttention.
+Status: written against FlashInfer's documented API (``flashinfer.decode``, ``flashinfer.prefill``,
+``flashinfer.mla``, 2026-08) and tested on a CPU through a stand-in module that computes what that API specifies
+(tests/attention/test_flashinfer.py); not yet run on a GPU, so no backend order lists these: they run when named
+(``backend="flashinfer"``, ``"flashinfer_mla"``), and ``benchmarks/gpu_check.py`` checks and times their decode
+beside SDPA, FlexAttention and the Triton MLA kernel.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def page_table(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's CSR page table (int32 on the CPU: indptr (B + 1,), indices, last_page_len (B,)) of a paged
     cache's rows: the blocks of each row's runs of slots, in order. Every row must hold a token (FlashInfer's last
-    page holds 1 to ``block``), and every run must start on a block boundary (a ``PagedKVCache``'s do)."""
+    page holds 1 to ``block``), and its runs must start on a block boundary and all but its last end on one (a
+    ``PagedKVCache``'s do)."""
     if block <= 0:
         raise ValueError(f"page_table: the cache's block size must be known (> 0), got {block}")
     indptr, indices, last = [0], [], []
@@ -59,11 +61,13 @@ def page_table(
         if n <= 0:
             raise ValueError(f"page_table: row {b} holds no token; FlashInfer's rows hold at least one")
         held = 0
-        for start, count in row:
+        for i, (start, count) in enumerate(row):
             if start % block:
                 raise ValueError(
                     f"page_table: row {b} has a run starting at slot {start}, not a multiple of {block}"
                 )
+            if count % block and i < len(row) - 1:  # FlashInfer's pages are full but a row's last
+                raise ValueError(f"page_table: row {b}'s run at slot {start} ends inside a block of {block}")
             indices.extend(range(start // block, (start + count + block - 1) // block))
             held += count
         if held != n:
