@@ -17,7 +17,9 @@ them in shuffled blocks beside attnlab's gathering SDPA path), each over a ring 
 timed with CUDA events (median); the roofline is the KV bytes over the bandwidth of a device-to-device copy measured
 at the start (bytes read plus written); MLA's absorbed decode (DeepSeek-V2-Lite's 16 heads and V3's 128, latent rows
 of 512 + 64 values) through the Triton kernel beside SDPA and plain matmuls, against the roofline of the latent bytes.
-End to end: ``attnlab.generate`` of a model of SmolLM-135M's shape (random weights, bfloat16) at a 512-token prompt,
+FlashInfer's backends ("flashinfer", "flashinfer_mla"), where installed, beside those, decode and MLA alike; and a
+chunked causal prefill (512 and 256 new tokens a row after 4096 and 2048) through SDPA and FlashInfer, contiguous and
+paged. End to end: ``attnlab.generate`` of a model of SmolLM-135M's shape (random weights, bfloat16) at a 512-token prompt,
 with its default cache and with the static cache whose decode step is compiled into CUDA graphs, against transformers'
 ``generate`` with its dynamic cache and with its static cache (which it compiles the same way on a GPU).
 Each section records its error instead of stopping the run.
@@ -267,7 +269,7 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
                 fraction_flex=roof_ms / ms_flex, flex_first_s=flex_first_s, **flashinfer)  # fmt: skip
 
 
-def _named_columns(name, q, ring, paged, scale, ref, device) -> dict:
+def _named_columns(name, q, ring, paged, scale, ref, device, **options) -> dict:
     """Backend ``name`` (run when named: FlashInfer's, not yet in any order of "auto") over the ring of (k, v) and
     the paged (k, v) views: its errors against the float64 reference and its median ms per cache; nothing where
     the table refuses it (no FlashInfer, no CUDA, a dtype it does not take), and an error's text in their place
@@ -279,15 +281,15 @@ def _named_columns(name, q, ring, paged, scale, ref, device) -> dict:
         return {}
 
     def contiguous():
-        return [attend(q, k, v, scale=scale, backend=name) for k, v in ring]
+        return [attend(q, k, v, scale=scale, backend=name, **options) for k, v in ring]
 
     def in_pages():
-        return [attend(q, k, v, scale=scale, backend=name) for k, v in paged]
+        return [attend(q, k, v, scale=scale, backend=name, **options) for k, v in paged]
 
     try:
         return {
-            f"rel_err_{name}": _rel(attend(q, *ring[0], scale=scale, backend=name), ref),
-            f"rel_err_{name}_paged": _rel(attend(q, *paged[0], scale=scale, backend=name), ref),
+            f"rel_err_{name}": _rel(attend(q, *ring[0], scale=scale, backend=name, **options), ref),
+            f"rel_err_{name}_paged": _rel(attend(q, *paged[0], scale=scale, backend=name, **options), ref),
             f"ms_{name}": _median_ms(contiguous, device, 20) / len(ring),
             f"ms_{name}_paged": _median_ms(in_pages, device, 20) / len(paged),
         }
@@ -318,6 +320,51 @@ def _paged_copy(k, v, block: int, gen):
     ]
     lengths = (ctx,) * b
     return tuple(PagedView(pool, tuple(runs), lengths, block) for pool in pools)
+
+
+def prefill_rows(device: str, quick: bool) -> list[dict]:
+    """A chunk of new tokens on every row of a batch (chunked prefill: causal, the queries each row's last
+    positions; bfloat16), over a contiguous cache and over the same rows in shuffled blocks: attnlab's SDPA path
+    (contiguous as is; paged rows gathered into a copy first) and, where the table lets it run, FlashInfer's prefill
+    (paged rows read in place), against float64 on the CPU."""
+    import torch
+
+    shapes = [(4, 2, 16, 2, 40, 8)] if quick else [(32, 8, 128, 4, 4096, 512), (32, 8, 128, 16, 2048, 256)]
+    rows = []
+    for heads, n_kv, d, b, ctx, new in shapes:
+        row = dict(dtype="bf16", n_heads=heads, n_kv_heads=n_kv, head_dim=d, batch=b, context=ctx, new=new)
+        try:
+            row |= _prefill_row(device, torch.bfloat16, heads, n_kv, d, b, ctx, new, quick)
+        except Exception as err:
+            _failed(row, err)
+        rows.append(_shown(row))
+    return rows
+
+
+def _prefill_row(device, dt, heads, n_kv, d, b, ctx, new, quick) -> dict:
+    import torch
+
+    from attnlab.attention.kernels import attend
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(b, n_kv, ctx, d, generator=gen).to(device=device, dtype=dt)
+    v = torch.randn(b, n_kv, ctx, d, generator=gen).to(device=device, dtype=dt)
+    q = torch.randn(b, heads, new, d, generator=gen).to(device=device, dtype=dt)
+    scale, repeats = d**-0.5, 3 if quick else 20
+    paged = _paged_copy(k, v, PAGE, gen)
+    with torch.inference_mode():
+        ref = attend(q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=True, scale=scale,
+                     backend="reference")  # fmt: skip
+        out = dict(
+            rel_err_sdpa=_rel(attend(q, k, v, is_causal=True, scale=scale, backend="sdpa"), ref),
+            rel_err_sdpa_paged=_rel(attend(q, *paged, is_causal=True, scale=scale, backend="sdpa"), ref),
+            ms_sdpa=_median_ms(lambda: attend(q, k, v, is_causal=True, scale=scale, backend="sdpa"), device, repeats),
+            ms_sdpa_paged=_median_ms(
+                lambda: attend(q, *paged, is_causal=True, scale=scale, backend="sdpa"), device, repeats
+            ),
+        )  # fmt: skip
+        out |= _named_columns("flashinfer", q, [(k, v)], [paged], scale, ref, device, is_causal=True)
+    return out
 
 
 # MLA's attention shapes (kv_lora_rank, qk_rope_head_dim; qk_nope_head_dim 128 and v_head_dim 128 are folded into the
@@ -582,7 +629,7 @@ def uptrain_mfu(device: str, quick: bool, preset: str = "llama-3.2-1b") -> dict:
 
 # The sections of a run, in order; ``--sections`` runs some of them (a GPU session's calls are limited to 10 minutes
 # each) and merges them into the saved JSON.
-SECTIONS = ("correctness", "decode", "mla_decode", "end_to_end", "end_to_end_1b", "uptrain")
+SECTIONS = ("correctness", "decode", "mla_decode", "prefill", "end_to_end", "end_to_end_1b", "uptrain")
 
 
 def run(device: str, quick: bool, sections: tuple[str, ...] = SECTIONS) -> dict:
@@ -600,6 +647,7 @@ def run(device: str, quick: bool, sections: tuple[str, ...] = SECTIONS) -> dict:
         "correctness": lambda: correctness(device),
         "decode": lambda: decode_rows(device, quick, bandwidth),
         "mla_decode": lambda: mla_decode_rows(device, quick, bandwidth),
+        "prefill": lambda: prefill_rows(device, quick),
         "end_to_end": lambda: end_to_end(device, quick),
         "end_to_end_1b": lambda: end_to_end(device, quick, "llama-3.2-1b", profile=False),
         "uptrain": lambda: uptrain_mfu(device, quick),
@@ -709,6 +757,8 @@ def page(result: dict) -> str:
         ]
     if "mla_decode" in result:  # runs before this section was added have none
         lines += _mla_page(result["mla_decode"])
+    if "prefill" in result:  # nor this one
+        lines += _prefill_page(result["prefill"])
     if "end_to_end" in result:
         lines += _e2e_page(result["end_to_end"], "## End to end", target=True)
     if "end_to_end_1b" in result:  # runs before these sections have neither
@@ -786,6 +836,30 @@ def _uptrain_page(u: dict) -> list[str]:
         f"{u['datasheet_bf16_tflops']:.0f} TFLOP/s (issue 34's target: >= 0.40). Loss "
         f"{u['loss_first']:.3f} -> {u['loss_last']:.3f}.",
     ]
+
+
+def _prefill_page(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "## Chunked prefill, causal",
+        "",
+        "`new` queries on every row after its cached tokens (`context` in all, the queries its last positions), "
+        f"bfloat16: attnlab's SDPA path over a contiguous cache and over the same rows in shuffled blocks of {PAGE} "
+        "(gathered into a copy first), medians of timings.",
+        "",
+        "| heads x dim | n_kv | B | context | new | SDPA ms | SDPA paged ms | rel. err (paged) | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['n_heads']} x {r['head_dim']} | {r['n_kv_heads']} | {r['batch']} | {r['context']} | {r['new']} | "
+            f"{_f(r.get('ms_sdpa'), '.4f')} | {_f(r.get('ms_sdpa_paged'), '.4f')} | {_f(r.get('rel_err_sdpa'))} "
+            f"({_f(r.get('rel_err_sdpa_paged'))}) | {r.get('error', '')} |"
+        )
+    return lines + _named_table(
+        rows, "flashinfer", 'FlashInfer prefill: `attend` with backend "flashinfer" (FlashInfer\'s batch prefill '
+        "kernels) over the same rows, contiguous and paged (read in place).",
+    )  # fmt: skip
 
 
 def _mla_page(rows: list[dict]) -> list[str]:

@@ -31,6 +31,9 @@ def test_the_cpu_run_passes_every_correctness_check_and_the_page_is_the_jsons(tm
         assert r["greedy_equal_static"] and not r["static_compiled"], r  # the static cache, eager on a CPU
     assert all("error" not in r and r["rel_err"] < 2e-2 for r in result["decode"]), result["decode"]
     assert all(r["rel_err_flex"] < 2e-2 and r["rel_err_flex_paged"] < 2e-2 for r in result["decode"])
+    for r in result["prefill"]:  # the SDPA path, contiguous and paged; FlashInfer refused on a CPU
+        assert "error" not in r and r["rel_err_sdpa"] < 2e-2 and r["rel_err_sdpa_paged"] < 2e-2, r
+        assert r["ms_sdpa"] > 0 and r["ms_sdpa_paged"] > 0 and "ms_flashinfer" not in r, r
     mla = result["mla_decode"]
     assert [(r["model"], r["batch"]) for r in mla] == [("tiny-40", 1), ("tiny-40", 2)]
     for r in mla:  # on a CPU the table refuses the Triton kernel, and the row says so
