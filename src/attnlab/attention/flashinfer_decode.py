@@ -22,9 +22,10 @@ values a token), read through their strides, and the queries likewise; its plan 
 instead of its last page's. It has no window and no soft-capping.
 
 Planning. A wrapper's ``plan`` schedules the work of a batch on the host (and cannot run in a CUDA graph or under
-``torch.compile``); a model's layers attend over the same table in one step, so each wrapper (decode, prefill,
-MLA) of a device keeps its last plan and plans again only when the table, the shapes, the dtype, the scale, the
-window or the soft-cap change.
+``torch.compile``); a model's layers attend over the same rows in one step, so each wrapper (decode, prefill, MLA)
+of a device keeps its last plan and plans again only when the rows (a paged cache's runs and lengths, or a
+contiguous cache's batch and length), the shapes, the dtype, the scale, the window or the soft-cap change; the
+page table is built only then.
 
 Status: written against FlashInfer's documented API (``flashinfer.decode``, ``flashinfer.prefill``,
 ``flashinfer.mla``, 2026-08) and tested on a CPU through a stand-in module that computes what that API specifies
@@ -35,9 +36,15 @@ beside SDPA, FlexAttention and the Triton MLA kernel.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Callable
 
 import torch
+
+Table = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor
+]  # FlashInfer's page table: indptr, indices, a count per row
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented workspace for its split-K scheduling
 
@@ -47,9 +54,7 @@ def available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 
 
-def page_table(
-    runs: tuple[tuple[tuple[int, int], ...], ...], lengths: tuple[int, ...], block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_table(runs: tuple[tuple[tuple[int, int], ...], ...], lengths: tuple[int, ...], block: int) -> Table:
     """FlashInfer's CSR page table (int32 on the CPU: indptr (B + 1,), indices, last_page_len (B,)) of a paged
     cache's rows: the blocks of each row's runs of slots, in order. Every row must hold a token (FlashInfer's last
     page holds 1 to ``block``), and its runs must start on a block boundary and all but its last end on one (a
@@ -78,7 +83,7 @@ def page_table(
     return torch.tensor(indptr, **as_int), torch.tensor(indices, **as_int), torch.tensor(last, **as_int)
 
 
-def _one_page_per_row(b: int, t_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _one_page_per_row(b: int, t_k: int) -> Table:
     """The table of a contiguous cache: row ``b`` reads page ``b``, all ``t_k`` of its tokens (the last page's count
     and the row's count alike)."""
     i32 = dict(dtype=torch.int32)
@@ -113,17 +118,19 @@ def _run(
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: tuple,
+    table: Callable[[], Table],
     *,
     scale: float,
     window: int | None,
     softcap: float | None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """q (B, H, T_q, D) over pages (pages, n_kv, page_size, D) through ``table``: (B, H, T_q, D). One query per row
-    goes to the decode wrapper; several to the prefill wrapper, each row's queries its last T_q positions (with
-    ``causal``, query i of a row of n tokens sees keys up to n - T_q + i: FlashInfer's causal mask is aligned to the
-    bottom right when there are more keys than queries)."""
+    """q (B, H, T_q, D) over pages (pages, n_kv, page_size, D): (B, H, T_q, D). ``rows`` says which pages each row
+    reads (the runs of a paged cache, or one page per row), ``table()`` makes FlashInfer's table of them, called
+    only when a plan is made. One query per row goes to the decode wrapper; several to the prefill wrapper, each
+    row's queries its last T_q positions (with ``causal``, query i of a row of n tokens sees keys up to n - T_q + i:
+    FlashInfer's causal mask is aligned to the bottom right when there are more keys than queries)."""
     if k_pages.shape[-1] != v_pages.shape[-1] or k_pages.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"flashinfer: queries, keys and values must have one width, got {q.shape[-1]}, {k_pages.shape[-1]} "
@@ -133,59 +140,54 @@ def _run(
 
     b, h, t_q, d = q.shape
     n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
-    indptr, indices, last = table
     device = q.device
     window_left = -1 if window is None else window - 1
-    key = (
-        tuple(indptr.tolist()), tuple(indices.tolist()), tuple(last.tolist()), h, n_kv, d, page_size, q.dtype,
-        k_pages.dtype, scale, window, softcap, t_q, causal,
-    )  # fmt: skip
+    key = (rows, h, n_kv, d, page_size, q.dtype, k_pages.dtype, scale, window, softcap, t_q, causal)
+    common = dict(pos_encoding_mode="NONE", window_left=window_left, logits_soft_cap=softcap, q_data_type=q.dtype,
+                  kv_data_type=k_pages.dtype, sm_scale=scale)  # fmt: skip
+
+    def plan_decode(wrapper) -> None:
+        indptr, indices, last = (t.to(device) for t in table())
+        wrapper.plan(indptr, indices, last, h, n_kv, d, page_size, **common)
+
+    def plan_prefill(wrapper) -> None:
+        indptr, indices, last = (t.to(device) for t in table())
+        queries = torch.arange(0, b * t_q + 1, t_q, dtype=torch.int32, device=device)
+        wrapper.plan(queries, indptr, indices, last, h, n_kv, d, page_size, causal=causal, **common)
+
     if t_q == 1:
-        wrapper = _planned(
-            "decode", device, key, lambda workspace: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND"),
-            lambda w: w.plan(
-                indptr.to(device), indices.to(device), last.to(device), h, n_kv, d, page_size,
-                pos_encoding_mode="NONE", window_left=window_left, logits_soft_cap=softcap, q_data_type=q.dtype,
-                kv_data_type=k_pages.dtype, sm_scale=scale,
-            ),
-        )  # fmt: skip
+        make = functools.partial(flashinfer.BatchDecodeWithPagedKVCacheWrapper, kv_layout="HND")
+        wrapper = _planned("decode", device, key, make, plan_decode)
         return wrapper.run(q[:, :, 0], (k_pages, v_pages)).unsqueeze(2)
-    wrapper = _planned(
-        "prefill", device, key, lambda workspace: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND"),
-        lambda w: w.plan(
-            torch.arange(0, b * t_q + 1, t_q, dtype=torch.int32, device=device), indptr.to(device),
-            indices.to(device), last.to(device), h, n_kv, d, page_size, causal=causal, pos_encoding_mode="NONE",
-            sm_scale=scale, window_left=window_left, logits_soft_cap=softcap, q_data_type=q.dtype,
-            kv_data_type=k_pages.dtype,
-        ),
-    )  # fmt: skip
+    make = functools.partial(flashinfer.BatchPrefillWithPagedKVCacheWrapper, kv_layout="HND")
+    wrapper = _planned("prefill", device, key, make, plan_prefill)
     out = wrapper.run(q.transpose(1, 2).reshape(b * t_q, h, d), (k_pages, v_pages))
     return out.view(b, t_q, h, d).transpose(1, 2)
 
 
 def _run_mla(
-    q: torch.Tensor, pages_: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rank: int, *,
-    scale: float, window: int | None,
+    q: torch.Tensor, pages_: torch.Tensor, rows: tuple, table: Callable[[], Table], rank: int, *, scale: float,
+    window: int | None,
 ) -> torch.Tensor:  # fmt: skip
-    """q (B, H, 1, rank + rope) over latent pages (pages, page_size, rank + rope) through ``table`` (indptr,
-    indices, tokens per row): (B, H, 1, rank)."""
+    """q (B, H, 1, rank + rope) over latent pages (pages, page_size, rank + rope), ``rows`` and ``table`` as
+    ``_run``'s (the table's last column: each row's token count): (B, H, 1, rank)."""
     if window is not None:
         raise ValueError(f"flashinfer_mla: FlashInfer's MLA kernels take no window, got window={window}")
     import flashinfer  # an optional dependency (attnlab[gpu]): imported when this backend runs
 
     b, h = q.shape[0], q.shape[1]
     page_size, rope = pages_.shape[1], pages_.shape[-1] - rank
-    indptr, indices, tokens = table
-    key = (tuple(indptr.tolist()), tuple(indices.tolist()), tuple(tokens.tolist()), h, rank, rope, page_size,
-           q.dtype, pages_.dtype, scale)  # fmt: skip
+    key = (rows, h, rank, rope, page_size, q.dtype, pages_.dtype, scale)
     device = q.device
-    wrapper = _planned(
-        "mla", device, key, lambda workspace: flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace),
-        lambda w: w.plan(
-            torch.arange(b + 1, dtype=torch.int32, device=device), indptr.to(device), indices.to(device),
-            tokens.to(device), h, rank, rope, page_size, False, scale, q.dtype, pages_.dtype,
-        ),
-    )  # fmt: skip
+
+    def plan(wrapper) -> None:
+        indptr, indices, tokens = (t.to(device) for t in table())
+        queries = torch.arange(b + 1, dtype=torch.int32, device=device)
+        wrapper.plan(
+            queries, indptr, indices, tokens, h, rank, rope, page_size, False, scale, q.dtype, pages_.dtype
+        )
+
+    wrapper = _planned("mla", device, key, flashinfer.mla.BatchMLAPagedAttentionWrapper, plan)
     q1 = q[:, :, 0]
     return wrapper.run(q1[..., :rank], q1[..., rank:], pages_[..., :rank], pages_[..., rank:]).unsqueeze(2)
 
@@ -207,8 +209,9 @@ def decode(
         return q.new_zeros(*q.shape[:3], v.shape[-1])
     if k.stride() != v.stride() or k.stride(-1) != 1:  # FlashInfer reads one set of strides for both
         k, v = k.contiguous(), v.contiguous()
+    table = functools.partial(_one_page_per_row, b, t_k)
     return _run(
-        q, k, v, _one_page_per_row(b, t_k), scale=scale, window=window, softcap=softcap, causal=causal
+        q, k, v, ("one page a row", b, t_k), table, scale=scale, window=window, softcap=softcap, causal=causal
     )
 
 
@@ -227,8 +230,9 @@ def paged_decode(
 ) -> torch.Tensor:
     """q (B, H, T_q, D) over a paged pool (n_kv, slots, D), row ``b`` its ``runs[b]`` of slots, read in place."""
     k_pages, v_pages = pages(k_pool, block_size), pages(v_pool, block_size)
-    table = page_table(runs, lengths, block_size)
-    return _run(q, k_pages, v_pages, table, scale=scale, window=window, softcap=softcap, causal=causal)
+    table = functools.partial(page_table, runs, lengths, block_size)
+    rows = ("runs", runs, lengths, block_size)
+    return _run(q, k_pages, v_pages, rows, table, scale=scale, window=window, softcap=softcap, causal=causal)
 
 
 def mla_decode(
@@ -239,7 +243,8 @@ def mla_decode(
     b, _, t_k, _ = rows.shape
     if t_k == 0 or q.numel() == 0:
         return q.new_zeros(*q.shape[:3], rank)
-    return _run_mla(q, rows[:, 0], _one_page_per_row(b, t_k), rank, scale=scale, window=window)
+    table = functools.partial(_one_page_per_row, b, t_k)  # one page: its last page's count is the row's
+    return _run_mla(q, rows[:, 0], ("one page a row", b, t_k), table, rank, scale=scale, window=window)
 
 
 def paged_mla_decode(
@@ -254,7 +259,11 @@ def paged_mla_decode(
     window: int | None = None,
 ) -> torch.Tensor:
     """q (B, H, 1, rank + rope) over a paged pool of latent rows (1, slots, rank + rope), read in place."""
-    indptr, indices, _ = page_table(runs, lengths, block_size)
+
+    def table() -> Table:
+        indptr, indices, _ = page_table(runs, lengths, block_size)
+        return indptr, indices, torch.tensor(lengths, dtype=torch.int32)
+
     pages_ = pages(pool, block_size)[:, 0]  # (blocks, block, rank + rope)
-    return _run_mla(q, pages_, (indptr, indices, torch.tensor(lengths, dtype=torch.int32)), rank, scale=scale,
-                    window=window)  # fmt: skip
+    rows = ("runs", runs, lengths, block_size)
+    return _run_mla(q, pages_, rows, table, rank, scale=scale, window=window)
