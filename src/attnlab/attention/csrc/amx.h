@@ -125,12 +125,13 @@ inline bool eights(int64_t G) { return G == 8 && !amx_granted(); }
 // The group's G queries (rows of dk at q) in the tile unit's pairs: qt[s][i][g] = q[g][32 s + 2 i .. + 1].
 inline void amx_queries(const bf16* q, int64_t G, int64_t dk, AmxScratch& w) {
   const int64_t Gp = w.Gp;
+  const bool eight = eights(G);
   for (int64_t g = 0; g < G; ++g) {
     const bf16* qg = q + g * dk;
     for (int64_t c = 0; c < dk / 2; ++c) {
       uint32_t pair;
       std::memcpy(&pair, qg + 2 * c, 4);
-      if (eights(G)) w.qt[c / 2 * 16 + 2 * g + c % 2] = pair;  // dots_eight's layout
+      if (eight) w.qt[c / 2 * 16 + 2 * g + c % 2] = pair;  // dots_eight's layout
       else w.qt[c * Gp + g] = pair;  // c = 16 s + i
     }
   }
@@ -517,8 +518,8 @@ void amx_block(const Dims& d, const Rows<bf16>& keys, const Rows<bf16>& values, 
     // value steps (one per token pair, four queries and 64 columns): spread over all of them, for asked for only
     // during the scores (which run a step in ~12 cycles) the lines came faster than memory brings them, and the
     // prefetches stalled (a third of the score tiles' time, 32 heads over 2 KV heads)
-    w.ahead.spread((n + kDotsKeys - 1) / kDotsKeys * ((Gp + 31) / 32) * dk / (eights(d.G) ? 4 : 2) + (d.G + 15) / 16 * n +
-                   round_up(n, 32) / 2 + (d.G + 3) / 4 * ((dv / 16 + 3) / 4) * ((n + 1) / 2));
+    w.ahead.spread((n + kDotsKeys - 1) / kDotsKeys * ((Gp + 31) / 32) * dk / (eights(d.G) ? 4 : 2) +
+                   (d.G + 15) / 16 * n + round_up(n, 32) / 2 + (d.G + 3) / 4 * ((dv / 16 + 3) / 4) * ((n + 1) / 2));
   if (tiles) {
 #if defined(ATTNLAB_AMX)
     tile_block_scores(d, keys, it, t0, n, w);
