@@ -259,7 +259,7 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
         ms_flex = _median_ms(flex, device, flex_reps) / n_ring
         ms_flex_paged = _median_ms(flex_paged, device, flex_reps) / len(paged)
         ms_sdpa_paged = _median_ms(sdpa_paged, device, flex_reps) / len(paged)
-        flashinfer = _named_columns("flashinfer", q, ring, paged, scale, ref, device)
+        flashinfer = _backend_columns("flashinfer", q, ring, paged, scale, ref, device)
     roof_ms = (kv_bytes + 2 * b * heads * d * elem) / bandwidth * 1e3
     if "ms_flashinfer" in flashinfer:
         flashinfer["fraction_flashinfer"] = roof_ms / flashinfer["ms_flashinfer"]
@@ -269,11 +269,11 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
                 fraction_flex=roof_ms / ms_flex, flex_first_s=flex_first_s, **flashinfer)  # fmt: skip
 
 
-def _named_columns(name, q, ring, paged, scale, ref, device, **options) -> dict:
-    """Backend ``name`` (run when named: FlashInfer's, not yet in any order of "auto") over the ring of (k, v) and
-    the paged (k, v) views: its errors against the float64 reference and its median ms per cache; nothing where
-    the table refuses it (no FlashInfer, no CUDA, a dtype it does not take), and an error's text in their place
-    when it fails (it has not run on a GPU before)."""
+def _backend_columns(name, q, ring, paged, scale, ref, device, repeats=20, **options) -> dict:
+    """Backend ``name`` (``attend``'s, named) over the ring of (k, v) and the paged (k, v) views, ``options`` passed
+    to ``attend``: its errors against the float64 reference and its median ms per cache; nothing where the table
+    refuses it (FlashInfer's: no FlashInfer, no CUDA, a dtype it does not take), and an error's text in their place
+    when it fails (FlashInfer's have not run on a GPU before)."""
     from attnlab.attention.backends import BACKENDS
     from attnlab.attention.kernels import attend, call_of
 
@@ -290,8 +290,8 @@ def _named_columns(name, q, ring, paged, scale, ref, device, **options) -> dict:
         return {
             f"rel_err_{name}": _rel(attend(q, *ring[0], scale=scale, backend=name, **options), ref),
             f"rel_err_{name}_paged": _rel(attend(q, *paged[0], scale=scale, backend=name, **options), ref),
-            f"ms_{name}": _median_ms(contiguous, device, 20) / len(ring),
-            f"ms_{name}_paged": _median_ms(in_pages, device, 20) / len(paged),
+            f"ms_{name}": _median_ms(contiguous, device, repeats) / len(ring),
+            f"ms_{name}_paged": _median_ms(in_pages, device, repeats) / len(paged),
         }
     except Exception as err:  # the row keeps the other backends' figures and says what failed
         return {f"{name}_error": f"{type(err).__name__}: {err}"[:300]}
@@ -355,15 +355,11 @@ def _prefill_row(device, dt, heads, n_kv, d, b, ctx, new, quick) -> dict:
     with torch.inference_mode():
         ref = attend(q.double().cpu(), k.double().cpu(), v.double().cpu(), is_causal=True, scale=scale,
                      backend="reference")  # fmt: skip
-        out = dict(
-            rel_err_sdpa=_rel(attend(q, k, v, is_causal=True, scale=scale, backend="sdpa"), ref),
-            rel_err_sdpa_paged=_rel(attend(q, *paged, is_causal=True, scale=scale, backend="sdpa"), ref),
-            ms_sdpa=_median_ms(lambda: attend(q, k, v, is_causal=True, scale=scale, backend="sdpa"), device, repeats),
-            ms_sdpa_paged=_median_ms(
-                lambda: attend(q, *paged, is_causal=True, scale=scale, backend="sdpa"), device, repeats
-            ),
-        )  # fmt: skip
-        out |= _named_columns("flashinfer", q, [(k, v)], [paged], scale, ref, device, is_causal=True)
+        out: dict = {}
+        for backend in ("sdpa", "flashinfer"):  # each over the contiguous cache and the paged one
+            out |= _backend_columns(
+                backend, q, [(k, v)], [paged], scale, ref, device, repeats, is_causal=True
+            )
     return out
 
 
@@ -456,7 +452,7 @@ def _mla_decode_row(device, dt, b, ctx, heads, rank, rope, bandwidth, quick) -> 
             )
             out["ms_triton_paged"] = ms / n_ring  # with the slot table built from the runs at every call
         pairs = [(k, k[..., :rank]) for k in ring]
-        out |= _named_columns("flashinfer_mla", q, pairs, paged, scale, ref, device)
+        out |= _backend_columns("flashinfer_mla", q, pairs, paged, scale, ref, device)
     # the latent rows, the queries and the outputs, each once
     roof_ms = (latent_bytes + b * heads * (width + rank) * elem) / bandwidth * 1e3
     out["roofline_ms"] = roof_ms
@@ -901,7 +897,7 @@ def _mla_page(rows: list[dict]) -> list[str]:
 
 
 def _named_table(rows: list[dict], name: str, what: str) -> list[str]:
-    """The table of a backend run when named (``_named_columns``): one line per row it ran or failed on."""
+    """The table of a backend run when named (``_backend_columns``): one line per row it ran or failed on."""
     lines = ["", what, "", "| dtype | B | context | n_kv | ms | paged ms | of roofline | rel. err (paged) | error |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     ran = [r for r in rows if {f"ms_{name}", f"{name}_error"} & r.keys()]
