@@ -34,6 +34,9 @@ def _nnls(gram: torch.Tensor, rhs: torch.Tensor, tol: float = 1e-12) -> torch.Te
     p = torch.zeros(n, dtype=gram.dtype)
     free = torch.zeros(n, dtype=torch.bool)
     scale = rhs.abs().max().clamp_min(1e-300)
+    # On a CPU gelsd (SVD): the CPU default, gelsy, gave a different solution from call to call on the same inputs
+    # (MKL, 1e-8 relative), so that a conversion's bytes changed from run to run. CUDA has gels alone (its default).
+    driver = "gelsd" if gram.device.type == "cpu" else None
     for _ in range(3 * n):
         grad = rhs - gram @ p  # minus half the gradient
         candidates = torch.where(~free & (grad > tol * scale))[0]
@@ -43,9 +46,7 @@ def _nnls(gram: torch.Tensor, rhs: torch.Tensor, tol: float = 1e-12) -> torch.Te
         while True:
             s = torch.zeros_like(p)
             idx = torch.where(free)[0]
-            # gelsd (SVD): the CPU default, gelsy, gave a different solution from call to call on the same
-            # inputs (MKL, 1e-8 relative), so that a conversion's bytes changed from run to run
-            s[idx] = torch.linalg.lstsq(gram[idx][:, idx], rhs[idx, None], driver="gelsd").solution[:, 0]
+            s[idx] = torch.linalg.lstsq(gram[idx][:, idx], rhs[idx, None], driver=driver).solution[:, 0]
             if bool((s[idx] > 0).all()):
                 p = s
                 break
