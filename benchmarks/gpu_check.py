@@ -211,7 +211,7 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
 
     elem = torch.finfo(dt).bits // 8
     kv_bytes = 2 * b * n_kv * ctx * d * elem
-    n_ring = max(2, min(16, -(-2 * l2 // kv_bytes)))
+    n_ring = 2 if quick else max(2, min(16, -(-2 * l2 // kv_bytes)))  # quick (the CPU test) checks, not times
     ring = [
         (
             torch.randn(b, n_kv, ctx, d, device=device, dtype=dt),
@@ -223,10 +223,9 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
     scale = d**-0.5
     gen = torch.Generator().manual_seed(0)
 
-    # The same caches in shuffled blocks. Quick (the CPU test): two of them, where eager FlexAttention takes ~20 ms
-    # a paged call.
-    paged = [_paged_copy(k, v, PAGE, gen) for k, v in ring[: 2 if quick else n_ring]]
-    flex_reps = 3 if quick else 20
+    # The same caches in shuffled blocks. Quick: 3 rounds, where eager FlexAttention takes ~20 ms a paged call.
+    paged = [_paged_copy(k, v, PAGE, gen) for k, v in ring]
+    reps = 3 if quick else 20
 
     def ours():
         return [attend(q, k, v, scale=scale, backend="auto") for k, v in ring]
@@ -254,12 +253,12 @@ def _decode_row(device, dt, b, ctx, heads, n_kv, d, l2, bandwidth, quick=False) 
         _sync(device)
         flex_first_s = time.perf_counter() - t
         err_flex_paged = _rel(attend(q, *paged[0], scale=scale, backend="flex"), ref)
-        ms_ours = _median_ms(ours, device, 20) / n_ring
-        ms_sdpa = _median_ms(sdpa, device, 20) / n_ring
-        ms_flex = _median_ms(flex, device, flex_reps) / n_ring
-        ms_flex_paged = _median_ms(flex_paged, device, flex_reps) / len(paged)
-        ms_sdpa_paged = _median_ms(sdpa_paged, device, flex_reps) / len(paged)
-        flashinfer = _backend_columns("flashinfer", q, ring, paged, scale, ref, device)
+        ms_ours = _median_ms(ours, device, reps) / n_ring
+        ms_sdpa = _median_ms(sdpa, device, reps) / n_ring
+        ms_flex = _median_ms(flex, device, reps) / n_ring
+        ms_flex_paged = _median_ms(flex_paged, device, reps) / n_ring
+        ms_sdpa_paged = _median_ms(sdpa_paged, device, reps) / n_ring
+        flashinfer = _backend_columns("flashinfer", q, ring, paged, scale, ref, device, reps)
     roof_ms = (kv_bytes + 2 * b * heads * d * elem) / bandwidth * 1e3
     if "ms_flashinfer" in flashinfer:
         flashinfer["fraction_flashinfer"] = roof_ms / flashinfer["ms_flashinfer"]
