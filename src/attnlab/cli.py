@@ -392,7 +392,9 @@ def sweep(
     ),
     data: Path = typer.Option(..., "--data", help="Text for uptraining and calibration (file or directory)."),
     eval_data: Path | None = typer.Option(
-        None, "--eval-data", help="Held-out text; default: whole files of --data (a tenth)."
+        None,
+        "--eval-data",
+        help="Held-out text; default: a tenth of --data (its files, or one file's lines).",
     ),
     variants: list[str] = typer.Option(
         ["auto"], "--variants", help="gqa:G,G,... mla:R,R,... or auto (repeatable, or space separated)."
@@ -418,7 +420,7 @@ def sweep(
     batch_size: int = typer.Option(8, "--batch-size", help="Uptraining sequences per step."),
     lr: float = typer.Option(3e-4, "--lr", help="Uptraining peak learning rate."),
     eval_windows: int | None = typer.Option(
-        None, "--eval-windows", help="Held-out windows scored (default 256; --quick 64)."
+        None, "--eval-windows", help="Held-out windows scored (default 256; --quick 64; 0: all)."
     ),
     seed: int = typer.Option(0, "--seed", help="Uptraining seed (data order)."),
     warmup: float | None = typer.Option(

@@ -175,6 +175,11 @@ def test_pareto_on_a_hand_made_table():
         (["--temperature", "0"], "--temperature"),
         (["--variants", "gqa:2/median"], "--variants gqa:2/median"),
         (["--variants", "mla:16+x"], "--variants mla:R+"),
+        # checked before any job runs, not as every row's error (--seq-len 0 once meant the default)
+        (["--seq-len", "0"], "--seq-len must be an integer >= 1, got 0"),
+        (["--seq-len", "100000"], "--seq-len 100000 is longer than the source's 64 positions"),
+        (["--eval-windows", "-3"], "--eval-windows must be an integer >= 0, got -3"),
+        (["--teacher", "/no/such/teacher", "--uptrain-steps", "0"], "--teacher /no/such/teacher"),
     ],
 )
 def test_cli_errors_exit_2_with_one_line(tiny, args, fragment):
@@ -281,3 +286,86 @@ def test_timing_together_times_every_variant_in_one_job_in_turn(tiny, tmp_path):
         == 2 * timed["gqa-2"]["cache_nbytes"]
         == 4 * timed["mqa"]["cache_nbytes"]
     )
+
+
+def test_one_text_file_of_any_name_holds_out_its_last_lines_and_local_hardware_is_measured(
+    tiny, tmp_path, monkeypatch
+):
+    """--data as one file (not named .txt): its last tenth of lines is the held-out text (every row once failed
+    with an empty held-out directory, and a file without .txt with a directory without .txt files); --hardware
+    local is this machine's roofline (it once ran every job and then exited 2)."""
+    import dataclasses
+
+    from attnlab.bench import machine
+    from attnlab.cost.hardware import get_hardware
+    from attnlab.cost.roofline import roofline
+    from attnlab.hf import io
+    from attnlab.hf.causal_lm import model_config
+
+    play = tmp_path / "hamlet-plain"
+    play.write_text((tiny["corpus"] / "hamlet.txt").read_text())
+    here = dataclasses.replace(get_hardware("l40s"), name="local", bandwidth=12e9)  # a stand-in, not measured
+    monkeypatch.setattr(machine, "measure_local", lambda: here)
+    result = runner.invoke(app, ["sweep", str(tiny["src"]), "--data", str(play), *FAST, "--variants", "gqa:2",
+                                 "--uptrain-steps", "0", "--hardware", "local", "--out", tmp_path / "out",
+                                 "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    results = json.loads(result.stdout)
+    cfg = model_config(tiny["src"], io.read_config(tiny["src"]))
+    assert results["source"]["n_kv_heads"] == results["rows"][0]["n_kv_heads"] == 4
+    for row in results["rows"]:
+        assert row["error"] is None and row["loss"] > 0, row
+    assert results["rows"][0]["predicted_decode_s"] == {
+        "local": roofline(cfg, here, batch=1, seq_len=24).decode.seconds
+    }
+    saved = json.loads(next((tmp_path / "out" / "jobs").glob("eval_source-*.json")).read_text())["args"]
+    (held,) = Path(saved["eval_data"]).glob("*.txt")
+    (train,) = (tmp_path / "out" / "jobs").glob("train-*/*.txt")
+    lines = play.read_text().splitlines(keepends=True)
+    assert held.read_text() == "".join(lines[len(lines) - len(lines) // 10 :])
+    assert train.read_text() + held.read_text() == play.read_text()
+
+
+def test_files_of_one_name_in_subdirectories_are_all_read(tmp_path):
+    from attnlab.sweep.plan import prepare_data
+
+    for part in ("a", "b", "c"):
+        (tmp_path / "corpus" / part).mkdir(parents=True)
+        (tmp_path / "corpus" / part / "act.txt").write_text(
+            f"the act of {part}, a line of seven words or more\n"
+        )
+    (tmp_path / "cache").mkdir()
+    data = prepare_data(tmp_path / "corpus", None, tmp_path / "cache")
+    texts = sorted(p.read_text() for folder in ("train", "heldout") for p in data[folder].glob("*.txt"))
+    assert texts == [f"the act of {part}, a line of seven words or more\n" for part in ("a", "b", "c")]
+
+
+def test_a_second_sweep_of_the_same_source_without_out_is_refused(tiny, tmp_path, monkeypatch):
+    """Without --out, sweeps of one source share attnlab's job cache: a second one exits 2 naming the first, where
+    it once ran, lost a job to the first's lock and exited 0 with that row's error."""
+    import threading
+
+    from attnlab.atomic import lock
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = _cache_root(SweepOptions(tiny["src"], tiny["corpus"]))
+    held, release = threading.Event(), threading.Event()
+
+    def first_sweep():  # the lock is re-entrant within a thread: the other sweep holds it from another one
+        with lock(root, "the job cache of this source"):
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=first_sweep)
+    holder.start()
+    try:
+        assert held.wait(60)
+        result = sweep(tiny, "--variants", "gqa:2", "--uptrain-steps", "0")
+    finally:
+        release.set()
+        holder.join()
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert (
+        "\n" not in line and f"the job cache of this source {root}" in line and "another attnlab" in line
+    ), line

@@ -42,6 +42,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     started = time.perf_counter()
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
+    plan.check_against(opts, cfg)
     variants = plan.variants(cfg, opts.variants, opts.quick)
     teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too
     sources = [opts.src, opts.data, opts.eval_data, teacher]
@@ -50,6 +51,8 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
             out = claim_dir(opts.out, "sweep", sources=sources, what="--out")
             held.enter_context(lock(out, "--out"))
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
+        if opts.out is None:  # attnlab's own cache of this source: one sweep at a time, as an --out
+            held.enter_context(lock(root, "the job cache of this source"))
         data = plan.prepare_data(opts.data, opts.eval_data, root)
         jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
         announce_device(

@@ -127,9 +127,23 @@ def check_options(opts: SweepOptions) -> None:
         raise ValueError(f"--temperature must be > 0, got {opts.temperature}")
     if opts.timing not in TIMING:
         raise ValueError(f"--timing must be one of {', '.join(TIMING)}; got {opts.timing!r}")
-    for flag, value in (("timing_steps", opts.timing_steps), ("timing_repeats", opts.timing_repeats)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+    for flag, value, least in (("timing_steps", opts.timing_steps, 1), ("timing_repeats", opts.timing_repeats, 1),
+                               ("--seq-len", opts.seq_len, 1), ("--eval-windows", opts.eval_windows, 0)):  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{flag} must be an integer >= {least}, got {value!r}")
+    if opts.teacher not in ("src", "none") and not (Path(opts.teacher) / "config.json").is_file():
+        raise ValueError(
+            f"--teacher {opts.teacher}: not a checkpoint directory (no config.json); or src, or none"
+        )
+
+
+def check_against(opts: SweepOptions, cfg: ModelConfig) -> None:
+    """Refuse options the source's config rules out, before any job runs."""
+    if opts.seq_len is not None and opts.seq_len > cfg.max_seq_len:
+        raise ValueError(
+            f"--seq-len {opts.seq_len} is longer than the source's {cfg.max_seq_len} positions "
+            "(its max_position_embeddings)"
+        )
 
 
 def _gqa(g: int, methods: tuple[str, ...] | None) -> Variant:
@@ -207,9 +221,9 @@ def methods_of(variant: Variant, methods: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys("calib" if m in DATA_AWARE else "plain" for m in methods))
 
 
-def fingerprint(paths: list[Path]) -> str:
-    """What the data is: every file's name and bytes."""
-    h = hashlib.sha256()
+def fingerprint(paths: list[Path], how: str = "") -> str:
+    """What the data is: every file's name and bytes (and ``how`` they were split, if not by whole files)."""
+    h = hashlib.sha256(how.encode())
     for p in paths:
         h.update(str(p.name).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
@@ -225,33 +239,56 @@ def checkpoint_id(src: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
-    """The training and held-out files (linked into ``root``, attnlab's own cache), and calibration lines for the
-    data-aware conversions: lines of seven words or more of the training text, shuffled with seed 0, 256 of them.
-    Without ``eval_data``, a tenth of the files of ``data`` are held out whole (``attnlab.data.split_held_out``)."""
-    from ..atomic import write_atomic
-
+def _texts(data: Path, eval_data: Path | None) -> tuple[dict[str, dict[str, Path | str]], str]:
+    """The training and held-out text, each {file name: a file, or the text itself}, and its fingerprint. Without
+    ``eval_data``: a tenth of the files of ``data`` held out whole (``attnlab.data.split_held_out``), or for a corpus
+    of one file its last tenth of lines. The names are numbered in the files' order (a directory's files may share
+    a name) and end in .txt, which the jobs' --data reads."""
     files = text_files(data)
+    if eval_data is None and len(files) == 1:
+        lines = files[0].read_text().splitlines(keepends=True)
+        cut = len(lines) - max(1, len(lines) // 10)
+        if cut < 1:
+            raise ValueError(
+                f"--data {data}: one file of {len(lines)} line(s) has no tenth to hold out; pass --eval-data"
+            )
+        texts = {"train": {"0000.txt": "".join(lines[:cut])}, "heldout": {"0000.txt": "".join(lines[cut:])}}
+        return texts, fingerprint(files, "the last tenth of the lines held out")
     if eval_data is not None:
         train, held = files, text_files(eval_data, "--eval-data")
     else:
         train, held = split_held_out(files, 0.1)
-    fp = fingerprint([*train, *held])
+
+    def named(group: list[Path]) -> dict[str, Path | str]:
+        return {f"{i:04d}-{f.stem if f.suffix == '.txt' else f.name}.txt": f for i, f in enumerate(group)}
+
+    return {"train": named(train), "heldout": named(held)}, fingerprint([*train, *held])
+
+
+def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
+    """The training and held-out text (``_texts``: files linked, a split file's parts written, into ``root``,
+    attnlab's own cache), and calibration lines for the data-aware conversions: lines of seven words or more of the
+    training text, shuffled with seed 0, 256 of them."""
+    from ..atomic import write_atomic
+
+    texts, fp = _texts(data, eval_data)
     folders = {}
-    for name, group in (("train", train), ("heldout", held)):
+    for name, group in texts.items():
         folder = root / f"{name}-{fp}"
         if not folder.is_dir():
             tmp = root / f".{folder.name}.tmp-{random.getrandbits(32):08x}"
             tmp.mkdir()
-            for f in group:
-                (tmp / f.name).symlink_to(f.resolve())
+            for file_name, text in group.items():
+                if isinstance(text, Path):
+                    (tmp / file_name).symlink_to(text.resolve())
+                else:
+                    (tmp / file_name).write_text(text)
             tmp.rename(folder)
         folders[name] = folder
     calib = root / f"calib-{fp}.txt"
     if not calib.is_file():
-        lines = sorted(
-            {ln.strip() for f in train for ln in f.read_text().splitlines() if len(ln.split()) >= 7}
-        )
+        train = (t.read_text() if isinstance(t, Path) else t for t in texts["train"].values())
+        lines = sorted({ln.strip() for text in train for ln in text.splitlines() if len(ln.split()) >= 7})
         random.Random(0).shuffle(lines)
         if not lines:
             raise ValueError(
@@ -322,6 +359,7 @@ def plan_jobs(
     jobs = [Job("eval/source", work.evaluate, {"ckpt": src, "src_id": src_id, **scored})]
     timed = {"source": src}  # label -> checkpoint path or the convert job that writes it
     rows = [{"variant": "source", "kind": "source", "method": "-", "steps": 0, "eval": "eval/source",
+             "n_kv_heads": cfg.attention.n_kv_heads,
              "speed": "speed" if together else "speed/source", "speed_of": "source" if together else None,
              "convert": None, "checkpoint_job": None}]  # fmt: skip
     if not together:

@@ -44,14 +44,18 @@ def pareto(rows: list[dict]) -> list[bool]:
 
 def costs(hf: dict, context: int, batch: int, hardware: tuple[str, ...]) -> dict:
     """KV bytes (bf16) per token and per request of ``batch`` x ``context`` tokens, and the roofline's decode step
-    on each ``hardware``, for the checkpoint whose config.json is ``hf``."""
+    on each ``hardware`` (``local``: this machine, measured once per boot), for the checkpoint whose config.json is
+    ``hf``."""
+    from ..bench.machine import get_hardware
+
     cfg = model_config("config.json", hf)
     per_request = kv_cache_bytes(cfg, batch, context, "bf16")
     return {
         "kv_bytes_per_token": per_request / (batch * context),
         "kv_bytes_per_request": per_request,
         "predicted_decode_s": {
-            hw: roofline(cfg, hw, batch=batch, seq_len=context).decode.seconds for hw in hardware
+            hw: roofline(cfg, get_hardware(hw), batch=batch, seq_len=context).decode.seconds
+            for hw in hardware
         },
     }
 
@@ -206,7 +210,8 @@ def plot(results: dict, out: Path) -> list[str]:
         ax.set_ylabel("held-out loss (nats/token)")
         steps = "" if last == 0 else f"hollow: fewer than {last} uptraining steps, filled: {last}; "
         ax.set_title(f"{Path(results['options']['src']).name}: {steps}ringed: Pareto-optimal", fontsize=9)
-        ax.legend(fontsize=7)
+        if series:  # no row with a loss: an empty plot without a legend
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         save_figure(fig, out / name, ours=True, dpi=110, bbox_inches="tight")
         names.append(name)
