@@ -177,3 +177,24 @@ def test_bad_config_json_exit_2(tmp_path, change, message):
     result = runner.invoke(app, ["compare", "--model", str(path)])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"attnlab: error: llama config.json: {message}"
+
+
+def test_a_quantized_config_is_costed_at_the_dtype_and_says_so_and_its_weights_are_refused(tmp_path):
+    """compare counts a quantized checkpoint's weights at --dtype, which it says on stderr (never silently); a
+    command that loads the weights refuses them, naming the field."""
+    from attnlab.hf.io import read_config
+
+    gptq = dict(HF_CONFIGS["llama-2-7b"], quantization_config={"quant_method": "gptq", "bits": 4})
+    (tmp_path / "config.json").write_text(json.dumps(gptq))
+    result = runner.invoke(app, ["compare", "--model", str(tmp_path / "config.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    plain = runner.invoke(app, ["compare", "--model", "llama-2-7b", "--json"])
+    got, want = json.loads(result.stdout), json.loads(plain.stdout)
+    assert got["rows"] == want["rows"] and got["weight_bytes"] == want["weight_bytes"]
+    assert result.stderr.strip() == (
+        f"note: {tmp_path / 'config.json'} is quantized (gptq); its weights are counted at --dtype bf16, "
+        "not as stored"
+    )
+    assert plain.stderr == ""
+    with pytest.raises(ValueError, match=r"quantization_config \(gptq\): attnlab reads unquantized weights"):
+        read_config(tmp_path)

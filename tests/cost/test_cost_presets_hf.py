@@ -83,6 +83,10 @@ def test_chatglm_and_explicit_head_dim():
     ("change", "message"),
     [
         (dict(model_type="falcon"), "model_type='falcon' is not supported"),
+        (
+            dict(model_type=["llama"]),
+            r"model_type=\['llama'\] is not supported",
+        ),  # was: unhashable type: 'list'
         (dict(hidden_size=None), "'hidden_size' must be an int"),
         (dict(num_key_value_heads=5), "num_key_value_heads=5 does not divide num_attention_heads=32"),
         (dict(hidden_size=4095), "hidden_size=4095 is not divisible by num_attention_heads=32"),

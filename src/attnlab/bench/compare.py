@@ -15,7 +15,16 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ..atomic import check_figure_path, json_text, save_figure
 from ..config import ModelConfig, check_int
 from ..console import Grid, print_grid
-from ..cost import Comparison, compare, compute_peak, dtype_name, kv_cache_bytes, load_model, variants
+from ..cost import (
+    Comparison,
+    compare,
+    compute_peak,
+    dtype_name,
+    kv_cache_bytes,
+    load_model,
+    preset_names,
+    variants,
+)
 from ..cost.hardware import HARDWARE_NAMES, get_hardware
 from ..cost.memory import DTYPE_BITS
 from ..cost.parallel import check_tp, rank_config
@@ -152,6 +161,7 @@ def run_compare(
     if plot is not None:
         check_figure_path(plot)
     model_cfg = load_model(model)
+    _note_quantized(model, dtype)
     check_tp(
         model_cfg, tp, flag="--tp"
     )  # the native variant must split (compare checks it too, without flags)
@@ -266,3 +276,21 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
     fig.suptitle(f"{comparison.model}: attention variants")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def _note_quantized(model: str, dtype: str) -> None:
+    """A config.json with a quantization_config: the table counts its weights at ``dtype``, not as stored (said on
+    stderr, never silently)."""
+    from ..hf_config import read_raw
+
+    if model in preset_names():
+        return
+    raw, _ = read_raw(model)
+    q = raw.get("quantization_config")
+    if q is not None:
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        Console(stderr=True).print(
+            f"note: {model} is quantized ({method}); its weights are counted at --dtype {dtype}, not as stored",
+            highlight=False,
+            soft_wrap=True,
+        )

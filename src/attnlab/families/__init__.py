@@ -46,7 +46,7 @@ FAMILIES: dict[str, Family] = {model_type: f for f in REGISTERED for model_type 
 
 def family(model_type: object, where: str = "config.json") -> Family:
     """The family of ``model_type``; a ValueError naming the supported ones otherwise."""
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(
             f"{where}: model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
         )
