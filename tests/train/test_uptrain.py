@@ -157,6 +157,7 @@ def test_options_name_the_field_and_value(field, value, message):
         ("seq_len", "--seq-len 65 exceeds the model's max_position_embeddings 64"),
         ("family", "unsupported model_type 'gpt2'"),
         ("teacher_vocab", "vocab_size 400 but SRC has 320"),
+        ("teacher_text", "--teacher"),  # a directory of text: once "no config.json at .../config.json"
         ("dst_exists", "DST exists"),
         ("bad_option", "--grad-accum must be >= 1, got 0"),
     ],
@@ -182,6 +183,8 @@ def test_user_errors_exit_2_with_one_line_and_src_untouched(
         (src / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
     elif case == "teacher_vocab":
         args = ["--teacher", make_llama(tmp_path / "teacher", tokenizer, vocab_size=400)]
+    elif case == "teacher_text":
+        args = ["--teacher", corpus]
     elif case == "dst_exists":
         dst.mkdir()
         (dst / "keep.txt").write_text("mine")

@@ -102,6 +102,8 @@ def _check_paths(opts: UptrainOptions) -> None:
         raise FileNotFoundError(f"SRC checkpoint directory not found: {opts.src}")
     if opts.teacher is not None and not opts.teacher.is_dir():
         raise FileNotFoundError(f"--teacher checkpoint directory not found: {opts.teacher}")
+    if opts.teacher is not None and not (opts.teacher / "config.json").is_file():
+        raise ValueError(f"--teacher {opts.teacher} is not a checkpoint directory (no config.json)")
     atomic.check_destination(opts.dst, _inputs(opts), overwrite=opts.overwrite, what="DST")
     atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), what=_run_name(opts))
     run, dst = opts.run_path.resolve(), opts.dst.resolve()
