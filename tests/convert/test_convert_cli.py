@@ -466,3 +466,37 @@ def test_tensors_are_written_in_the_layout_of_the_config_written_beside_them(tmp
     assert result.exit_code == 0, result.output
     assert asked[-1] == 2  # the written config's map made the tensors (the source's, 8, loaded them)
     assert json.loads((tmp_path / "dst" / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize("to", ["gqa", "mla"])
+def test_convert_holds_the_destination_from_start_to_end(tmp_path, monkeypatch, to):
+    """A second writer of DST is refused while the conversion computes, not only while it writes: two converts
+    into one DST once both ran, and with --overwrite the later finisher replaced the other's result."""
+    import threading
+
+    from attnlab.atomic import Busy, lock
+    from attnlab.hf import checkpoint, mla_checkpoint
+
+    src, dst = make_checkpoint(tmp_path / "src"), tmp_path / "dst"
+    module, name = (checkpoint, "convert_model") if to == "gqa" else (mla_checkpoint, "convert_model_to_mla")
+    real, seen = getattr(module, name), []
+
+    def converting(*args, **kwargs):  # another writer of DST, from another thread (the lock is per thread)
+        def second_writer():
+            try:
+                with lock(dst):
+                    seen.append("taken")
+            except Busy as err:
+                seen.append(str(err))
+
+        writer = threading.Thread(target=second_writer)
+        writer.start()
+        writer.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, converting)
+    args = ["--kv-heads", "1"] if to == "gqa" else ["--to", "mla", "--kv-lora-rank", "16"]
+    result = run("convert", src, dst, *args)
+    assert result.exit_code == 0, result.output
+    assert len(seen) == 1 and "is being written by another attnlab process" in seen[0], seen
+    assert (dst / "config.json").is_file() and not (tmp_path / ".dst.lock").exists()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..atomic import json_text
+from ..atomic import check_destination, json_text, lock
 from ..convert.mla_model import PLANES
 
 TARGETS = ("gqa", "mla")
@@ -79,7 +79,11 @@ def run_convert(
          "--planes": planes},
     )  # fmt: skip
     stride = parse_planes(planes)
-    with Progress("loading", transient=True) as bar:
+    # One writer of dst for the whole run, not only while it writes (a second convert into dst once ran beside
+    # this one, and with --overwrite the later finisher replaced the other's result); checked first, since the lock
+    # file is written beside dst.
+    check_destination(dst, (src, calib), overwrite=overwrite)
+    with lock(dst), Progress("loading", transient=True) as bar:
         if to == "gqa":
             from .checkpoint import convert_checkpoint
 
