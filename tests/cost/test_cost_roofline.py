@@ -103,6 +103,19 @@ def test_max_batch_and_context_fit_exactly():
     per_token = kv_cache_bytes(llama, 3, 1)
     assert weights + r.max_context * per_token <= memory < weights + (r.max_context + 1) * per_token
     assert r.max_batch == 30 and r.fits
+
+
+def test_max_context_counts_each_sliding_layer_at_its_window():
+    """Gemma 3 1B (22 of 26 layers slide over 512 tokens): the longest context whose cache fits, where every layer
+    was once counted as caching every token (6.5x too short); a model whose every layer slides has no limit."""
+    gemma = get_preset("gemma-3-1b")
+    r = roofline(gemma, "h100", batch=2, seq_len=4096)
+    free = 80 * 10**9 - weight_bytes(gemma)
+    assert kv_cache_bytes(gemma, 2, r.max_context) <= free < kv_cache_bytes(gemma, 2, r.max_context + 1)
+    assert r.max_context > 6 * (free // kv_cache_bytes(gemma, 2, 1))  # the count without the windows
+    sliding = gemma.map_attention(lambda a: a.replace(window=512))
+    assert roofline(sliding, "h100", batch=2).max_context is None
+    assert roofline(sliding, "h100", batch=10**9).max_context == 0  # not even one token per sequence fits
     # DeepSeek-V3 in bf16 needs ~1.34 TB: nothing fits on one H100, one 32nd of it (tp=32) does
     v3 = get_preset("deepseek-v3")
     assert roofline(v3, "h100").max_batch == 0 and not roofline(v3, "h100").fits

@@ -72,7 +72,7 @@ class Roofline:
     kv_cache_bytes: int
     memory_bytes: int
     max_batch: int  # sequences of seq_len tokens that fit next to the weights (0: the weights alone do not)
-    max_context: int  # tokens per sequence that fit at this batch
+    max_context: int | None  # tokens per sequence that fit at this batch (None: every layer slides, no limit)
 
     @property
     def fits(self) -> bool:
@@ -165,7 +165,6 @@ def roofline(
     kv = kv_cache_bytes(model_cfg, batch, seq_len, kv_dtype)
     free = memory - weights
     per_sequence = kv_cache_bytes(model_cfg, 1, seq_len, kv_dtype)
-    per_token_batch = kv_cache_bytes(model_cfg, batch, 1, kv_dtype)
     return Roofline(
         model=whole.name,
         hardware=hw.name,
@@ -179,5 +178,29 @@ def roofline(
         kv_cache_bytes=kv,
         memory_bytes=memory,
         max_batch=max(free // per_sequence, 0),
-        max_context=max(free // per_token_batch, 0),
+        max_context=longest_context(model_cfg, batch, free, kv_dtype),
     )
+
+
+def longest_context(
+    cfg: ModelConfig, batch: int, free: int, kv_dtype: str | torch.dtype = "bf16"
+) -> int | None:
+    """The most tokens per sequence whose cache for ``batch`` sequences fits in ``free`` bytes, each sliding layer
+    holding at most its window (``kv_cache_bytes``); None where every layer slides and the windows fit: the cache
+    stops growing, and memory sets no limit."""
+
+    def fits(t: int) -> bool:
+        return kv_cache_bytes(cfg, batch, t, kv_dtype) <= free
+
+    if not fits(1):
+        return 0
+    windows = [getattr(a, "window", None) for a in cfg.layer_attentions]
+    if None not in windows and fits(max(windows)):
+        return None
+    lo, hi = 1, 2  # fits(lo), and then not fits(hi)
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -119,7 +119,7 @@ class CompareRow:
     decode_step_seconds: float
     decode_bound: str
     max_batch: int  # per rank: sequences of seq_len tokens that fit next to its weights
-    max_context: int
+    max_context: int | None  # None: every layer slides, memory sets no limit
     # One of the tp ranks (the same as the figures above when tp = 1):
     kv_heads_per_rank: int  # KV heads a rank caches (MLA: 1, the latent)
     kv_replicas: int  # ranks caching each KV head (1: split, tp / n_kv_heads: replicated, MLA: tp)
