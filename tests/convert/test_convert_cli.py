@@ -196,6 +196,8 @@ def test_table_output_and_overwrite(tmp_path):
         ("no_config", ["--kv-heads", 2], "config.json"),
         ("bad_json", ["--kv-heads", 2], "malformed"),
         ("gpt2", ["--kv-heads", 2], "unsupported model_type 'gpt2'"),
+        # a family attnlab does not read: the list is what convert takes (it once named gpt2 and deepseek_v3)
+        ("olmo", ["--kv-heads", 2], "model_type='olmo' is not supported; convert takes llama, mistral"),
         ("bin_only", ["--kv-heads", 2], "only safetensors"),
         ("missing_src", ["--kv-heads", 2], "not found"),
         ("dst_inside_src", ["--kv-heads", 2], "lies inside the source"),
@@ -210,6 +212,9 @@ def test_user_errors_exit_2_with_one_line_and_no_destination(tmp_path, mutate, a
     elif mutate == "gpt2":
         cfg = json.loads((src / "config.json").read_text())
         (src / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2"}))
+    elif mutate == "olmo":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(cfg | {"model_type": "olmo"}))
     elif mutate == "bin_only":
         (src / "model.safetensors").rename(src / "pytorch_model.bin")
     elif mutate == "missing_src":

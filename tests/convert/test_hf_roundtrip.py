@@ -165,6 +165,17 @@ def test_bad_configs_are_refused():
         ValueError, match="rope_type='axial' is not supported"
     ):  # yarn, llama3, ... are (issue 30)
         model_config_from_hf(good | {"rope_parameters": {"rope_type": "axial", "factor": 4.0}})
+    # a scaling without the parameters transformers requires: once read, converted and written unloadable
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    with pytest.raises(
+        ValueError, match="rope_parameters: rope_type 'llama3' needs low_freq_factor, a number; got None"
+    ):
+        model_config_from_hf(good | {"rope_parameters": llama3})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": "2"}
+    with pytest.raises(
+        ValueError, match="rope_scaling: rope_type 'longrope' needs long_factor, a list of numbers"
+    ):
+        model_config_from_hf(good | {"rope_scaling": longrope})
     with pytest.raises(ValueError, match="hidden_size"):
         model_config_from_hf(good | {"hidden_size": "48"})
     with pytest.raises(ValueError, match="num_key_value_heads=4 does not divide num_attention_heads=6"):

@@ -113,12 +113,31 @@ class Fields:
             self.fail(
                 f"rope_type={kind!r} is not supported (attnlab computes {', '.join(('default', *known))})"
             )
+        for key in _ROPE_NEEDS[kind]:  # what transformers' ROPE_INIT_FUNCTIONS read without a default
+            value, listed = params.get(key), kind == "longrope"  # longrope: a factor per rotary plane
+            if not (isinstance(value, list) and all(map(_is_number, value)) if listed else _is_number(value)):
+                field = "rope_scaling" if self.raw.get("rope_scaling") else "rope_parameters"
+                need = "a list of numbers" if listed else "a number"
+                self.fail(f"{field}: rope_type {kind!r} needs {key}, {need}; got {value!r}")
         # partial_rotary_factor is the attention config's rope_dim; the scaling is computed over the rotary dims
         scaling = {
             k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")
         }
         scaling["max_position_embeddings"] = self.raw.get("max_position_embeddings")
         return theta, freeze(scaling)
+
+
+_ROPE_NEEDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -142,6 +142,9 @@ def convert_checkpoint(
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
     model_type = hf["model_type"]
+    if model_type not in FAMILIES:  # the families convert takes, not every family attnlab reads
+        raise ValueError(f"{src / 'config.json'}: model_type={model_type!r} is not supported; convert takes "
+                         f"{_gqa_types()}")  # fmt: skip
     fam = family(model_type, f"{src / 'config.json'}")
     if not fam.causal_lm:  # BERT's encoder: its own module, written in the MHA layout
         model, _ = bert.load_bert(src)
