@@ -198,3 +198,14 @@ def test_a_quantized_config_is_costed_at_the_dtype_and_says_so_and_its_weights_a
     assert plain.stderr == ""
     with pytest.raises(ValueError, match=r"quantization_config \(gptq\): attnlab reads unquantized weights"):
         read_config(tmp_path)
+
+
+def test_a_context_beyond_the_models_positions_is_costed_and_said():
+    result = runner.invoke(app, ["compare", "--model", "gpt2", "--seq-len", "8192", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["seq_len"] == 8192
+    assert result.stderr.strip() == (
+        "note: --seq-len 8192 is beyond the model's 1024 positions (max_position_embeddings); the figures are what "
+        "such a context would cost"
+    )
+    assert runner.invoke(app, ["compare", "--model", "gpt2", "--seq-len", "1024"]).stderr == ""

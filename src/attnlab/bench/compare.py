@@ -161,7 +161,8 @@ def run_compare(
     if plot is not None:
         check_figure_path(plot)
     model_cfg = load_model(model)
-    _note_quantized(model, dtype)
+    for note in _notes(model, model_cfg, seq_len, dtype):
+        Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
     check_tp(
         model_cfg, tp, flag="--tp"
     )  # the native variant must split (compare checks it too, without flags)
@@ -278,19 +279,19 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
     return save_figure(fig, path)
 
 
-def _note_quantized(model: str, dtype: str) -> None:
-    """A config.json with a quantization_config: the table counts its weights at ``dtype``, not as stored (said on
-    stderr, never silently)."""
+def _notes(model: str, cfg, seq_len: int, dtype: str) -> list[str]:
+    """What the table's figures assume that the checkpoint does not say, printed on stderr (never silently): weights
+    of a quantized config.json counted at ``dtype``; a context beyond the model's positions."""
     from ..hf_config import read_raw
 
-    if model in preset_names():
-        return
-    raw, _ = read_raw(model)
-    q = raw.get("quantization_config")
+    notes = []
+    q = None if model in preset_names() else read_raw(model)[0].get("quantization_config")
     if q is not None:
         method = q.get("quant_method", "?") if isinstance(q, dict) else q
-        Console(stderr=True).print(
-            f"note: {model} is quantized ({method}); its weights are counted at --dtype {dtype}, not as stored",
-            highlight=False,
-            soft_wrap=True,
+        notes.append(
+            f"{model} is quantized ({method}); its weights are counted at --dtype {dtype}, not as stored"
         )
+    if seq_len > cfg.max_seq_len:
+        notes.append(f"--seq-len {seq_len} is beyond the model's {cfg.max_seq_len} positions "
+                     "(max_position_embeddings); the figures are what such a context would cost")  # fmt: skip
+    return notes
