@@ -628,21 +628,27 @@ class PagedKVCache:
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"PagedKVCache: k, v dtypes {k.dtype}, {v.dtype}; the cache holds {self.dtype}")
         bs = self.block_size
-        if self.window is not None:  # blocks before the first new token's window will never be read again
-            for r in self.active:
+        # a window's rows give up the blocks before the first new token's window, which no query reads again;
+        # counted first and given up only once the new tokens fit (a refused update changes nothing)
+        drop = [0] * len(self.active)
+        if self.window is not None:
+            for i, r in enumerate(self.active):
                 oldest = self.lengths[r] - self.window + 1
-                while self.block_tables[r] and (self.dropped[r] + 1) * bs <= oldest:
-                    self._free.add(self.block_tables[r].pop(0))
-                    self.dropped[r] += 1
+                drop[i] = min(len(self.block_tables[r]), max(0, oldest // bs - self.dropped[r]))
         need = [
             -(-(self.lengths[r] + t) // bs) - self.dropped[r] - len(self.block_tables[r]) for r in self.active
         ]
-        if sum(need) > len(self._free):
+        if sum(need) > len(self._free) + sum(drop):
             raise OutOfBlocksError(
                 f"PagedKVCache out of blocks: {t} new tokens for rows {self.active} need {sum(need)} blocks, "
-                f"{len(self._free)} of {self.n_blocks} are free (block_size={bs}); free finished sequences or "
-                "build the cache with more n_blocks"
+                f"{len(self._free)} of {self.n_blocks} are free"
+                f"{f' and {sum(drop)} fall out of the window' if sum(drop) else ''} (block_size={bs}); free "
+                "finished sequences or build the cache with more n_blocks"
             )
+        for r, n in zip(self.active, drop, strict=True):
+            self._free.update(self.block_tables[r][:n])
+            del self.block_tables[r][:n]
+            self.dropped[r] += n
         for row, n_new in zip(self.active, need, strict=True):
             for j in range(n_new):
                 self.block_tables[row].append(self._take(self.block_tables[row], n_new - j))

@@ -122,6 +122,29 @@ def test_out_of_blocks_raises_and_leaves_the_cache_intact():
     assert isinstance(OutOfBlocksError("x"), ValueError)
 
 
+def test_a_windowed_cache_out_of_blocks_keeps_the_blocks_it_would_have_given_back():
+    """A sliding-window cache gives up the blocks before the window only once the new tokens fit: a refused update
+    once gave them back all the same (the tables, `dropped` and the pool changed), and counted them as free in its
+    message; and an update those blocks make room for takes them."""
+    paged = PagedKVCache(4, 2, 1, 4, batch_size=2, window=2)
+    k6, k1 = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 1, 4)
+    paged.select([0]).update(k6, k6)  # 3 blocks, 2 of them before the window
+    paged.select([1]).update(k1, k1)  # the pool's last block
+
+    def state() -> tuple:
+        tables = [list(t) for t in paged.block_tables]
+        return tables, list(paged.dropped), set(paged._free), paged.views()[0].lengths
+
+    paged.select([0, 1])
+    before = state()
+    with pytest.raises(OutOfBlocksError, match="need 5 blocks, 0 of 4 are free and 2 fall out of the window"):
+        paged.update(torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4))
+    assert state() == before
+    paged.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))  # 1 new block, of the 2 given back
+    assert paged.dropped == [2, 0] and paged.lengths == [7, 2] and paged.n_free_blocks == 1
+    assert paged.views()[0].lengths == (3, 2)
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="block_size"):
         PagedKVCache(4, 0, 2, 8, batch_size=1)
