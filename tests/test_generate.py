@@ -105,6 +105,26 @@ def test_cached_generation_equals_rerunning_the_whole_sequence(variant):
     assert generate(m, [prompt], 10).tokens[0] == tokens[9:]
 
 
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_a_sliding_layer_reads_at_most_its_window_of_each_row(cache):
+    """The roofline's bytes of a batch: each row's keys and values in a full layer, at most a window of each row's
+    in a sliding one. The window once capped the rows' sum, so three rows read what one did."""
+    window, new = 4, 5
+    attn = AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layers=2, attention=attn, ffn_dim=96, max_seq_len=512,
+                      sliding=attn.replace(window=window), layer_types=("sliding_attention", "full_attention"))  # fmt: skip
+    m = Transformer(cfg)
+    m.init_weights(std=0.3, seed=0)
+    rows = prompts([9, 9, 9] if cache == "contiguous" else [9, 12, 3])
+    gen = generate(m.eval(), rows, new, cache=cache, stop_tokens=[])
+    per_token = 2 * 2 * 16 * 4  # one layer: (k, v) x kv heads x head_dim x float32
+    attended = [
+        [len(r) + 1 + s for r in rows] for s in range(new - 1)
+    ]  # each row's cached tokens, step by step
+    kv = sum(per_token * (n + min(n, window)) for step in attended for n in step)
+    assert gen.decode_bytes == (new - 1) * weight_bytes_read(m.cfg, 3, torch.float32) + kv
+
+
 def test_prefill_scores_only_the_last_positions():
     m = model("gqa")
     x = torch.tensor(prompts([2, 2]))

@@ -263,6 +263,7 @@ class _Run:
         self.prefill_s = self.decode_s = self.compile_s = 0.0
         self.steps = self.decode_rows = self.kv_tokens = self.bytes = 0
         self.dtype = next(model.parameters()).dtype
+        self.windowed = any(getattr(a, "window", None) is not None for a in model.cfg.layer_attentions)
         self.device = next(model.parameters()).device
         # cache lengths at which a decode step would be the first forward past a longrope layer's switch
         self.switches = {
@@ -286,17 +287,20 @@ class _Run:
             self.progress(sum(len(t) for t in self.out), self.max_new * len(self.rows))
         return nxt
 
-    def account(self, batch: int, kv_tokens: int) -> None:
-        """Count one decode step of ``batch`` rows attending ``kv_tokens`` cached tokens in all: the bytes it
-        must read are the weights once (``cost.weight_bytes_read``) and those tokens' keys and values (or MLA
-        latents) in every layer (``cost.kv_cache_bytes``), the numerator of the roofline."""
+    def account(self, attended: list[int]) -> None:
+        """Count one decode step whose rows attend ``attended`` cached tokens each: the bytes it must read are the
+        weights once (``cost.weight_bytes_read``) and each row's keys and values (or MLA latents) in every layer
+        (``cost.kv_cache_bytes``: a sliding layer reads at most its window of each row), the roofline's
+        numerator."""
         cfg = self.model.cfg
         self.steps += 1
-        self.decode_rows += batch
-        self.kv_tokens += kv_tokens
-        self.bytes += weight_bytes_read(cfg, batch, self.dtype) + kv_cache_bytes(
-            cfg, 1, kv_tokens, self.dtype
-        )
+        self.decode_rows += len(attended)
+        self.kv_tokens += sum(attended)
+        if self.windowed:
+            kv = sum(kv_cache_bytes(cfg, 1, n, self.dtype) for n in attended)
+        else:  # every layer reads every token: one count for the rows' sum
+            kv = kv_cache_bytes(cfg, 1, sum(attended), self.dtype)
+        self.bytes += weight_bytes_read(cfg, len(attended), self.dtype) + kv
 
     def done(self, row: int) -> bool:
         return self.stopped[row] or len(self.out[row]) >= self.max_new
@@ -340,7 +344,7 @@ class _Run:
                     c.reset()
                 logits = model(tokens, caches=caches, logits_to_keep=1)[:, -1]
             else:
-                self.account(b, sum(n + 1 for n in held))
+                self.account([n + 1 for n in held])
                 logits = step(model, nxt[:, None], caches)
             held = [n + 1 for n in held]
             nxt = self._take(logits, list(range(b)))
@@ -394,7 +398,7 @@ class _Run:
             if active:
                 for c in caches:
                     c.select(active)
-                self.account(len(active), sum(caches[0].lengths[r] + 1 for r in active))
+                self.account([caches[0].lengths[r] + 1 for r in active])
                 step = model(self.ids([[last[r]] for r in active]), caches=caches)[:, -1]
                 logits |= dict(zip(active, step, strict=True))
             rows = sorted(logits)
