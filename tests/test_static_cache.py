@@ -4,6 +4,8 @@ once (``fullgraph=True``, no recompile from step to step or from call to call)."
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -227,6 +229,21 @@ def test_the_compiled_step_is_one_graph_for_every_step_and_call(kind, graphs):
     assert len(graphs) == 1
     generate(m, _prompts(2, 9), generation.STATIC_SLOTS, compile=True)  # past them: one more shape
     assert len(graphs) == 2
+
+
+def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly_with_a_warning(graphs, monkeypatch):
+    """fullgraph=True raises at dynamo's recompile limit (8 graphs of the one shared step by default): the 9th
+    batch size of a long-lived process once crashed generate; it now decodes that shape eagerly, and says so once."""
+    monkeypatch.setattr(generation, "_EAGER_WARNED", [])
+    m = _model("gqa")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert generate(m, _prompts(2, 5), 6, compile=True).tokens == generate(m, _prompts(2, 5), 6).tokens
+        with pytest.warns(UserWarning, match=r"recompile_limit = 1 models or shapes in this process"):
+            third = generate(m, _prompts(3, 5), 6, compile=True)  # another batch size: a shape past the limit
+        assert third.tokens == generate(m, _prompts(3, 5), 6).tokens and len(graphs) == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            generate(m, _prompts(4, 5), 6, compile=True)
 
 
 def test_the_compiled_step_with_inductor_gives_the_eager_tokens():

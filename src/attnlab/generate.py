@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ from .model import Transformer
 
 CACHES = ("auto", "contiguous", "paged", "static")
 # A static cache's slots are prompt + new tokens rounded up to a multiple of this: calls of nearby lengths share one
-# compiled step (dynamo compiles a shape once, and at most 8 shapes per function before it runs it uncompiled), for
+# compiled step (dynamo compiles a shape once, and at most 8 shapes per function: then it runs eagerly), for
 # at most this many unwritten slots read per step.
 STATIC_SLOTS = 256
 
@@ -423,17 +424,32 @@ def decode_step(model: Transformer) -> Callable[..., torch.Tensor]:
     records the step as a CUDA graph and replays it (the caches' buffers are static addresses, so the replay writes
     them in place). One compiled function per device type, shared by every model: dynamo keys its graphs on the
     model's parameters and the caches' shapes, so a new model or cache size compiles again, a new call of the same
-    shapes does not."""
+    shapes does not. Past dynamo's recompile limit (``torch._dynamo.config.recompile_limit`` graphs of ``_step`` in a
+    process: 8 models or shapes by default), where ``fullgraph`` raises, a step of a new shape runs eagerly, with a
+    warning once."""
     kind = next(model.parameters()).device.type
     if kind not in _COMPILED:
         mode = "reduce-overhead" if kind == "cuda" else None
         _COMPILED[kind] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
     compiled = _COMPILED[kind]
-    if kind != "cuda":
-        return compiled
 
-    def replay(*args):
-        torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: its graph may be reused
-        return compiled(*args)
+    def run(*args):
+        if kind == "cuda":  # the last step's outputs are consumed: its graph may be reused
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: nothing written yet
+            if not _EAGER_WARNED:
+                _EAGER_WARNED.append(True)
+                warnings.warn(
+                    "attnlab: the compiled decode step reached dynamo's recompile limit (torch._dynamo.config."
+                    f"recompile_limit = {torch._dynamo.config.recompile_limit} models or shapes in this process); "
+                    "steps of new shapes run eagerly (raise the limit to compile them)",
+                    stacklevel=2,
+                )
+            return _step(*args)
 
-    return replay
+    return run
+
+
+_EAGER_WARNED: list[bool] = []  # the recompile limit's warning, once per process
