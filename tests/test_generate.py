@@ -377,6 +377,23 @@ def test_the_command_refuses_bad_input_in_one_line(checkpoint, args, message):
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
+def test_a_stop_word_the_vocabulary_lacks_is_refused(tmp_path):
+    # It once encoded as the unknown token, which then stopped every output that met any unknown word.
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from attnlab.bench.generate import stop_tokens
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0, "good": 1, "night": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    assert stop_tokens(tmp_path, tok, ["night"], ignore_eos=True) == {2}
+    with pytest.raises(
+        ValueError, match=r"--stop 'knight' is not in this vocabulary \(it encodes as '\[UNK\]'\)"
+    ):
+        stop_tokens(tmp_path, tok, ["knight"], ignore_eos=True)
+
+
 def test_decode_step_times_round_robin_and_cache_bytes():
     # The studies' decode-speed helper: every model timed `repeats` times, caches holding prompt + steps tokens
     # (their bytes against the cost model's count).

@@ -75,6 +75,9 @@ def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool) -> se
                     f"--stop {text!r} is {len(ids)} tokens in this vocabulary; give a single token"
                 )
             token = ids[0]
+            unknown = getattr(tokenizer.model, "unk_token", None)
+            if unknown is not None and token == tokenizer.token_to_id(unknown):
+                raise ValueError(f"--stop {text!r} is not in this vocabulary (it encodes as {unknown!r})")
         stops.add(token)
     return stops
 
