@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -90,6 +91,29 @@ def test_grad_accumulation_equals_the_bigger_batch(tmp_path, tiny_llama, corpus)
     assert loss[0] == pytest.approx(loss[1], rel=1e-5)
     for key, value in weights(tmp_path / "a").items():
         torch.testing.assert_close(weights(tmp_path / "b")[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_tokens_per_s_counts_training_time_not_the_held_out_evaluations(
+    tmp_path, tiny_llama, corpus, monkeypatch
+):
+    # --eval-every's evaluations once ran inside the step's timer: tokens/s fell ~7x with --eval-every 2.
+    from attnlab.train import loop
+
+    real = loop.evaluate
+
+    def slow_eval(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow_eval)
+    opts = UptrainOptions(src=tiny_llama, dst=tmp_path / "d", data=corpus, steps=3, batch_size=2, seq_len=16,
+                          save_every=0, eval_every=1, eval_windows=2)  # fmt: skip
+    summary = uptrain(opts, progress=False)
+    steps = [json.loads(x) for x in (tmp_path / "d" / "uptrain_log.jsonl").read_text().splitlines()]
+    assert [("eval" in r) for r in steps] == [True, True, False]  # evaluated after steps 1 and 2
+    seconds = [32 / r["tokens_per_s"] for r in steps]  # 2 x 16 tokens a step
+    assert max(seconds) < 0.5, seconds  # no step's time holds an evaluation's half second
+    assert summary["tokens_per_s"] == pytest.approx(96 / sum(seconds))
 
 
 def test_distillation_from_the_unconverted_teacher(tmp_path, tokenizer, corpus):

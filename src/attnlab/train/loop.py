@@ -356,9 +356,10 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
             record = {"step": step, "lr": lr, "loss": loss, "ce": ce, "grad_norm": float(grad_norm)}
             if teacher is not None:
                 record["distill"] = kl
+            seconds = time.perf_counter() - tick  # the step's training time: tokens/s leaves the eval out
             if opts.eval_every and step % opts.eval_every == 0 and step < opts.steps:
                 record["eval"] = held_out()
-            log.step(record, tokens=global_batch * opts.seq_len, seconds=time.perf_counter() - tick)
+            log.step(record, tokens=global_batch * opts.seq_len, seconds=seconds)
             if opts.save_every and step % opts.save_every == 0 and step < opts.steps:
                 meta = {"samples": step * global_batch, "global_batch": global_batch}
                 meta |= {"world_size": env.world_size, "tp": env.tp, "options": opts.to_json()}
