@@ -495,8 +495,12 @@ def bench_decode(
     context: str = typer.Option("2048", "--context", help="Comma list of live context lengths."),
     dtype: str = typer.Option("fp32", "--dtype", help="Comma list of fp32, bf16."),
     repeats: int = typer.Option(5, "--repeats", help="Timed round-robin repeats (median kept)."),
-    layer: bool = typer.Option(True, "--layer/--no-layer", help="Whole layer vs HF LlamaAttention."),
-    mla: bool = typer.Option(True, "--mla/--no-mla", help="MLA naive/absorbed vs HF DeepseekV3."),
+    layer: bool = typer.Option(
+        True, "--layer/--no-layer", help="Whole layer vs HF LlamaAttention (at the first --batch)."
+    ),
+    mla: bool = typer.Option(
+        True, "--mla/--no-mla", help="MLA naive/absorbed vs HF DeepseekV3 (at the first --batch)."
+    ),
     paged: bool = typer.Option(True, "--paged/--no-paged", help="Paged vs contiguous cache."),
     e2e: bool = typer.Option(False, "--e2e", help="Also time generation of a small model per variant."),
     plot: Path | None = typer.Option(None, "--plot", help="Write latency vs n_kv_heads to this PNG."),

@@ -89,6 +89,15 @@ def test_cli_bench_decode_json_and_errors():
     assert [r["kind"] for r in data["rows"]] == ["attention"] and data["rows"][0]["n_kv_heads"] == 8
     bad = runner.invoke(app, ["bench", "decode", "--kv-heads", "3", "--json"])
     assert bad.exit_code == 2 and "--kv-heads 3 does not divide the 32 query heads" in bad.output  # a flag
+    for (
+        args,
+        message,
+    ) in (  # an empty item was dropped, and an empty --dtype said "max() arg is an empty sequence"
+        (["--dtype", ""], "--dtype must be a comma list without empty items, got ''"),
+        (["--kv-heads", "8,,1"], "--kv-heads must be a comma list of integers, got '8,,1'"),
+    ):
+        bad = runner.invoke(app, ["bench", "decode", *args, "--json"])
+        assert bad.exit_code == 2 and bad.stderr.strip() == f"attnlab: error: {message}", bad.output
 
 
 def test_roofline_of_a_bfloat16_step_takes_the_faster_compute_rate(tiny_result):

@@ -11,13 +11,21 @@ from .report import plot as write_plot
 from .report import print_tables
 
 
+def str_list(name: str, text: str) -> tuple[str, ...]:
+    """ "fp32, bf16" -> ("fp32", "bf16"); an empty list or item ("8,,1") is refused, naming the option."""
+    parts = tuple(part.strip() for part in text.split(","))
+    if not all(parts):
+        raise ValueError(f"--{name} must be a comma list without empty items, got {text!r}")
+    return parts
+
+
 def int_list(name: str, text: str) -> tuple[int, ...]:
     """ "32,8,1" -> (32, 8, 1), with an error naming the option."""
     try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
+        values = tuple(int(part) for part in str_list(name, text))
     except ValueError:
         raise ValueError(f"--{name} must be a comma list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
+    if min(values) < 1:
         raise ValueError(f"--{name} must list integers >= 1, got {text!r}")
     return values
 
@@ -43,7 +51,7 @@ def run_bench_decode(
         kv_heads=int_list("kv-heads", kv_heads),
         batches=int_list("batch", batch),
         contexts=int_list("context", context),
-        dtypes=tuple(d.strip() for d in dtype.split(",") if d.strip()),
+        dtypes=str_list("dtype", dtype),
         repeats=repeats,
         layer=layer,
         mla=mla,
