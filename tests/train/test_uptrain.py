@@ -8,7 +8,9 @@ import itertools
 import json
 import math
 import re
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,6 +229,7 @@ def test_user_errors_exit_2_with_one_line_and_src_untouched(
 def test_crash_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(
     tmp_path, tiny_llama, corpus, monkeypatch
 ):
+    corpus = Path(shutil.copytree(corpus, tmp_path / "corpus"))  # its own: edited below
     common = dict(src=tiny_llama, data=corpus, steps=6, batch_size=4, seq_len=32, lr=3e-3, save_every=2)
     uptrain(UptrainOptions(dst=tmp_path / "whole", **common), progress=False)
 
@@ -267,8 +270,22 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(
         "--batch-size", 4, "--seq-len", 32, "--lr", 1e-3, "--resume",
     )  # fmt: skip
     assert changed.exit_code == 2 and "--lr was 0.003 in the interrupted run, now 0.001" in changed.output
-
-    summary = uptrain(opts.replace(resume=True), progress=False)
+    # --resume compares what the inputs are: a file edited in place is refused (it was accepted), the same files
+    # spelled another way are not (they were refused)
+    first = sorted(corpus.glob("*.txt"))[0]
+    text = first.read_text()
+    first.write_text(text + "One more line.\n")
+    edited = run_cli(
+        "uptrain", tiny_llama, tmp_path / "dst", "--data", corpus, "--steps", 6, "--save-every", 2,
+        "--batch-size", 4, "--seq-len", 32, "--lr", 3e-3, "--resume",
+    )  # fmt: skip
+    assert (
+        edited.exit_code == 2
+        and "the text of --data / --eval-data is not what the interrupted run read" in (edited.output)
+    )
+    first.write_text(text)
+    spelled = corpus.parent / ".." / corpus.parent.name / corpus.name
+    summary = uptrain(opts.replace(resume=True, data=spelled), progress=False)
     assert summary["resumed_from_step"] == 2
     assert not run.exists()
     whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "dst")

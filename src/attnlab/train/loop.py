@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import math
 import time
 from collections.abc import Iterator
@@ -84,6 +85,7 @@ class Prepared:
     train: data.TokenStream
     eval: data.TokenStream | None
     resume_from: Path | None
+    inputs: dict  # what the run reads (``_inputs_id``), saved with each checkpoint for --resume to compare
 
 
 def _inputs(opts: UptrainOptions) -> tuple[Path | None, ...]:
@@ -163,7 +165,41 @@ def _check_teacher(teacher: nn.Module, student: nn.Module, opts: UptrainOptions)
             raise ValueError(f"--teacher {opts.teacher} has another tokenizer vocabulary than SRC {opts.src}")
 
 
-def _claim(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStack) -> Path | None:
+# Options naming inputs: --resume compares what they are (``_inputs_id``), not how their paths are spelled.
+PATH_OPTIONS = ("src", "data", "eval_data", "teacher")
+
+
+def _inputs_id(opts: UptrainOptions) -> dict:
+    """What the run reads: SRC and the teacher by their resolved paths, the text by the names (relative to
+    --data / --eval-data) and bytes of its files; a checkpoint carries it, and --resume refuses other inputs."""
+    text = hashlib.sha256()
+    for root, flag in ((opts.data, "--data"), (opts.eval_data, "--eval-data")):
+        if root is None:
+            continue
+        for f in data.text_files(root, flag):
+            name = f.name if f == root else str(f.relative_to(root))
+            text.update(f"{flag}\0{name}\0".encode() + f.read_bytes())
+    teacher = str(opts.teacher.resolve()) if opts.teacher is not None else None
+    return {"src": str(opts.src.resolve()), "teacher": teacher, "text_sha256": text.hexdigest()}
+
+
+def _same_inputs(saved: dict | None, now: dict) -> None:
+    """A resumed run reads what the interrupted one read (checkpoints from before ``_inputs_id`` carry none)."""
+    if saved is None:
+        return
+    for key, flag in (("src", "SRC"), ("teacher", "--teacher")):
+        if saved[key] != now[key]:
+            raise ValueError(f"--resume: {flag} was {saved[key]} in the interrupted run, now {now[key]}")
+    if saved["text_sha256"] != now["text_sha256"]:
+        raise ValueError(
+            "--resume: the text of --data / --eval-data is not what the interrupted run read (a file was added, "
+            "removed, renamed or changed)"
+        )
+
+
+def _claim(
+    opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStack, inputs: dict
+) -> Path | None:
     """On rank 0: take DST's and the run directory's one-writer locks for the whole run, then decide whether the
     run directory is continued (the checkpoint returned), started over (None) or refused."""
 
@@ -174,7 +210,10 @@ def _claim(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStac
         found = checkpoint.checkpoints(opts.run_path)
         if found and opts.resume:
             saved = checkpoint.read_state(found[-1])
+            _same_inputs(saved.get("inputs"), inputs)
             for name in SAME_ON_RESUME:
+                if name in PATH_OPTIONS and saved.get("inputs") is not None:
+                    continue  # compared by what they are, above
                 was, now = saved["options"].get(name), opts.to_json()[name]
                 if was != now:
                     flag = "--" + name.replace("_", "-")
@@ -204,14 +243,15 @@ def prepare(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitSta
     _check_paths(opts)
     model_type = family_of(opts.src)
     _check_sizes(opts, env)
-    resume_from = _claim(opts, env, held)
+    inputs = _inputs_id(opts)
+    resume_from = _claim(opts, env, held, inputs)
     model = load_causal_lm(opts.src).float()
     teacher = None
     if opts.teacher is not None:
         teacher = load_causal_lm(opts.teacher).float().requires_grad_(False)
         _check_teacher(teacher, model, opts)
     train, held_out = _streams(opts, model.cfg.vocab_size)
-    return Prepared(model_type, model, teacher, train, held_out, resume_from)
+    return Prepared(model_type, model, teacher, train, held_out, resume_from, inputs)
 
 
 def _batch(
@@ -362,7 +402,12 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
             log.step(record, tokens=global_batch * opts.seq_len, seconds=seconds)
             if opts.save_every and step % opts.save_every == 0 and step < opts.steps:
                 meta = {"samples": step * global_batch, "global_batch": global_batch}
-                meta |= {"world_size": env.world_size, "tp": env.tp, "options": opts.to_json()}
+                meta |= {
+                    "world_size": env.world_size,
+                    "tp": env.tp,
+                    "options": opts.to_json(),
+                    "inputs": prep.inputs,
+                }
                 checkpoint.save_checkpoint(run, step, model, optimizer, env, meta, opts.keep)
 
     final = held_out()
