@@ -212,3 +212,21 @@ def test_convert_progress_reaches_a_log_file(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "attnlab: converting layers (mean): 2/2 (100%)" in proc.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_an_error_of_one_rank_alone_is_still_said_by_that_rank(rank, monkeypatch, capsys):
+    """Under torchrun, rank 0 reports the errors every rank meets alike, and the others wait to be stopped. A rank
+    that outlives the wait met its error alone (a --data missing on its machine): it once exited 2 without a word."""
+    import typer
+
+    from attnlab import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "_QUIET_RANK_WAIT_S", 0.0)
+    with pytest.raises(typer.Exit) as done:
+        cli._fail(FileNotFoundError("--data corpus/ not found"))
+    assert done.value.exit_code == 2
+    said = "attnlab: error: " if rank == "0" else "attnlab: error (rank 1): "
+    assert capsys.readouterr().err == f"{said}--data corpus/ not found\n"

@@ -158,8 +158,8 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Errors that come from what the user gave (options, files, the checkpoint): under torchrun every rank meets them
-# alike, before or at the same collective, so only rank 0 reports them. Other failures (a full disk, memory) may
-# be one rank's own and are reported by that rank, named.
+# alike, before or at the same collective, so rank 0 reports them (another rank only if it outlives a wait: the
+# error was its own). Other failures (a full disk, memory) may be one rank's own and are reported by that rank, named.
 _SAME_ON_EVERY_RANK = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError)
 
 
@@ -172,8 +172,10 @@ def _fail(err: BaseException) -> None:
         print(f"attnlab: error (rank {rank}): {message}", file=sys.stderr)
     else:
         # Rank 0 reports it. Leaving at once, this rank could make torchrun stop rank 0 before its line is out (seen
-        # on a loaded machine); torchrun stops this rank as soon as rank 0 exits, so waiting costs nothing.
+        # on a loaded machine); torchrun stops this rank as soon as rank 0 exits, so waiting costs nothing. Still
+        # running after the wait, it met the error alone (a file missing on its machine, say): it says so itself.
         time.sleep(_QUIET_RANK_WAIT_S)
+        print(f"attnlab: error (rank {rank}): {message}", file=sys.stderr, flush=True)
     raise typer.Exit(code=2) from None
 
 
