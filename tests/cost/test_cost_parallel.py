@@ -83,6 +83,12 @@ def test_rank_config_splits_heads_mlp_and_vocab_and_replicates_the_rest():
 def test_all_reduce_payload_and_ring_time_on_nvlink_and_across_nodes():
     model, h100 = get_preset("llama-2-70b"), get_hardware("h100")
     assert allreduce_bytes_per_token_per_layer(model, "bf16") == 2 * 8192 * 2  # attention and MLP outputs
+    # weights stored in int4 / int8 / fp6 compute in bf16: the activations sent are bf16 (int4 once sent a quarter)
+    for stored in ("int4", "int8", "fp6"):
+        assert allreduce_bytes_per_token_per_layer(model, stored) == 2 * 8192 * 2
+        assert tp_comm(model, get_hardware("h100"), 8, tokens=1, sampled=1, dtype=stored) == tp_comm(
+            model, get_hardware("h100"), 8, tokens=1, sampled=1, dtype="bf16"
+        )
     one = tp_comm(model, h100, 8, tokens=1, sampled=1, dtype="bf16")
     assert one.collectives == 2 * 80 + 2  # per layer two, the embedding's all-reduce, the logits' all-gather
     assert one.allreduce_bytes == (2 * 80 + 1) * 8192 * 2 and one.allgather_bytes == 32000 * 2

@@ -93,6 +93,30 @@ def test_a_narrow_dtype_computes_at_the_faster_of_its_own_and_float32s_peak():
             assert compute_peak(hw, dtype) == peak, (hw.name, dtype)
 
 
+def test_float64_takes_its_own_datasheet_peak_and_no_faster_one():
+    """float64 once fell back to the bf16 tensor-core peak on every GPU (H100: 989 TFLOP/s for 67); the datasheets'
+    FP64 Tensor Core figures now stand in the table, and a device without one is refused by name."""
+    from attnlab.cost import compute_peak
+
+    assert compute_peak(get_hardware("h100"), "fp64") == compute_peak(get_hardware("h200"), "fp64") == 67e12
+    assert compute_peak(get_hardware("a100-80gb"), torch.float64) == 19.5e12
+    llama = get_preset("llama-2-7b")
+    r = roofline(llama, "h100", seq_len=4096, dtype="fp64")
+    assert r.prefill.compute_seconds == r.prefill.flops / 67e12 and r.prefill.bound == "compute"
+    for name in ("l40s", "rtx4090"):
+        with pytest.raises(ValueError, match=f"hardware '{name}' has no float64 peak FLOP/s"):
+            roofline(llama, name, dtype="fp64")
+
+
+def test_hardware_and_dtype_arguments_are_named():
+    llama = get_preset("llama-2-7b")
+    with pytest.raises(TypeError, match="hardware must be a Hardware or a name of the table, got None"):
+        roofline(llama, None)
+    # torch's other fp8 formats are fp8 (kv_cache_bytes took them by their size; roofline refused them)
+    fnuz = roofline(llama, "h100", dtype=torch.float8_e4m3fnuz)
+    assert fnuz.kv_cache_bytes == roofline(llama, "h100", dtype="fp8").kv_cache_bytes
+
+
 def test_max_batch_and_context_fit_exactly():
     llama = get_preset("llama-2-7b")
     r = roofline(llama, "h100", batch=3, seq_len=4096)

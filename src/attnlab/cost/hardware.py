@@ -41,6 +41,7 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         "h100",
         {
+            "fp64": 67 * TERA,  # FP64 Tensor Core
             "fp32": 66.9 * TERA,
             "tf32": 494.7 * TERA,
             "bf16": 989.4 * TERA,
@@ -59,6 +60,7 @@ HARDWARE: dict[str, Hardware] = {
     "h200": Hardware(
         "h200",
         {
+            "fp64": 67 * TERA,  # FP64 Tensor Core
             "fp32": 66.9 * TERA,
             "tf32": 494.7 * TERA,
             "bf16": 989.4 * TERA,
@@ -76,7 +78,13 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "a100-80gb": Hardware(
         "a100-80gb",
-        {"fp32": 19.5 * TERA, "tf32": 156 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
+        {
+            "fp64": 19.5 * TERA,
+            "fp32": 19.5 * TERA,
+            "tf32": 156 * TERA,
+            "bf16": 312 * TERA,
+            "fp16": 312 * TERA,
+        },
         2.039e12,
         80 * 10**9,
         "NVIDIA A100 Tensor Core GPU datasheet, SXM 80GB",

@@ -55,10 +55,22 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a string or torch.dtype, got {dtype!r} ({type(dtype).__name__})")
     name = _ALIASES.get(dtype.lower(), dtype.lower())
+    if name.startswith(("float8_", "float4_")):  # torch's other fp8 / fp4 formats (e4m3fnuz, e8m0fnu, ...)
+        name = "fp8" if name.startswith("float8_") else "fp4"
     if name not in DTYPE_BITS:
         known = ", ".join(DTYPE_BITS)
         raise ValueError(f"dtype {dtype!r} is not known; use one of {known} or a torch.dtype")
     return name
+
+
+# Weights stored in these are dequantised to be computed: the activations (and what tensor parallelism sends) are bf16.
+STORAGE_ONLY = ("int8", "fp6", "int4", "fp4")
+
+
+def activation_dtype(dtype: str | torch.dtype) -> str:
+    """The dtype a model whose weights are stored in ``dtype`` computes its activations in."""
+    name = dtype_name(dtype)
+    return "bf16" if name in STORAGE_ONLY else name
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -27,7 +27,7 @@ import torch
 
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from .hardware import Hardware
-from .memory import _bits_to_bytes, dtype_bits
+from .memory import _bits_to_bytes, activation_dtype, dtype_bits
 
 
 def check_tp(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int, *, flag: str = "tp") -> None:
@@ -97,8 +97,9 @@ def rank_config(model_cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def allreduce_bytes_per_token_per_layer(model_cfg: ModelConfig, dtype: str | torch.dtype = "bf16") -> int:
     """Payload all-reduced per token per layer in a forward: the attention's and the MLP's output, d_model
-    values each (zero without tensor parallelism; a backward all-reduces as much again, for the input gradients)."""
-    return _bits_to_bytes(2 * model_cfg.d_model * dtype_bits(dtype))
+    values each (zero without tensor parallelism; a backward all-reduces as much again, for the input gradients),
+    in the activations' dtype (bf16 for weights stored in int8, fp6 or int4: ``activation_dtype``)."""
+    return _bits_to_bytes(2 * model_cfg.d_model * dtype_bits(activation_dtype(dtype)))
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def tp_comm(
         )
     split_vocab = not model_cfg.tie_embeddings
     n_allreduce = 2 * model_cfg.n_layers + (1 if split_vocab else 0)
-    bits = dtype_bits(dtype)
+    bits = dtype_bits(activation_dtype(dtype))  # activations and logits: dequantised weights compute in bf16
     allreduce = _bits_to_bytes(n_allreduce * tokens * model_cfg.d_model * bits)
     allgather = _bits_to_bytes(sampled * model_cfg.vocab_size * bits) if split_vocab else 0
     within_node = tp <= hw.gpus_per_node or hw.network_bandwidth is None

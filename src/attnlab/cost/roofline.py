@@ -95,6 +95,11 @@ def compute_peak(hw: Hardware, dtype: str | torch.dtype) -> float:
     Weights stored narrower than the table's dtypes (int8, int4, fp6) are computed in bf16 after dequantising.
     """
     dtype = dtype_name(dtype)
+    if dtype == "fp64" and dtype not in hw.peak_flops:  # no faster rate may stand in for it
+        raise ValueError(
+            f"hardware {hw.name!r} has no float64 peak FLOP/s ({hw.source}); choose a device the table gives one "
+            "(h100, h200, a100-80gb) or another --dtype"
+        )
     compute = dtype if dtype in hw.peak_flops else "bf16"
     if compute not in hw.peak_flops:
         raise ValueError(
@@ -141,6 +146,8 @@ def roofline(
     if not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"hardware must be a Hardware or a name of the table, got {hardware!r}")
     for name, value in (("batch", batch), ("seq_len", seq_len), ("tp", tp)):
         check_int(name, value)
     dtype = dtype_name(dtype)

@@ -213,6 +213,8 @@ def compare(
 ) -> Comparison:
     """Every variant of ``model_cfg`` at ``batch`` x ``seq_len`` tokens on ``hardware``, per rank of ``tp``."""
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"hardware must be a Hardware or a name of the table, got {hardware!r}")
     dtype = dtype_name(dtype)
     check_tp(model_cfg, tp)  # the native variant must split: it is what the verdict is about
     rows = []
