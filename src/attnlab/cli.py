@@ -260,7 +260,7 @@ def convert(
 @user_errors
 def uptrain(
     src: Path = typer.Argument(
-        ..., help="Causal-LM checkpoint to train (Llama / Mistral / Qwen2 / DeepSeek-V3); never modified."
+        ..., help="Causal-LM checkpoint to train (a family of `attnlab families`); never modified."
     ),
     dst: Path = typer.Argument(
         ..., help="Output checkpoint, like SRC; appears (atomically) when the run ends."

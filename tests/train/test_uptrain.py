@@ -166,6 +166,11 @@ def test_learning_rate_warmup_then_cosine():
         ("train", "mlp", "--train must be one of all, attention; got 'mlp'"),
         ("dtype", "fp16", "--dtype must be one of fp32, bf16; got 'fp16'"),
         ("warmup", 200, "--warmup must be in [0, --steps=100], got 200"),
+        (
+            "lr",
+            1e38,
+            "--lr must be below 3.4e37 (its AdamW step would overflow float32), got 1e+38",
+        ),  # a traceback
     ],
 )
 def test_options_name_the_field_and_value(field, value, message):

@@ -119,6 +119,10 @@ class UptrainOptions:
                 raise ValueError(f"{_flag(name)} must be in {bounds}, got {value}")
         if self.held_out >= 1.0:
             raise ValueError(f"--held-out must be < 1, got {self.held_out}")
+        if self.lr / (1 - 0.9) > 3.4e38:  # AdamW's first step moves by lr / (1 - beta1), a float32 scalar
+            raise ValueError(
+                f"--lr must be below 3.4e37 (its AdamW step would overflow float32), got {self.lr}"
+            )
         if self.train not in TRAINABLE:
             raise ValueError(f"--train must be one of {', '.join(TRAINABLE)}; got {self.train!r}")
         if not isinstance(self.device, str):
