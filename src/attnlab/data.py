@@ -70,6 +70,15 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
     return files
 
 
+def fingerprint(paths: list[Path], how: str = "") -> str:
+    """What a text is: every file's name and bytes, in order (and ``how`` they were split, if not by whole files);
+    what ``attnlab sweep`` keys its data on and ``uptrain --resume`` compares."""
+    h = hashlib.sha256(how.encode())
+    for p in paths:
+        h.update(str(p.name).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def split_held_out(files: list[Path], fraction: float = 0.1) -> tuple[list[Path], list[Path]]:
     """(train, held-out) by whole files: ``round(fraction * n)`` files (at least one when there are two or
     more), spread evenly over the sorted list. One file cannot be split: it is all training text."""

@@ -39,6 +39,15 @@ def read_raw(path_or_dict: str | Path | dict[str, Any]) -> tuple[dict[str, Any],
     return raw, path.parent.name
 
 
+def quantization(raw: dict[str, Any]) -> str | None:
+    """A config.json's quantization method (its ``quantization_config``'s ``quant_method``, "?" when unnamed), or
+    None for an unquantized checkpoint: its tensors are then the weights themselves."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    return str(q.get("quant_method", "?")) if isinstance(q, dict) else repr(q)
+
+
 def from_hf_config(path_or_dict: str | Path | dict[str, Any], *, name: str | None = None) -> ModelConfig:
     """Read a ``config.json`` (a path to it, to its directory, or the parsed dict) into a ``ModelConfig``."""
     raw, default_name = read_raw(path_or_dict)

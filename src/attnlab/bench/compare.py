@@ -282,12 +282,11 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
 def _notes(model: str, cfg, seq_len: int, dtype: str) -> list[str]:
     """What the table's figures assume that the checkpoint does not say, printed on stderr (never silently): weights
     of a quantized config.json counted at ``dtype``; a context beyond the model's positions."""
-    from ..hf_config import read_raw
+    from ..hf_config import quantization, read_raw
 
     notes = []
-    q = None if model in preset_names() else read_raw(model)[0].get("quantization_config")
-    if q is not None:
-        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+    method = None if model in preset_names() else quantization(read_raw(model)[0])
+    if method is not None:
         notes.append(
             f"{model} is quantized ({method}); its weights are counted at --dtype {dtype}, not as stored"
         )

@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_dir as atomic_dir  # the writer of every checkpoint directory (re-exported)
+from ..hf_config import quantization
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -65,17 +66,12 @@ def read_config(src: str | Path) -> dict:
         raise ValueError(f"malformed {path}: expected a JSON object, got {type(cfg).__name__}")
     if not isinstance(cfg.get("model_type"), str):
         raise ValueError(f"{path} has no model_type field")
-    if (
-        "quantization_config" in cfg
-    ):  # its tensors are packed integers or scaled fp8, not the weights themselves
-        raise ValueError(f"{path}: quantization_config ({_quant_method(cfg)}): attnlab reads unquantized weights "
-                         "(float32, float16, bfloat16); dequantize the checkpoint first")  # fmt: skip
+    # a quantized checkpoint's tensors are packed integers or scaled fp8, not the weights themselves
+    method = quantization(cfg)
+    if method is not None:
+        raise ValueError(f"{path}: quantization_config ({method}): attnlab reads unquantized weights (float32, "
+                         "float16, bfloat16); dequantize the checkpoint first")  # fmt: skip
     return cfg
-
-
-def _quant_method(cfg: dict) -> str:
-    q = cfg.get("quantization_config")
-    return str(q.get("quant_method", "?")) if isinstance(q, dict) else repr(q)
 
 
 def shard_map(src: str | Path) -> dict[str, str]:

@@ -30,7 +30,7 @@ from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
-from ..data import split_held_out, text_files
+from ..data import fingerprint, split_held_out, text_files
 from ..jobs import Job
 from ..resources import resolve_device
 from . import work
@@ -219,14 +219,6 @@ def methods_of(variant: Variant, methods: tuple[str, ...]) -> list[str]:
     if variant.kind != "mla":
         return list(methods)
     return list(dict.fromkeys("calib" if m in DATA_AWARE else "plain" for m in methods))
-
-
-def fingerprint(paths: list[Path], how: str = "") -> str:
-    """What the data is: every file's name and bytes (and ``how`` they were split, if not by whole files)."""
-    h = hashlib.sha256(how.encode())
-    for p in paths:
-        h.update(str(p.name).encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def checkpoint_id(src: Path) -> str:

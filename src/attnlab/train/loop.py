@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import math
 import time
 from collections.abc import Iterator
@@ -170,17 +169,12 @@ PATH_OPTIONS = ("src", "data", "eval_data", "teacher")
 
 
 def _inputs_id(opts: UptrainOptions) -> dict:
-    """What the run reads: SRC and the teacher by their resolved paths, the text by the names (relative to
-    --data / --eval-data) and bytes of its files; a checkpoint carries it, and --resume refuses other inputs."""
-    text = hashlib.sha256()
-    for root, flag in ((opts.data, "--data"), (opts.eval_data, "--eval-data")):
-        if root is None:
-            continue
-        for f in data.text_files(root, flag):
-            name = f.name if f == root else str(f.relative_to(root))
-            text.update(f"{flag}\0{name}\0".encode() + f.read_bytes())
+    """What the run reads: SRC and the teacher by their resolved paths, the text of --data and --eval-data by its
+    files' names and bytes (``data.fingerprint``); a checkpoint carries it, and --resume refuses other inputs."""
+    text = [data.fingerprint(data.text_files(root, flag)) if root is not None else None
+            for root, flag in ((opts.data, "--data"), (opts.eval_data, "--eval-data"))]  # fmt: skip
     teacher = str(opts.teacher.resolve()) if opts.teacher is not None else None
-    return {"src": str(opts.src.resolve()), "teacher": teacher, "text_sha256": text.hexdigest()}
+    return {"src": str(opts.src.resolve()), "teacher": teacher, "text": text}
 
 
 def _same_inputs(saved: dict | None, now: dict) -> None:
@@ -190,7 +184,7 @@ def _same_inputs(saved: dict | None, now: dict) -> None:
     for key, flag in (("src", "SRC"), ("teacher", "--teacher")):
         if saved[key] != now[key]:
             raise ValueError(f"--resume: {flag} was {saved[key]} in the interrupted run, now {now[key]}")
-    if saved["text_sha256"] != now["text_sha256"]:
+    if saved["text"] != now["text"]:
         raise ValueError(
             "--resume: the text of --data / --eval-data is not what the interrupted run read (a file was added, "
             "removed, renamed or changed)"
