@@ -300,11 +300,14 @@ def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_pa
     # Issue 8: a pytorch_model.bin beside model.safetensors was copied into the GQA destination.
     src = make_checkpoint(tmp_path / "src")
     stale = ["pytorch_model.bin", "pytorch_model.bin.index.json", "consolidated.safetensors", "model.gguf",
-             "onnx/model.onnx", "flax_model.msgpack", "tf_model.h5", "old.pt", "old.pth", ".cache/huggingface/x"]  # fmt: skip
+             "onnx/model.onnx", "flax_model.msgpack", "tf_model.h5", "old.pt", "old.pth", ".cache/huggingface/x",
+             "uptrain.json", "uptrain_log.jsonl"]  # fmt: skip
+    # the last two: an uptrained source's records of its training, which do not describe the converted model
     for name in stale:
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes(b"old weights")
     (src / "onnx" / "README.md").write_text("kept")
+    (src / "onnx" / "uptrain.json").write_text("kept: not an attnlab record where it lies")
     result = run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
@@ -318,6 +321,7 @@ def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_pa
         "generation_config.json",
         "model.safetensors",
         "onnx/README.md",
+        "onnx/uptrain.json",
         "tokenizer.json",
     ]
 

@@ -152,9 +152,11 @@ def test_weight_files_the_mla_conversion_did_not_write_are_left_out(tmp_path, so
     for f in source.iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     (src / "pytorch_model.bin").write_bytes(b"old weights")
+    # an uptrained source's summary describes its training, not the MLA model
+    (src / "uptrain.json").write_text("{}")
     result = run("convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8, "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["files_left_out"] == ["pytorch_model.bin"]
+    assert json.loads(result.stdout)["files_left_out"] == ["pytorch_model.bin", "uptrain.json"]
     assert "left out of the destination" in result.stderr
     assert not (tmp_path / "dst" / "pytorch_model.bin").exists()
 

@@ -107,8 +107,8 @@ def run_convert(
             )
     if summary["files_left_out"]:
         print(
-            "attnlab: left out of the destination (weights of the source model, which the converted ones "
-            f"replace): {', '.join(summary['files_left_out'])}",
+            "attnlab: left out of the destination (the source model's weights, which the converted ones "
+            f"replace, and its uptraining records): {', '.join(summary['files_left_out'])}",
             file=sys.stderr,
         )
     if as_json:

@@ -38,6 +38,9 @@ WEIGHT_SUFFIXES = (
 # Directories of tools, not of the model: git metadata and huggingface_hub's download cache (whose hashes
 # describe the source's files).
 TOOL_DIRS = (".git", ".cache")
+# What `attnlab uptrain` writes beside the weights about its run (train/loop.py): they describe the training of the
+# source, not the model a conversion writes.
+RUN_RECORDS = ("uptrain.json", "uptrain_log.jsonl")
 
 
 def _open(path: Path) -> Any:
@@ -191,9 +194,9 @@ def is_weight_file(name: str) -> bool:
 def copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
     """Copy everything in ``src`` except the names in ``skip`` (tokenizer, generation config, ...) unchanged.
 
-    Weight files (``WEIGHT_SUFFIXES``, their indexes) and tool directories (``TOOL_DIRS``) are never copied: they
-    hold or describe the source's weights, which the written ones replace. Returns those left out (relative
-    paths). Files are copied by content (a symlink, as in a Hugging Face cache snapshot, yields its target).
+    Weight files (``WEIGHT_SUFFIXES``, their indexes), tool directories (``TOOL_DIRS``) and an uptraining's records
+    (``RUN_RECORDS``) are never copied: they hold or describe the source's weights, which the written ones replace.
+    Returns those left out (relative paths). Files are copied by content (a symlink, as in a Hugging Face cache snapshot, yields its target).
     """
     left_out: list[str] = []
 
@@ -207,7 +210,7 @@ def copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
             elif path.is_dir():
                 (dst_dir / path.name).mkdir()
                 walk(path, dst_dir / path.name, name + "/")
-            elif is_weight_file(path.name):
+            elif is_weight_file(path.name) or (not rel and path.name in RUN_RECORDS):
                 left_out.append(name)
             else:
                 shutil.copyfile(path, dst_dir / path.name)
