@@ -126,7 +126,7 @@ def test_families_command_prints_a_row_per_family_and_json():
     refused(run("families", "--json", "--markdown"))
 
 
-def test_import(family):
+def test_import(family, tmp_path):
     fam, src = family
     cell = support(fam)["import"]
     if cell.text == "yes":
@@ -134,9 +134,12 @@ def test_import(family):
             same_logits(src, fam.architectures[fam.model_types[0]])
         else:  # written by attnlab in the family's layout: read back as the example's model
             assert load_causal_lm(src).cfg.attention == example_config(fam).attention
-    elif cell.text == "encoder":
+    elif cell.text == "convert only":
         encoder, _ = load_bert(src)
         assert encoder.cfg.attention.n_heads == fam.example["num_attention_heads"]
+        (tmp_path / "text.txt").write_text("To be, or not to be, that is the question.\n" * 20)
+        refused(run("eval", src, "--data", tmp_path / "text.txt", "--seq-len", 8))
+        refused(run("generate", src, "--prompt", "To be", "--max-new", "2"))
     else:
         refused(run("generate", src, "--prompt", "To be", "--max-new", "2"))
 

@@ -54,7 +54,9 @@ def support(fam: Family) -> dict[str, Cell]:
         imported = Cell(True, "yes", f"exact against transformers' {cls}" if fam.architectures else cls)
     elif not fam.causal_lm and fam.gqa is not None:
         imported = Cell(
-            True, "encoder", "loaded for conversion to fewer KV heads (an encoder, not a causal LM)"
+            True,
+            "convert only",
+            "an encoder, not a causal LM: loaded by `convert` (fewer KV heads); eval, generate and uptrain refuse it",
         )
     else:
         imported = cost_only
@@ -141,7 +143,8 @@ def markdown() -> str:
     lines += ["", "Notes:", ""] + [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     lines += [
         "",
-        "Columns: **import** loads the weights (`attnlab eval`, `generate`, `uptrain` read them); **convert GQA**",
+        "Columns: **import** loads the weights (`attnlab eval`, `generate`, `uptrain` read them; *convert only*: an",
+        "encoder, whose weights `convert` alone reads); **convert GQA**",
         "is `attnlab convert --kv-heads N` (mean, fit, grouped-fit); **convert MLA** is `attnlab convert --to mla`",
         "(a DeepSeek-V3 checkpoint: *exact*, *approximate*, or *refused* with the reason); **uptrain** is",
         "`attnlab uptrain`; **generate** is `attnlab generate`; **compare** is `attnlab compare --model",
