@@ -135,6 +135,50 @@ def test_a_flop_counter_opened_before_the_first_use_counts_the_operators():
     assert counted == expected and linear_op == "True"
 
 
+OPERATOR_FIRST = """
+import torch
+import torch.nn.functional as F
+import attnlab.attention.fused  # defines the operators; nothing built yet
+
+q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+try:
+    out = torch.ops.attnlab.decode(q, k, v, 0.25)  # the first thing that runs a kernel
+except RuntimeError as err:
+    print("refused:", err)
+else:
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    print("max error", float((out - want).abs().max()), attnlab.attention.fused.status())
+"""
+
+
+@pytest.mark.parametrize("fused_on", ["1", "0"])
+def test_an_operator_called_before_anything_built_the_kernels_builds_them_or_says_why(fused_on):
+    """``torch.ops.attnlab.*`` called first in a fresh process (before any module, ``attend`` or ``ensure_built``)
+    answered with the dispatcher's "Could not run 'attnlab::decode' with arguments from the 'CPU' backend"."""
+    env = dict(
+        os.environ,
+        ATTNLAB_FUSED=fused_on,
+        PYTHONPATH=os.pathsep.join([str(Path(fused.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run([sys.executable, "-c", OPERATOR_FIRST], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    if fused_on == "1":
+        error, status = proc.stdout.split()[2], proc.stdout.split(None, 3)[3]
+        assert float(error) < 1e-5 and status.startswith("fused C++ kernel"), proc.stdout
+    else:
+        assert proc.stdout.startswith("refused: torch.ops.attnlab.decode: the C++ kernels are not available")
+        assert "ATTNLAB_FUSED=0" in proc.stdout
+
+
+def test_an_operator_on_another_device_is_refused_by_name():
+    q, k, v = (t.to("meta") for t in _decode_operands())
+    assert OPS.decode(q, k, v, 0.25).shape == (2, 6, 1, 16)  # meta: the fake implementation answers
+    # a device without a kernel (CUDA, say) reaches the pre-build kernel, which names the device instead of
+    # building the CPU kernels and dispatching back to itself; called directly here, where there is no GPU
+    with pytest.raises(NotImplementedError, match="CPU tensors only, got meta"):
+        fused._unbuilt("attnlab", "decode")(q, k, v, 0.25)
+
+
 def _decode_operands(dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 1, 16, generator=gen).to(dtype)

@@ -379,14 +379,50 @@ _LIBRARIES: dict[
 
 
 def define(namespace: str = _NAMESPACE) -> None:
-    """Define ``namespace``'s operators (once): schemas, fake implementations and FLOP formulas."""
+    """Define ``namespace``'s operators (once): schemas, fake implementations, FLOP formulas and the kernels that
+    answer before a build (``_unbuilt``)."""
     if namespace in _LIBRARIES:
         return
     library = torch.library.Library(namespace, "DEF")
-    for schema in _schemas().values():
+    for name, schema in _schemas().items():
         library.define(schema)
+        if name not in (
+            "amx",
+            "signatures",
+        ):  # those two take no tensor: the build registers them for every key
+            library.impl(name, _unbuilt(namespace, name), "CompositeExplicitAutograd")
     _register(namespace, library)
     _LIBRARIES[namespace] = library
+
+
+def _unbuilt(namespace: str, name: str):
+    """The kernel of ``torch.ops.<namespace>.<name>`` for a tensor no compiled kernel takes. The build registers the
+    C++ kernels for CPU tensors, which the dispatcher then prefers to this one; before it, a call on CPU tensors
+    builds the package's operators (as ``ensure_built`` does) and dispatches again. Anything else is an error that
+    says why."""
+
+    def kernel(*args):
+        qualified = f"{namespace}::{name}"
+        device = next(
+            (
+                t.device
+                for a in args
+                for t in (a if isinstance(a, list) else [a])
+                if isinstance(t, torch.Tensor)
+            ),
+            torch.device("cpu"),
+        )
+        if device.type != "cpu":
+            raise NotImplementedError(
+                f"torch.ops.{namespace}.{name}: the attnlab kernels take CPU tensors only, got {device}"
+            )
+        built = namespace == _NAMESPACE and _library() is not None
+        if built and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CPU"):
+            return getattr(getattr(torch.ops, namespace), name).default(*args)
+        why = status() if namespace == _NAMESPACE else "this namespace's build (load_library) is not loaded"
+        raise RuntimeError(f"torch.ops.{namespace}.{name}: the C++ kernels are not available: {why}")
+
+    return kernel
 
 
 define()
