@@ -340,6 +340,30 @@ def test_files_of_one_name_in_subdirectories_are_all_read(tmp_path):
     assert texts == [f"the act of {part}, a line of seven words or more\n" for part in ("a", "b", "c")]
 
 
+def test_the_same_text_from_another_place_is_read_from_there(tmp_path):
+    """The data folders are named by the text's fingerprint, and an existing one was reused as it was: a copy of the
+    corpus swept into the same cache kept reading the first corpus, after it was deleted (every job failed) or
+    edited (the new jobs trained on other text than their key says)."""
+    import shutil
+
+    from attnlab.sweep.plan import prepare_data
+
+    (tmp_path / "a").mkdir()
+    for i in range(3):
+        (tmp_path / "a" / f"part{i}.txt").write_text(f"part {i}: a line of seven words or more here\n")
+    (tmp_path / "cache").mkdir()
+    first = prepare_data(tmp_path / "a", None, tmp_path / "cache")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "a" / "part0.txt").write_text("edited after the copy\n")
+    second = prepare_data(tmp_path / "b", None, tmp_path / "cache")
+    assert second == first  # the same folders: the cached results of the same text stay valid
+    for folder in ("train", "heldout"):
+        for link in second[folder].glob("*.txt"):
+            assert link.resolve().parent == (tmp_path / "b").resolve()
+            assert link.read_text().startswith("part ")
+    assert not list((tmp_path / "cache").glob(".*"))  # no temporary or replaced folder left
+
+
 def test_a_second_sweep_of_the_same_source_without_out_is_refused(tiny, tmp_path, monkeypatch):
     """Without --out, sweeps of one source share attnlab's job cache: a second one exits 2 naming the first, where
     it once ran, lost a job to the first's lock and exited 0 with that row's error."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,6 +258,19 @@ def _texts(data: Path, eval_data: Path | None) -> tuple[dict[str, dict[str, Path
     return {"train": named(train), "heldout": named(held)}, fingerprint([*train, *held])
 
 
+def _links_to(folder: Path, group: dict[str, Path | str]) -> bool:
+    """Whether ``folder`` (made by an earlier sweep for a text of the same fingerprint) holds ``group``'s files as
+    links to these very files. Equal text read from another place (a copy, since moved, deleted or edited) is not:
+    its folder's links would read the other place."""
+    if not folder.is_dir():
+        return False
+    for file_name, text in group.items():
+        link = folder / file_name
+        if isinstance(text, Path) and not (link.is_symlink() and link.readlink() == text.resolve()):
+            return False
+    return True
+
+
 def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
     """The training and held-out text (``_texts``: files linked, a split file's parts written, into ``root``,
     attnlab's own cache), and calibration lines for the data-aware conversions: lines of seven words or more of the
@@ -267,7 +281,7 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
     folders = {}
     for name, group in texts.items():
         folder = root / f"{name}-{fp}"
-        if not folder.is_dir():
+        if not _links_to(folder, group):
             tmp = root / f".{folder.name}.tmp-{random.getrandbits(32):08x}"
             tmp.mkdir()
             for file_name, text in group.items():
@@ -275,6 +289,11 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
                     (tmp / file_name).symlink_to(text.resolve())
                 else:
                     (tmp / file_name).write_text(text)
+            # the same text at another place: the links follow it (the sweep holds root's lock)
+            if folder.is_dir():
+                old = root / f".{folder.name}.old-{random.getrandbits(32):08x}"
+                folder.rename(old)
+                shutil.rmtree(old)
             tmp.rename(folder)
         folders[name] = folder
     calib = root / f"calib-{fp}.txt"
