@@ -277,6 +277,7 @@ def test_a_model_that_ran_fused_steps_still_pickles_and_copies(monkeypatch):
         {"attention": {"softcap": 30.0}},
         {"attention": {"rope_dim": 4}},  # of head_dim 8
         {"attention": {"rope_interleaved": True}},
+        {"attention": {"head_dim": 5, "rope": False}},  # odd: the kernel's heads are pairs of dims
     ],
     ids=lambda c: next(iter(c.values())) if "attention" not in c else next(iter(c["attention"])),
 )

@@ -105,6 +105,7 @@ def fused_block_config(cfg: ModelConfig, attn: AttentionConfig | MLAConfig) -> b
         and not cfg.parallel_residual
         and cfg.mlp == "swiglu"
         and isinstance(attn, AttentionConfig)
+        and attn.head_dim % 2 == 0  # the kernel's heads come in pairs of dims, with or without RoPE
         and (not attn.rope or (attn.rotary_dim == attn.head_dim and not attn.rope_interleaved))
         and attn.qk_norm == "none"
         and attn.softcap is None
