@@ -265,6 +265,38 @@ def test_bad_arguments_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="one length"):
         generate(m, [[1], [1, 2]], 2, cache="contiguous")
     assert generate(m, [[1, 2]], 0).tokens == [[]]
+    for kwargs, error, field in [
+        (dict(stop_tokens=5), TypeError, "stop_tokens"),
+        (dict(stop_tokens="ab"), TypeError, "stop_tokens"),
+        (dict(stop_tokens=[VOCAB]), ValueError, "stop_tokens holds token id"),
+        (dict(stop_tokens=[1.5]), TypeError, "stop_tokens holds 1.5"),
+        (dict(temperature=True), ValueError, "temperature"),
+        (dict(seed="1"), TypeError, "seed"),
+        (dict(seed=1, generator=torch.Generator()), ValueError, "seed or generator"),
+        (dict(generator=3), TypeError, "generator"),
+        (dict(progress=5), TypeError, "progress"),
+    ]:
+        with pytest.raises(error, match=field):
+            generate(m, [[1, 2]], **({"max_new_tokens": 2} | kwargs))
+    with pytest.raises(TypeError, match="prompt 0 holds 'a'"):
+        generate(m, [[1, "a"]], 2)
+
+
+def test_stop_tokens_and_prompts_as_tensors_and_numpy_integers_are_the_same_ids():
+    """A tensor of stop tokens became a set of 0-d tensors, which hash by identity: generation never stopped, and
+    said so nowhere. NumPy integers in a prompt were refused as 'outside the vocabulary'."""
+    import numpy as np
+
+    m, rows = model("gqa"), prompts([6, 6])
+    free = generate(m, rows, 8).tokens
+    stop = free[0][1]
+    want = generate(m, rows, 8, stop_tokens=[stop])
+    assert want.tokens[0] == free[0][:2]
+    for stops in (torch.tensor([stop]), np.array([stop]), (np.int64(stop),), [torch.tensor(stop)]):
+        got = generate(m, rows, 8, stop_tokens=stops)
+        assert got.tokens == want.tokens and got.stopped == want.stopped, type(stops)
+    as_numpy = [[np.int64(t) for t in row] for row in rows]
+    assert generate(m, as_numpy, 8).tokens == free
 
 
 # ------------------------------------------------------------------------------------------------ the command

@@ -40,6 +40,7 @@ transformers' Phi-3 drops its cache there), so that the tokens equal those of re
 from __future__ import annotations
 
 import math
+import operator
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -99,12 +100,41 @@ class Generation:
 def _check_options(max_new_tokens, temperature, top_k, top_p) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not 0 <= temperature < math.inf
+    ):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def _token_id(x: object, what: str, vocab_size: int) -> int:
+    """``x`` as a token id of the vocabulary: a Python, NumPy or one-element tensor integer (not a bool)."""
+    try:
+        if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+            raise TypeError
+        token = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{what} holds {x!r}, which is not a token id (an integer)") from None
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"{what} holds token id {token} outside the vocabulary [0, {vocab_size})")
+    return token
+
+
+def _stop_set(stop_tokens: Iterable[int], vocab_size: int) -> set[int]:
+    """``stop_tokens`` (a list, set, tuple, array or 1-D tensor of ids) as a set of ints. A set of tensors would hash
+    them by identity, and no generated token would ever be found in it."""
+    if isinstance(stop_tokens, torch.Tensor):
+        stop_tokens = stop_tokens.reshape(-1).tolist() if stop_tokens.ndim <= 1 else stop_tokens
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
+        raise TypeError(
+            f"stop_tokens must be an iterable of token ids (a list, a set, a 1-D tensor), got {stop_tokens!r}"
+        )
+    return {_token_id(x, "stop_tokens", vocab_size) for x in stop_tokens}
 
 
 def filter_logits(
@@ -150,9 +180,10 @@ def _prompt_lists(prompts: torch.Tensor | Sequence, vocab_size: int) -> list[lis
             )
         rows = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
     elif isinstance(prompts, Sequence) and not isinstance(prompts, str):
-        rows = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
-        if rows and all(isinstance(x, int) and not isinstance(x, bool) for x in rows):
+        rows = [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
+        if rows and all(not isinstance(x, Iterable) for x in rows):
             rows = [rows]  # one prompt given as a flat list of ids
+        rows = [list(r) if isinstance(r, Iterable) and not isinstance(r, (str, bytes)) else r for r in rows]
     else:
         raise TypeError(
             f"prompts must be a tensor or a sequence of token-id sequences, got {type(prompts).__name__}"
@@ -160,11 +191,11 @@ def _prompt_lists(prompts: torch.Tensor | Sequence, vocab_size: int) -> list[lis
     if not rows:
         raise ValueError("prompts is empty: give at least one prompt")
     for i, row in enumerate(rows):
+        if not isinstance(row, list):
+            raise TypeError(f"prompt {i} is {row!r}, not a sequence of token ids")
         if not row:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [x for x in row if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} holds token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+        rows[i] = [_token_id(x, f"prompt {i}", vocab_size) for x in row]
     return rows
 
 
@@ -200,7 +231,15 @@ def generate(
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     rows = _prompt_lists(prompts, model.cfg.vocab_size)
-    stops = set(stop_tokens)
+    stops = _stop_set(stop_tokens, model.cfg.vocab_size)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be None or an int, got {seed!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+    if seed is not None and generator is not None:
+        raise ValueError("give seed or generator, not both: the seed would be ignored")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be None or a callable (done, total), got {progress!r}")
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(seed)
     if not isinstance(compile, bool):
