@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
@@ -325,3 +326,64 @@ def test_shape_and_dtype_errors_name_the_values():
         attend(q, k[..., :6], v)
     with pytest.raises(ValueError, match=r"disagree on heads or length"):
         attend(q, k, v[:, :, :4])
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "grouped", "fused"])
+def test_bad_options_zero_sizes_and_mixed_devices_are_refused_by_name(backend):
+    """A window of 0 attended to every key in a decode step and to none in a prefill, a soft-cap of 0 gave uniform
+    weights, integer operands gave zeros, a zero-head q killed the process in the C++ kernel (SIGFPE), and K on
+    another device than q reached the kernel's fake implementation (uninitialised memory)."""
+    for t_q in (1, 3):
+        q, k, v = _qkv(t_q=t_q)
+        for kwargs, field in [
+            (dict(window=0), "window"),
+            (dict(window=-2), "window"),
+            (dict(window=2.0), "window"),
+            (dict(softcap=0.0), "softcap"),
+            (dict(softcap=-1.0), "softcap"),
+            (dict(softcap=float("nan")), "softcap"),
+            (dict(dropout_p=-0.1), "dropout_p"),
+            (dict(dropout_p=1.0), "dropout_p"),
+        ]:
+            with pytest.raises(ValueError, match=field):
+                attend(q, k, v, backend=backend, **kwargs)
+        with pytest.raises(TypeError, match=r"floating point, got torch\.int64"):
+            attend(q.long(), k.long(), v.long(), backend=backend)
+        with pytest.raises(ValueError, match="one device, got cpu, meta, cpu"):
+            attend(q, k.to("meta"), v, backend=backend)
+        for zero in (q[:, :0], q[..., :0]):
+            with pytest.raises(ValueError, match="at least one head and one dim"):
+                attend(zero, k[:, :0] if zero.shape[1] == 0 else k[..., :0], v, backend=backend)
+
+
+@pytest.mark.parametrize("t_q", [1, 3])
+def test_values_wider_than_the_keys_run_on_a_backend_that_takes_them(t_q):
+    """A decode step with D_v > D_k went to the fused kernel, which needs D_v <= D_k, and raised; the backend
+    table now says so and hands it on."""
+    q, k, v = _qkv(t_q=t_q, d_v=16)  # keys of 8 dims
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    for backend in ("auto", "fused", "grouped"):
+        torch.testing.assert_close(attend(q, k, v, backend=backend).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_keeps_its_precision_and_passes_gradcheck():
+    """Decode steps, RoPE and RMSNorm computed a float64 call in float32 (6e-8 from SDPA; gradcheck failed on
+    ``attend``, on a GQA module with RoPE and on MLA in both modes)."""
+    from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, MultiHeadLatentAttention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
+               for s in ((1, 2, 1, 4), (1, 1, 3, 4), (1, 1, 3, 4)))  # fmt: skip
+    want = F.scaled_dot_product_attention(q, k.expand(1, 2, 3, 4), v.expand(1, 2, 3, 4))
+    for backend in ("auto", "reference", "grouped"):
+        torch.testing.assert_close(attend(q, k, v, backend=backend), want, rtol=1e-13, atol=1e-13)
+        assert torch.autograd.gradcheck(lambda q, k, v, b=backend: attend(q, k, v, backend=b), (q, k, v))
+    torch.manual_seed(0)
+    modules = [GroupedQueryAttention(AttentionConfig(d_model=8, n_heads=2, n_kv_heads=1))] + [
+        MultiHeadLatentAttention(MLAConfig(d_model=16, n_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
+                                           qk_rope_head_dim=2, v_head_dim=4, mode=mode))
+        for mode in ("naive", "absorbed")
+    ]  # fmt: skip
+    for module in modules:
+        x = torch.randn(1, 3, module.cfg.d_model, dtype=torch.float64, generator=gen, requires_grad=True)
+        assert torch.autograd.gradcheck(module.double(), (x,)), module.cfg

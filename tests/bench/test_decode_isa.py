@@ -93,6 +93,10 @@ def test_the_grids_are_the_24_shapes_with_sdpa_beside_the_kernel(isa_bench):
     )
     with pytest.raises(ValueError, match="attention_baselines"):
         DecodeGrid(attention_baselines=("flash",))
+    # n_heads=0 killed the process in the kernel (SIGFPE); a negative head_dim or block_size 0 went on
+    for field, value in (("n_heads", 0), ("head_dim", -5), ("block_size", 0), ("e2e_steps", 0)):
+        with pytest.raises(ValueError, match=f"{field} must be >= 1, got {value}"):
+            DecodeGrid(**{field: value})
 
 
 def test_the_typical_roofline_holds_every_row_to_the_median_of_its_rounds(isa_bench, monkeypatch):

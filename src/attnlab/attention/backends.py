@@ -10,7 +10,7 @@ measured there.
 
 ``choose(call, backend)`` is the one place a backend is picked: ``attend`` asks it once per call, the model's block
 plan once per decode step. A ``Call`` says what is asked (device, dtype, phase, paged, mask, dropout, gradient,
-soft-capping, subclass, block step, latent rows, row lengths). "auto" takes the first backend of the order that accepts the call; a named
+soft-capping, subclass, block step, latent rows, row lengths, values wider than the keys). "auto" takes the first backend of the order that accepts the call; a named
 backend runs if it accepts it, else the call goes down the order as for "auto" (so "fused" on a masked step runs
 "grouped", and on a paged prefill "sdpa"); a block step is not handed on: it runs on the backend named (with
 "auto", the first of the order that takes it) or, when that has none, module by module. The ``Choice`` names the backend and, for every other backend, why it was
@@ -50,20 +50,23 @@ class Call(NamedTuple):
     # each row's keys are the first of fixed buffers, their number per row in a tensor on the device (a static
     # cache's decode step): a backend that reads lengths takes them, one that takes masks gets them as a mask
     lengths: bool = False
+    wide: bool = False  # values wider than the keys (D_v > D_k)
 
     def __str__(self) -> str:
         what = f"{self.block}-row block step" if self.block else ("paged " if self.paged else "") + self.phase
         what = ("latent " if self.latent else "") + what
         extras = [
-            n for n in ("mask", "lengths", "dropout", "grad", "softcap", "subclass") if getattr(self, n)
+            n
+            for n in ("mask", "lengths", "dropout", "grad", "softcap", "subclass", "wide")
+            if getattr(self, n)
         ]
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.device} {dtype} {what}" + (f" with {', '.join(extras)}" if extras else "")
 
 
-_LIMITS = ("mask", "dropout", "grad", "softcap", "subclass")  # Call flags a backend may refuse, by capability
+_LIMITS = ("mask", "dropout", "grad", "softcap", "subclass", "wide")  # Call flags a backend may refuse
 _WORDS = {"mask": "masks", "dropout": "dropout", "grad": "gradients", "softcap": "soft-capping",
-          "subclass": "tensor subclasses"}  # fmt: skip
+          "subclass": "tensor subclasses", "wide": "values wider than the keys"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class Backend:
     grad: bool = True
     softcap: bool = True
     subclass: bool = True
+    wide: bool = True  # values wider than the keys
     block_rows: int = 0  # whole decoder-block decode steps of up to this many rows; 0: none
     latent_only: bool = False  # takes only MLA's latent rows (``Call.latent``)
     latent: bool = True  # takes MLA's latent rows (values the first columns of the keys, narrower than them)

@@ -114,11 +114,11 @@ def _scaled_scores(q_t: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
     # bfloat16/float16 batched matmuls copy operands whose batch stride is not S_c * D (the live view of a
     # cache, a chunk of it); a 2-D matmul per (batch, KV head) reads each slice where it lies.
     if _needs_grad(q_t, k):  # out= is not differentiable
-        return torch.stack([q_t[i].T @ k[i].T for i in range(k.shape[0])]).float() * scale
+        return widened(torch.stack([q_t[i].T @ k[i].T for i in range(k.shape[0])])) * scale
     scores = torch.empty(k.shape[0], q_t.shape[2], k.shape[1], dtype=k.dtype, device=k.device)
     for i in range(k.shape[0]):
         torch.mm(q_t[i].T, k[i].T, out=scores[i])
-    return scores.float().mul_(scale)
+    return widened(scores).mul_(scale)
 
 
 def _weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -127,11 +127,16 @@ def _weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.bmm(p, v)
     probs = p.to(v.dtype)
     if _needs_grad(probs, v):
-        return torch.stack([probs[i] @ v[i] for i in range(v.shape[0])]).float()
+        return widened(torch.stack([probs[i] @ v[i] for i in range(v.shape[0])]))
     o = torch.empty(v.shape[0], p.shape[1], v.shape[-1], dtype=v.dtype, device=v.device)
     for i in range(v.shape[0]):
         torch.mm(probs[i], v[i], out=o[i])
-    return o.float()
+    return widened(o)
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or as it is when wider: the scores and sums of a float64 call keep float64's precision."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 
 import torch
@@ -70,7 +71,7 @@ import torch.nn.functional as F
 from ..cache import PagedView
 from . import flashinfer_decode, flex, fused
 from .backends import AUTO, Backend, Call, choose, register
-from .decode import grouped_decode, paged_decode
+from .decode import grouped_decode, paged_decode, widened
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -95,6 +96,7 @@ def attend(
         _check_paged(q, k, v, attn_mask)
     else:
         _check_inputs(q, k, v, attn_mask, is_causal)
+    _check_options(dropout_p, window, softcap)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if lengths is not None:
@@ -141,6 +143,7 @@ def call_of(
         # MLA's absorbed form: one KV head, the values a view of the keys' first columns (the shape test first: a
         # GQA call pays no more than it)
         latent=kt.shape[-3] == 1 and vt.shape[-1] <= kt.shape[-1] and fused._first_columns(vt, kt),
+        wide=vt.shape[-1] > kt.shape[-1],
     )
 
 
@@ -275,6 +278,7 @@ register(
         devices=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32, torch.bfloat16}),
         **_PLAIN_DECODE,
+        wide=False,  # the kernels read values of at most the keys' width (csrc/ops.cpp, check_cache)
         lengths=True,  # a static cache's rows: each read to its length (fused.static_decode)
         block_rows=fused.LINEAR_MAX_ROWS,
         available=fused.available,
@@ -320,6 +324,7 @@ register(
         grad=False,
         subclass=False,
         latent=False,  # its kernels take keys and values of one width
+        wide=False,
         available=flashinfer_decode.available,
     )
 )
@@ -429,6 +434,7 @@ def _check_inputs(
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     _check_heads(q, k.shape, v.shape, k.dtype, v.dtype)
+    _check_devices(q, k, v)
     t_q, t_k = q.shape[2], k.shape[2]
     if v.shape[2] != t_k:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree on heads or length")
@@ -469,10 +475,29 @@ def length_mask(lengths: torch.Tensor, t_k: int, window: int | None = None) -> t
     return seen if window is None else seen & (slots >= end - window)
 
 
+def _check_options(dropout_p: float, window: int | None, softcap: float | None) -> None:
+    """``AttentionConfig``'s rules for the same fields: a window of 0 once attended to nothing in a prefill and to
+    everything in a decode step, a soft-cap of 0 gave uniform weights."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attend: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attend: window must be None or an int >= 1, got {window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"attend: softcap must be None or a finite number > 0, got {softcap!r}")
+
+
 def _check_heads(q: torch.Tensor, k_shape, v_shape, k_dtype: torch.dtype, v_dtype: torch.dtype) -> None:
     if not (q.dtype == k_dtype == v_dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k_dtype}, {v_dtype}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
     b, n_heads, _, d = q.shape
+    if min(n_heads, k_shape[1], d, v_shape[3]) < 1:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k_shape)} and v {tuple(v_shape)} need at least one head and one dim each"
+        )
     if k_shape[0] != b or v_shape[0] != b:
         raise ValueError(f"batch sizes differ: q {b}, k {k_shape[0]}, v {v_shape[0]}")
     if v_shape[1] != k_shape[1]:
@@ -492,6 +517,12 @@ def _check_paged(q: torch.Tensor, k: PagedView, v: object, attn_mask: torch.Tens
             "attend: attn_mask is not supported with a PagedKVCache (each row has its own length)"
         )
     _check_heads(q, k.shape, v.shape, k.dtype, v.dtype)
+    _check_devices(q, k.pool, v.pool)
+
+
+def _check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 def check_mask(owner: str, attn_mask: torch.Tensor | None, target: tuple[int, int, int, int]) -> None:
@@ -526,7 +557,7 @@ def _reference(q, k, v, mask, scale, dropout_p, softcap=None):
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)  # head h reads KV head h // n_rep
     v = v.repeat_interleave(n_rep, dim=1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, n_heads, T_q, T_k)
+    scores = (widened(q) @ widened(k).transpose(-2, -1)) * scale  # (B, n_heads, T_q, T_k)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
@@ -536,7 +567,7 @@ def _reference(q, k, v, mask, scale, dropout_p, softcap=None):
         probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # NaN rows -> 0
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return _zero_dead_rows((probs @ v.float()).to(q.dtype), mask)  # 0 * inf in a masked slot is NaN
+    return _zero_dead_rows((probs @ widened(v)).to(q.dtype), mask)  # 0 * inf in a masked slot is NaN
 
 
 def _grouped(q, k, v, mask, scale, dropout_p, softcap=None):
@@ -544,7 +575,7 @@ def _grouped(q, k, v, mask, scale, dropout_p, softcap=None):
     n_kv_heads, t_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv_heads
     qg = q.reshape(b, n_kv_heads, group * t_q, d)  # a view when q is contiguous (always true for T_q == 1)
-    scores = torch.matmul(qg, k.transpose(-2, -1)).float() * scale  # (B, n_kv_heads, group * T_q, T_k)
+    scores = widened(torch.matmul(qg, k.transpose(-2, -1))) * scale  # (B, n_kv_heads, group * T_q, T_k)
     if softcap is not None:  # before the mask: tanh would turn a masked -inf into -softcap
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:

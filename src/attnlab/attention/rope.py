@@ -158,7 +158,7 @@ def apply_rope(
     if dim < x.shape[-1]:  # partial rotary: turn the first dims, keep the rest
         turned = apply_rope(x[..., :dim], cos, sin, interleaved)
         return torch.cat((turned, x[..., dim:]), dim=-1)
-    xf = x.float()
+    xf = x if x.dtype == torch.float64 else x.float()  # float64 keeps its precision
     rotated = _turned(xf, interleaved)
     out = xf * cos
     if torch.is_grad_enabled() or out.shape != rotated.shape:

@@ -93,7 +93,10 @@ class DecodeGrid:
     mla_cfg: MLAConfig = field(default=V2_LITE_MLA)
 
     def __post_init__(self) -> None:
-        # Messages name the options of `attnlab bench decode`, which builds this grid from them.
+        # Messages name the options of `attnlab bench decode`, which builds this grid from them; the fields it
+        # has no option for, by their names.
+        for name in ("n_heads", "head_dim", "block_size", "e2e_context", "e2e_steps"):
+            check_int(name, getattr(self, name))
         for name, flag in (("kv_heads", "--kv-heads"), ("batches", "--batch"), ("contexts", "--context")):
             values = getattr(self, name)
             if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
