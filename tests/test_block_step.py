@@ -239,6 +239,22 @@ def test_replaced_weights_are_followed(monkeypatch):
     assert spy.calls == calls + 4
 
 
+def test_a_new_configuration_or_norm_eps_is_followed(monkeypatch):
+    """The plan kept the softmax scale and eps it was built with: a layer given a new cfg (as MLA's mode setter
+    gives one, and users do) decoded with the old scale."""
+    model = _model(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2))
+    tokens = torch.randint(0, 101, (2, 6))
+    spy = Spy(monkeypatch)
+    _one_step(model, tokens)
+    for layer in model.layers:
+        layer.attention.cfg = layer.attention.cfg.replace(scale=1.0)
+    model.layers[1].ffn_norm.eps = 0.5
+    want = _module_by_module(monkeypatch, lambda: _one_step(model, tokens))
+    calls = spy.calls
+    torch.testing.assert_close(_one_step(model, tokens), want, rtol=1e-5, atol=1e-5)
+    assert spy.calls == calls + 1  # layer 1's norms now differ in eps: module by module; layer 0 fused
+
+
 def test_a_failed_step_leaves_the_cache_as_it_was():
     model = _model(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2))
     caches = model.new_caches(1, 4)

@@ -135,6 +135,8 @@ class _FusedPlan:
         self.step: fused.BlockStep | None = None
         self.rope_spec = None
         self.subclass = False  # a parameter of a tensor subclass (a DTensor, sharded)
+        # the configurations read below (a new one, as MLA's mode setter and users assign, makes a new plan)
+        self.guards += [(vars(block), "cfg", block.cfg), (vars(attn), "cfg", attn.cfg)]
         if not fused_block_config(block.cfg, attn.cfg):  # the configuration decides, not the modules' types
             return
         norms = (block.attention_norm, block.ffn_norm)
@@ -146,6 +148,7 @@ class _FusedPlan:
             self.guards += [(parent._modules, n, m) for n, m in parent.named_children()]
         for m in (*norms, *linears):
             self.guards += [(m._parameters, n, p) for n, p in m._parameters.items()]
+        self.guards += [(vars(m), "eps", m.eps) for m in norms if "eps" in vars(m)]
         self.params = tuple(p for m in (*norms, *linears) for p in m._parameters.values() if p is not None)
         self.addresses = tuple(p.data_ptr() for p in self.params)
         self.subclass = any(type(p) not in _PLAIN for p in self.params)
