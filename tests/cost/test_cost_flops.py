@@ -169,6 +169,21 @@ def test_causal_count_equals_a_kernel_that_skips_masked_pairs():
         attention_flops(cfg, 0, 5, 5)
 
 
+@pytest.mark.parametrize("held, new", [(0, 5), (2, 3), (5, 3), (9, 4), (6, 1)])
+def test_a_sliding_window_step_counts_as_the_keys_its_cache_hands_it(held, new):
+    """A step of several tokens past the window was counted over every token so far (kv_len); the module computes
+    it over the window of earlier keys its cache holds and the new ones."""
+    cfg = AttentionConfig(d_model=16, n_heads=4, n_kv_heads=2, window=3)
+    module = GroupedQueryAttention(cfg).eval()
+    with torch.no_grad():
+        cache = module.new_cache(3, 32)
+        if held:
+            module(torch.randn(3, held, 16), cache=cache)
+        with count_flops() as fc:
+            module(torch.randn(3, new, 16), cache=cache)
+    assert fc.total == attention_flops(cfg, 3, new, held + new).total
+
+
 def test_plain_flop_counter_misses_cpu_sdpa_and_count_flops_does_not():
     q = torch.randn(2, 8, 16, 32, requires_grad=True)
     k = torch.randn(2, 2, 16, 32, requires_grad=True)

@@ -94,11 +94,14 @@ def attended_pairs(q_len: int, kv_len: int, causal: bool, window: int | None = N
 
     A sliding ``window``: a decode step scores only the last ``window`` keys (attnlab reads just those); with
     ``causal`` only the pairs inside each query's window count, a kernel's work when it skips masked blocks;
-    without, a prefill computes the whole masked matrix."""
+    without, a step of several tokens computes the whole masked matrix over the keys its cache hands it: the
+    last ``window`` earlier keys (a sliding-window ``KVCache`` holds no more) and the new ones."""
     if window is not None and (q_len == 1 or causal):
         # query i sits at key position kv_len - q_len + i and sees min(window, that + 1) keys (or all, unmasked)
         first = kv_len - q_len + 1  # keys the first query sees without the window
         return sum(min(window, first + i) for i in range(q_len))
+    if window is not None:
+        return q_len * (min(kv_len - q_len, window) + q_len)
     if not causal:
         return q_len * kv_len
     return q_len * kv_len - q_len * (q_len - 1) // 2
