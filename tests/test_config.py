@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -70,6 +71,35 @@ def test_configs_are_frozen_and_replace_revalidates():
             TypeError,
             "AttentionConfig.rope_theta must be a number, got '1e4'",
         ),
+        # accepted once, failing at the first forward with transformers' KeyError (or as plain RoPE)
+        (
+            {"n_heads": 4, "rope_scaling": (("rope_type", "llama3"), ("factor", 8.0))},
+            ValueError,
+            "rope_scaling: rope_type 'llama3' needs low_freq_factor, a number; got None",
+        ),
+        (
+            {"n_heads": 4, "rope_scaling": (("rope_type", "ntk"), ("factor", 8.0))},
+            ValueError,
+            "rope_type 'ntk' is not one of default, linear",
+        ),
+        (
+            {
+                "n_heads": 4,
+                "rope_scaling": (("rope_type", "longrope"), ("short_factor", 1.0), ("long_factor", (1.0,))),
+            },
+            ValueError,
+            "needs short_factor, a tuple of numbers; got 1.0",
+        ),
+        (
+            {"n_heads": 4, "norm_eps": float("nan")},
+            ValueError,
+            "AttentionConfig.norm_eps must be a finite number >= 0",
+        ),
+        (
+            {"n_heads": 4, "norm_eps": -1e-6},
+            ValueError,
+            "AttentionConfig.norm_eps must be a finite number >= 0",
+        ),
     ],
 )
 def test_attention_config_rejects(kwargs, error, match):
@@ -134,6 +164,12 @@ def test_model_config_validation():
     with pytest.raises(ValueError, match=r"attention.d_model=32 does not match the model's d_model=64"):
         cfg.with_attention(AttentionConfig(d_model=32, n_heads=4))
     assert cfg.with_attention(MLAConfig(**MLA)).attention.variant == "mla"
+    for field, value, rule in [("norm_eps", -1.0, ">= 0"), ("norm_eps", math.inf, ">= 0"),
+                               ("embed_scale", math.nan, "> 0"), ("embed_scale", 0.0, "> 0")]:  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"ModelConfig.{field} must be a finite number {rule}, got {value}"
+        ):
+            cfg.replace(**{field: value})
 
 
 @pytest.mark.parametrize(

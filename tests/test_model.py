@@ -106,6 +106,8 @@ def test_bad_input():
         model(prompt.float())
     with pytest.raises(ValueError, match=r"caches has 1 entries for 2 layers"):
         model(prompt, caches=model.new_caches(1, 8)[:1])
+    with pytest.raises(ValueError, match=r"max_seq_len must be >= 1, got 0"):  # once: the config's length
+        model.new_caches(1, 0)
     with pytest.raises(TypeError, match=r"cfg must be a ModelConfig, got AttentionConfig"):
         Transformer(ATTENTION["gqa"])
     moe = ModelConfig(

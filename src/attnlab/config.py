@@ -38,6 +38,15 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 # at plain RoPE's frequencies, which an MLA conversion therefore keeps exactly (``attnlab.convert.mla``); the
 # others leave none, for the reason given.
 ROPE_KEEPING_FAST_PLANES = ("llama3", "yarn")
+# The scaled rope_types attnlab computes, each with the parameters that transformers' ROPE_INIT_FUNCTIONS read
+# without a default (longrope's: a factor per rotary plane).
+ROPE_NEEDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 ROPE_WITHOUT_PLAIN_PLANES = {
     "dynamic": "its frequencies change with the sequence length, and a DeepSeek export turns by fixed ones",
     "longrope": "per-plane factor lists that switch with the sequence length, and a DeepSeek export turns by "
@@ -64,9 +73,20 @@ def _check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
     check_int(f"{owner}.{name}", value, minimum=minimum)
 
 
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _check_float(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{owner}.{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def _check_finite(owner: str, name: str, value: Any, *, zero: bool) -> None:
+    """A finite number > 0 (>= 0 with ``zero``): a norm's epsilon, a scale."""
+    _check_float(owner, name, value)
+    if not (value >= 0 if zero else value > 0) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be a finite number {'>=' if zero else '>'} 0, got {value}")
 
 
 def _check_bool(owner: str, *names_values: tuple[str, Any]) -> None:
@@ -161,8 +181,25 @@ class AttentionConfig:
             raise TypeError(
                 f"AttentionConfig.rope_scaling must be a tuple of (name, value) pairs, got {self.rope_scaling!r}"
             )
+        if self.rope_type != "default":
+            if self.rope_type not in ROPE_NEEDS:
+                raise ValueError(
+                    f"AttentionConfig.rope_scaling: rope_type {self.rope_type!r} is not one of "
+                    f"{', '.join(('default', *ROPE_NEEDS))}"
+                )
+            params = dict(self.rope_scaling)
+            for key in ROPE_NEEDS[self.rope_type]:
+                value, listed = params.get(key), self.rope_type == "longrope"
+                if not (
+                    isinstance(value, tuple) and all(map(is_number, value)) if listed else is_number(value)
+                ):
+                    need = "a tuple of numbers" if listed else "a number"
+                    raise ValueError(
+                        f"AttentionConfig.rope_scaling: rope_type {self.rope_type!r} needs {key}, {need}; "
+                        f"got {value!r}"
+                    )
         _check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS)
-        _check_float(owner, "norm_eps", self.norm_eps)
+        _check_finite(owner, "norm_eps", self.norm_eps, zero=True)
         _check_float(owner, "norm_offset", self.norm_offset)
         _check_bool(owner, ("norm_gain_float32", self.norm_gain_float32))
         for name in ("scale", "softcap"):
@@ -361,12 +398,12 @@ class ModelConfig:
         _check_choice(owner, "norm", self.norm, NORM_KINDS)
         for name in ("n_positions", "n_token_types"):
             _check_int(owner, name, getattr(self, name), minimum=0)
-        _check_float(owner, "norm_eps", self.norm_eps)
+        _check_finite(owner, "norm_eps", self.norm_eps, zero=True)
         _check_float(owner, "norm_offset", self.norm_offset)
         _check_bool(owner, ("norm_gain_float32", self.norm_gain_float32))
         _check_choice(owner, "norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_bool(owner, ("parallel_residual", self.parallel_residual))
-        _check_float(owner, "embed_scale", self.embed_scale)
+        _check_finite(owner, "embed_scale", self.embed_scale, zero=False)
         if self.final_softcap is not None:
             _check_float(owner, "final_softcap", self.final_softcap)
             if not 0 < self.final_softcap < math.inf:

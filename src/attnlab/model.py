@@ -348,7 +348,7 @@ class Transformer(nn.Module):
     ) -> list[KVCache | LatentCache] | list[StaticKVCache]:
         """One cache per layer; ``max_seq_len`` defaults to the config's. ``static``: ``StaticKVCache``s, whose
         shapes and Python state never change between decode steps (for ``torch.compile`` and CUDA graphs)."""
-        max_seq_len = max_seq_len or self.cfg.max_seq_len
+        max_seq_len = self.cfg.max_seq_len if max_seq_len is None else max_seq_len
         return [
             layer.attention.new_cache(batch_size, max_seq_len, dtype, device, static=static)
             for layer in self.layers

@@ -347,6 +347,8 @@ def test_bad_options_zero_sizes_and_mixed_devices_are_refused_by_name(backend):
         ]:
             with pytest.raises(ValueError, match=field):
                 attend(q, k, v, backend=backend, **kwargs)
+        with pytest.raises(TypeError, match="is_causal must be True or False, got None"):
+            attend(q, k, v, is_causal=None, backend=backend)
         with pytest.raises(TypeError, match=r"floating point, got torch\.int64"):
             attend(q.long(), k.long(), v.long(), backend=backend)
         with pytest.raises(ValueError, match="one device, got cpu, meta, cpu"):

@@ -167,6 +167,8 @@ def test_causal_count_equals_a_kernel_that_skips_masked_pairs():
         attention_flops(cfg, 1, 5, 3, causal=True)
     with pytest.raises(ValueError, match="batch"):
         attention_flops(cfg, 0, 5, 5)
+    with pytest.raises(TypeError, match="cfg must be an AttentionConfig or MLAConfig, got str"):
+        attention_flops("x", 1, 1, 1)  # once an AttributeError on cfg.n_heads
 
 
 @pytest.mark.parametrize("held, new", [(0, 5), (2, 3), (5, 3), (9, 4), (6, 1)])

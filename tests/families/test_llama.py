@@ -139,6 +139,16 @@ def test_an_unknown_rope_type_is_one_line(tmp_path):
     assert "rope_type='ntk-by-parts' is not supported" in result.stderr
 
 
+@pytest.mark.parametrize("config_class", [transformers.LlamaConfig, transformers.Qwen2Config, transformers.Phi3Config,
+                                          transformers.Qwen3Config])  # fmt: skip
+def test_num_key_value_heads_null_is_read_as_transformers_reads_it(config_class):
+    """Present as null, transformers' config classes take as many KV heads as query heads; attnlab refused it."""
+    raw = config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2).to_dict()
+    raw["num_key_value_heads"] = None
+    theirs = config_class(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert from_hf_config(raw).attention.n_kv_heads == theirs.num_key_value_heads == 4
+
+
 @pytest.mark.parametrize(
     ("model_type", "change", "named"),
     [

@@ -97,6 +97,8 @@ def attend(
     else:
         _check_inputs(q, k, v, attn_mask, is_causal)
     _check_options(dropout_p, window, softcap)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"attend: is_causal must be True or False, got {is_causal!r}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if lengths is not None:

@@ -117,6 +117,8 @@ def attention_flops(
     backward: bool = False,
 ) -> AttentionFlops:
     """FLOPs of one attention layer; see the module docstring for the conventions."""
+    if not isinstance(cfg, (AttentionConfig, MLAConfig)):
+        raise TypeError(f"cfg must be an AttentionConfig or MLAConfig, got {type(cfg).__name__}")
     _check_sizes(batch, q_len, kv_len, causal)
     b, t, h = batch, q_len, cfg.n_heads
     window = getattr(cfg, "window", None)
@@ -134,7 +136,7 @@ def attention_flops(
             out_proj=2 * b * t * h * hd * d,
             softmax=SOFTMAX_FLOPS * pairs,
         )
-    elif isinstance(cfg, MLAConfig):
+    else:  # MLAConfig
         if cfg.q_lora_rank:
             q_proj = 2 * b * t * (d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim)
         else:
@@ -161,8 +163,6 @@ def attention_flops(
                 values=2 * pairs * r,
                 **common,
             )
-    else:
-        raise TypeError(f"cfg must be an AttentionConfig or MLAConfig, got {type(cfg).__name__}")
     return flops.scaled(3) if backward else flops
 
 

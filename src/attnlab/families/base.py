@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config import LAYER_TYPES, AttentionConfig, ModelConfig
+from ..config import LAYER_TYPES, ROPE_NEEDS, AttentionConfig, ModelConfig, is_number
 
 _MISSING = object()
 # No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is a
@@ -47,8 +47,12 @@ class Fields:
             raise ValueError(f"{self.model_type} config.json: missing field {key!r}")
         return value
 
-    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1, null: Any = _MISSING) -> int:
+        """``null``: the value of a field present as null, where transformers' config class reads null so
+        (num_key_value_heads: null is MHA), and absence as ``default``."""
         value = self._get(key, default)
+        if value is None and null is not _MISSING:
+            value = null
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{self.model_type} config.json: field {key!r} must be an int, got {value!r}")
         if not minimum <= value <= MAX_FIELD:
@@ -108,14 +112,14 @@ class Fields:
         kind = params.get("rope_type", "default")
         if kind == "default":
             return theta, ()
-        known = ("linear", "dynamic", "yarn", "longrope", "llama3")
+        known = tuple(ROPE_NEEDS)
         if kind not in known:
             self.fail(
                 f"rope_type={kind!r} is not supported (attnlab computes {', '.join(('default', *known))})"
             )
-        for key in _ROPE_NEEDS[kind]:  # what transformers' ROPE_INIT_FUNCTIONS read without a default
+        for key in ROPE_NEEDS[kind]:  # what transformers' ROPE_INIT_FUNCTIONS read without a default
             value, listed = params.get(key), kind == "longrope"  # longrope: a factor per rotary plane
-            if not (isinstance(value, list) and all(map(_is_number, value)) if listed else _is_number(value)):
+            if not (isinstance(value, list) and all(map(is_number, value)) if listed else is_number(value)):
                 field = "rope_scaling" if self.raw.get("rope_scaling") else "rope_parameters"
                 need = "a list of numbers" if listed else "a number"
                 self.fail(f"{field}: rope_type {kind!r} needs {key}, {need}; got {value!r}")
@@ -125,19 +129,6 @@ class Fields:
         }
         scaling["max_position_embeddings"] = self.raw.get("max_position_embeddings")
         return theta, freeze(scaling)
-
-
-_ROPE_NEEDS = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor",),
-    "longrope": ("short_factor", "long_factor"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def freeze(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -92,7 +92,7 @@ def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
 def read(f: Fields) -> ModelConfig:
     """A Llama, Mistral or Qwen2 config.json."""
     d, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
-    n_kv = f.int("num_key_value_heads", n_heads)
+    n_kv = f.int("num_key_value_heads", n_heads, null=n_heads)
     head_dim = f.opt_int("head_dim")
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":

@@ -140,7 +140,7 @@ def _rope(f: Fields, head_dim: int) -> tuple[float, tuple[tuple[str, Any], ...],
 def read(f: Fields) -> ModelConfig:
     """A Phi-3 / Phi-3.5 / Phi-4-mini config.json."""
     d, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
-    n_kv = f.int("num_key_value_heads", n_heads)
+    n_kv = f.int("num_key_value_heads", n_heads, null=n_heads)
     head_dim = f.opt_int("head_dim")
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":

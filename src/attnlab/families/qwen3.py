@@ -77,10 +77,7 @@ def read(f: Fields) -> ModelConfig:
     """A Qwen3 config.json."""
     d, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
     # absent: Qwen3Config's 32; null: as many as the query heads (Qwen3Config.__post_init__)
-    if f.raw.get("num_key_value_heads", KV_HEADS) is None:
-        n_kv = n_heads
-    else:
-        n_kv = f.int("num_key_value_heads", KV_HEADS)
+    n_kv = f.int("num_key_value_heads", KV_HEADS, null=n_heads)
     head_dim = f.int("head_dim", HEAD_DIM)
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":
