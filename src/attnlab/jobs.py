@@ -22,10 +22,12 @@ A job marked ``alone`` (a timing) runs only while no other job runs, so that the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -241,9 +243,14 @@ def run_jobs(
 
     with Progress(title, len(todo), fields=("running", "left"), enabled=progress) as bar:
         pool = (
-            ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+            ProcessPoolExecutor(
+                workers, mp_context=get_context("spawn"), initializer=_worker_start, initargs=(os.getpid(),)
+            )
             if workers > 1 and len(todo) > 1
             else None
+        )
+        stopped = (
+            True  # until the loop ends normally: an exception (Ctrl-C, SIGTERM, an error) stops the workers
         )
         try:
             while waiting or pending:
@@ -275,10 +282,42 @@ def run_jobs(
                         finish(job, future.result())
                 elif waiting and len(waiting) == before and not ready():
                     raise RuntimeError("jobs wait on each other")  # _order makes this impossible
+            stopped = False
         finally:
             if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+                _stop(pool, now=stopped)
     return {j.name: outcomes[j.name] for j in order}
+
+
+def _worker_start(parent: int) -> None:
+    """In each worker: Ctrl-C is the parent's to handle (it stops the workers); and a worker whose parent is gone
+    (killed, SIGKILL included: nothing runs in it to stop them) exits within a second, so that no job writes into a
+    cache whose lock its owner no longer holds."""
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="attnlab-parent-watch").start()
+
+
+def _stop(pool: ProcessPoolExecutor, now: bool) -> None:
+    """Shut ``pool`` down: after the last job, waiting for the workers to exit; when the run stops early (Ctrl-C,
+    SIGTERM, an error), at once, the running jobs killed: a job can take minutes, and its result would be thrown
+    away (the next run computes it again)."""
+    if not now:
+        pool.shutdown(wait=True)
+        return
+    processes = list(getattr(pool, "_processes", None) or {})  # CPython's pid -> Process map
+    pool.shutdown(wait=False, cancel_futures=True)
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)  # a worker's default handler exits
+    pool.shutdown(wait=True)
 
 
 def cpu_count() -> int:

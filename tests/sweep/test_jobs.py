@@ -121,6 +121,61 @@ def test_a_killed_run_resumes_with_what_was_not_finished(tmp_path):
     assert sorted(calls(log)[before:]) == ["c", "d"][: 1 + (before == 3)]  # a, b (d) finished: not rerun
 
 
+def sleeper(args: dict, deps: dict, out: Path | None) -> dict:
+    """A long job that says which process runs it."""
+    Path(args["pids"], args["id"]).write_text(str(os.getpid()))
+    import time
+
+    time.sleep(60)
+    return {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_workers_stop_soon_after_their_run_is_stopped_or_killed(tmp_path, how):
+    """SIGTERM waited for every running job to end (minutes) and threw their results away; SIGKILL left the
+    workers running for ever, writing into a cache whose lock was gone."""
+    import time
+
+    (tmp_path / "pids").mkdir()
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from test_jobs import sleeper; from pathlib import Path\n"
+        "from attnlab.jobs import Job, run_jobs\n"
+        "if __name__ == '__main__':\n"
+        "    jobs = [Job(n, sleeper, {'id': n, 'pids': sys.argv[2]}) for n in 'abc']\n"
+        "    run_jobs(jobs, sys.argv[3], workers=2, progress=False)\n"
+    )
+    path = tmp_path / "run.py"
+    path.write_text(script)
+    args = [
+        sys.executable,
+        str(path),
+        str(Path(__file__).parent),
+        str(tmp_path / "pids"),
+        str(tmp_path / "cache"),
+    ]
+    proc = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "pids").iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(p.read_text()) for p in (tmp_path / "pids").iterdir()]
+    assert len(workers) == 2
+    stopped = time.monotonic()
+    proc.send_signal(how)
+    proc.wait(timeout=30)
+    while any(map(_alive, workers)) and time.monotonic() < stopped + 20:
+        time.sleep(0.2)
+    assert not any(map(_alive, workers)), "a worker outlived its run"
+    assert time.monotonic() - stopped < 10  # not the jobs' 60 s
+
+
 def test_worker_processes_give_the_same_results(tmp_path):
     log = tmp_path / "log"
     one = run_jobs(graph(log), tmp_path / "one", progress=False)
