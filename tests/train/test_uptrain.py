@@ -82,6 +82,32 @@ def test_train_attention_only_keeps_the_rest_bit_for_bit_and_the_dtype(tmp_path,
         assert torch.equal(old[key], new[key]) == (".self_attn." not in key), key
 
 
+def test_the_reported_loss_is_the_written_checkpoints_and_an_overflow_is_refused(tmp_path, tokenizer, corpus):
+    """The final evaluation scored the float32 training copy: a bfloat16 run reported a loss 0.01-0.02 nats below
+    the checkpoint it wrote (and sweep ranked rows on it), and a float16 run wrote inf weights with exit 0."""
+    held_out = corpus / "macbeth.txt"
+    src = make_llama(tmp_path / "src", tokenizer, dtype="bfloat16")
+    dst = tmp_path / "dst"
+    result = run_cli(
+        "uptrain", src, dst, "--data", corpus, "--eval-data", held_out, "--steps", 3, "--lr", 3e-3, *FAST
+    )
+    assert result.exit_code == 0, result.output
+    reported = json.loads((dst / "uptrain.json").read_text())["eval"]["loss"]
+    scored = json.loads(run_cli("eval", dst, "--data", held_out, "--seq-len", 32, "--json").stdout)["loss"]
+    assert math.isclose(reported, scored, rel_tol=1e-9), (reported, scored)
+
+    half = make_llama(tmp_path / "half", tokenizer, dtype="float16")
+    big = ("--lr", 1e5, "--warmup", 0)
+    result = run_cli("uptrain", half, tmp_path / "inf", "--data", corpus, "--steps", 1, *FAST, *big)
+    assert result.exit_code == 2 and "overflow" in result.stderr and "(float16)" in result.stderr, (
+        result.output
+    )
+    errors = [
+        line for line in result.stderr.splitlines() if line.startswith("attnlab:")
+    ]  # after the device line
+    assert len(errors) == 1 and not (tmp_path / "inf").exists()
+
+
 def test_grad_accumulation_equals_the_bigger_batch(tmp_path, tiny_llama, corpus):
     common = dict(src=tiny_llama, data=corpus, steps=3, seq_len=32, lr=3e-3, save_every=0)
     uptrain(UptrainOptions(dst=tmp_path / "a", batch_size=4, **common), progress=False)

@@ -174,6 +174,15 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def any_rank(flag: bool, env: Env) -> bool:
+    """Whether ``flag`` holds on any rank (tensor-parallel ranks included: each holds other shards)."""
+    if not env.distributed:
+        return flag
+    x = torch.tensor([float(flag)], device=env.device)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return bool(x.item() > 0)
+
+
 def all_reduce_sum(x: torch.Tensor, env: Env) -> torch.Tensor:
     """Sum of ``x`` over the data-parallel replicas (``x`` itself on one process); the ranks of a tp group hold the
     same value, which is counted once."""

@@ -85,6 +85,9 @@ class Prepared:
     eval: data.TokenStream | None
     resume_from: Path | None
     inputs: dict  # what the run reads (``_inputs_id``), saved with each checkpoint for --resume to compare
+    dtypes: dict[
+        str, torch.dtype
+    ]  # each parameter's dtype in SRC, which DST keeps (the model trains in float32)
 
 
 def _inputs(opts: UptrainOptions) -> tuple[Path | None, ...]:
@@ -239,13 +242,15 @@ def prepare(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitSta
     _check_sizes(opts, env)
     inputs = _inputs_id(opts)
     resume_from = _claim(opts, env, held, inputs)
-    model = load_causal_lm(opts.src).float()
+    model = load_causal_lm(opts.src)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    model = model.float()
     teacher = None
     if opts.teacher is not None:
         teacher = load_causal_lm(opts.teacher).float().requires_grad_(False)
         _check_teacher(teacher, model, opts)
     train, held_out = _streams(opts, model.cfg.vocab_size)
-    return Prepared(model_type, model, teacher, train, held_out, resume_from, inputs)
+    return Prepared(model_type, model, teacher, train, held_out, resume_from, inputs, dtypes)
 
 
 def _batch(
@@ -302,6 +307,30 @@ def _resumable(run: Path) -> Iterator[None]:
             raise
         reason = err.strerror.removesuffix(" (nothing was written; any previous version is unchanged)")
         raise OSError(err.errno, f"{reason}; {_last_checkpoint(run)}", err.filename) from err
+
+
+def _round_as_written(
+    model: nn.Module, dtypes: dict[str, torch.dtype], env: distributed.Env, run: Path
+) -> None:
+    """Round the trained weights to the dtypes DST holds them in (SRC's: a bfloat16 checkpoint stays one), so that
+    the final evaluation, which the summary and ``attnlab sweep`` report, is DST's and not the float32 training
+    copy's. A weight that its dtype cannot hold (past float16's range) is refused before anything is written."""
+    overflow = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            dtype = dtypes.get(name.removeprefix("module."))  # DDP's wrapper; FSDP2 and TP keep the names
+            if dtype is None or dtype == p.dtype:
+                continue
+            p.copy_(p.to(dtype))
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard
+            if not bool(torch.isfinite(local).all()):
+                overflow.append(f"{name.removeprefix('module.')} ({str(dtype).removeprefix('torch.')})")
+    if distributed.any_rank(bool(overflow), env):
+        raise ValueError(
+            f"the trained weights do not fit the checkpoint's dtype: {', '.join(overflow[:3]) or 'a shard'} "
+            f"overflow; nothing was written to DST and {_last_checkpoint(run).split(':')[0]}: lower --lr, or "
+            "train a float32 or bfloat16 copy of SRC"
+        )
 
 
 def _check_finite_step(step: int, loss: float, grad_norm: float, lr: float, run: Path) -> None:
@@ -404,6 +433,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
                 }
                 checkpoint.save_checkpoint(run, step, model, optimizer, env, meta, opts.keep)
 
+    _round_as_written(model, prep.dtypes, env, run)
     final = held_out()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
