@@ -82,6 +82,24 @@ def test_plot_rule_is_the_same_for_compare_and_bench(tmp_path, monkeypatch):
         assert (tmp_path / "new" / "dir" / f"{command[0]}.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_never_plots_into_the_checkpoint_it_reads(tmp_path):
+    """`compare --model DIR --plot DIR/x.png` wrote the figure into the checkpoint (which every later convert of it
+    would then copy); the write rule refuses a destination inside an input."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+    ))  # fmt: skip
+    for plot in (ckpt / "x.png", ckpt / "sub" / "x.png"):
+        one_line_error(
+            runner.invoke(app, ["compare", "--model", str(ckpt), "--plot", str(plot)]), "lies inside"
+        )
+    assert sorted(p.name for p in ckpt.rglob("*")) == ["config.json"]
+    done = runner.invoke(app, ["compare", "--model", str(ckpt), "--plot", str(tmp_path / "x.png")])
+    assert done.exit_code == 0, done.output
+
+
 def test_compare_local_measures_the_machine_once(monkeypatch):
     # Issue 8: --hardware local --measure used this boot's cached bandwidth in one table and a fresh one in the
     # other. Now one measurement serves both.

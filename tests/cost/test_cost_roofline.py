@@ -187,3 +187,9 @@ def test_measure_local_is_cached_per_boot(tmp_path, monkeypatch):
     hw_mod._local_cached.cache_clear()
     monkeypatch.setattr(hw_mod, "_measure", no_measuring)
     assert measure_local() == newer  # the file holds the fresh measurement
+    # a damaged cache file of any JSON (a list, null, a string) is measured again, not a traceback
+    for damaged in ("[1, 2]", "null", '"x"', '{"key": 1}'):
+        (tmp_path / "attnlab" / "local_hardware.json").write_text(damaged)
+        hw_mod._local_cached.cache_clear()
+        monkeypatch.setattr(hw_mod, "_measure", lambda: first)
+        assert measure_local() == first

@@ -7,12 +7,13 @@ The CLI function in ``attnlab.cli`` only forwards its options to ``run_compare``
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..atomic import check_figure_path, json_text, save_figure
+from ..atomic import check_figure_path, check_inputs, json_text, save_figure
 from ..config import ModelConfig, check_int
 from ..console import Grid, print_grid
 from ..cost import (
@@ -158,8 +159,11 @@ def run_compare(
         raise ValueError(
             "--tp models GPUs and their interconnect; --hardware local and --measure are one process on this machine"
         )
+    read = (
+        [Path(model)] if Path(model).exists() else []
+    )  # a checkpoint (or config.json) is an input: never written
     if plot is not None:
-        check_figure_path(plot)
+        check_inputs(check_figure_path(plot).absolute(), read, str(plot), "--plot")
     model_cfg = load_model(model)
     for note in _notes(model, model_cfg, seq_len, dtype):
         Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
@@ -184,7 +188,7 @@ def run_compare(
         tp=tp,
     )
     if plot is not None:
-        plot_comparison(comparison, model_cfg, plot)
+        plot_comparison(comparison, model_cfg, plot, sources=read)
     timings: list[LayerTiming] = []
     hw_source = ""
     if measure:
@@ -225,7 +229,9 @@ def run_compare(
         print_grid(measure_table(timings, hw_source), out)
 
 
-def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | Path) -> Path:
+def plot_comparison(
+    comparison: Comparison, model_cfg: ModelConfig, path: str | Path, *, sources: Iterable[Path] = ()
+) -> Path:
     """Two panels: KV cache vs context length per variant; decode latency vs KV heads (the shape of Fig. 6 of
     the GQA paper, Ainslie et al., arXiv 2305.13245). Written atomically as PNG."""
     import matplotlib
@@ -276,7 +282,7 @@ def plot_comparison(comparison: Comparison, model_cfg: ModelConfig, path: str | 
     ax_lat.legend(fontsize=8)
     fig.suptitle(f"{comparison.model}: attention variants")
     fig.tight_layout()
-    return save_figure(fig, path)
+    return save_figure(fig, path, sources=sources)
 
 
 def _notes(model: str, cfg, seq_len: int, dtype: str) -> list[str]:

@@ -116,10 +116,10 @@ def _local_cached() -> Hardware:
     key = _session_key()
     try:
         saved = json.loads(_cache_path().read_text())
-        if saved.get("key") == key:
+        if isinstance(saved, dict) and saved.get("key") == key:
             return Hardware(**saved["hardware"])
     except (OSError, ValueError, TypeError, KeyError):
-        pass  # absent or stale: measure again
+        pass  # absent, stale or damaged (any JSON but ours): measure again
     return _measure_and_save()
 
 
