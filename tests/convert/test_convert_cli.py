@@ -326,6 +326,26 @@ def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_pa
     ]
 
 
+def test_linked_directories_are_not_followed_and_a_broken_link_is_refused_naming_it(tmp_path):
+    """A directory link inside SRC was followed: an outside tree was copied into DST, a link to SRC itself or its
+    parent ended in errors naming DST. A broken link failed at the end, naming DST instead of the link."""
+    src = make_checkpoint(tmp_path / "src")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "big.txt").write_text("not the model's")
+    (src / "ext").symlink_to(tmp_path / "outside")
+    (src / "self").symlink_to(".")
+    (src / "up").symlink_to("..")
+    result = run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--json")
+    assert result.exit_code == 0, result.output
+    assert {"ext/", "self/", "up/"} <= set(json.loads(result.stdout)["files_left_out"])
+    assert not any((tmp_path / "dst" / name).exists() for name in ("ext", "self", "up"))
+    (src / "README.md").symlink_to(tmp_path / "gone.md")
+    before = tree_hash(tmp_path)
+    for to in (["--kv-heads", 2], ["--to", "mla", "--kv-lora-rank", 8]):
+        one_line_error(run("convert", src, tmp_path / "dst2", *to), "src/README.md: a broken symbolic link")
+    assert tree_hash(tmp_path) == before
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "header", "shape", "nan", "bad_index"])
 def test_damaged_checkpoints_exit_2_with_one_line(tmp_path, damage):
     # Issue 8: a truncated, empty or corrupt model.safetensors ended in a traceback.

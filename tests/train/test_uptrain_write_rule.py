@@ -73,6 +73,20 @@ def test_a_run_dir_holding_the_inputs_is_refused(work):
     assert tree(work) == before
 
 
+def test_a_broken_link_in_src_is_refused_before_training_naming_it(work, tiny_llama):
+    """SRC's other files are copied into DST after training: a broken link among them failed then, naming DST."""
+    src = work / "src"
+    src.mkdir()
+    for f in Path(tiny_llama).iterdir():
+        (src / f.name).symlink_to(f)
+    (src / "README.md").symlink_to(work / "gone.md")
+    before = tree(work)
+    one_line_error(
+        run_cli("uptrain", "src", "up", "--data", "corpus", *FAST), "src/README.md: a broken symbolic link"
+    )
+    assert tree(work) == before
+
+
 def test_dst_containing_the_source_is_refused_even_with_overwrite(work):
     before = tree(work)
     result = run_cli("uptrain", "gqa2", ".", "--data", "corpus", "--overwrite", *FAST)

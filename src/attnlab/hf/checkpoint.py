@@ -141,6 +141,7 @@ def convert_checkpoint(
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
+    io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
     model_type = hf["model_type"]
     if model_type not in FAMILIES:  # the families convert takes, not every family attnlab reads
         raise ValueError(f"{src / 'config.json'}: model_type={model_type!r} is not supported; convert takes "

@@ -191,28 +191,35 @@ def is_weight_file(name: str) -> bool:
     )
 
 
-def copy_other_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
+def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) -> list[str]:
     """Copy everything in ``src`` except the names in ``skip`` (tokenizer, generation config, ...) unchanged.
 
-    Weight files (``WEIGHT_SUFFIXES``, their indexes), tool directories (``TOOL_DIRS``) and an uptraining's records
-    (``RUN_RECORDS``) are never copied: they hold or describe the source's weights, which the written ones replace.
-    Returns those left out (relative paths). Files are copied by content (a symlink, as in a Hugging Face cache snapshot, yields its target).
+    Weight files (``WEIGHT_SUFFIXES``, their indexes), tool directories (``TOOL_DIRS``), an uptraining's records
+    (``RUN_RECORDS``) and linked directories (followed, one could lead anywhere, the source itself included) are
+    never copied: the first three hold or describe the source's weights, which the written ones replace. Returns
+    those left out (relative paths). Files are copied by content (a symlink, as in a Hugging Face cache snapshot,
+    yields its target); a broken link is refused naming it. ``dst`` None: only the checks, before any work.
     """
     left_out: list[str] = []
 
-    def walk(src_dir: Path, dst_dir: Path, rel: str) -> None:
+    def walk(src_dir: Path, dst_dir: Path | None, rel: str) -> None:
         for path in sorted(src_dir.iterdir()):
             name = rel + path.name
             if not rel and path.name in skip:
                 continue
-            if path.name in TOOL_DIRS and path.is_dir():
+            if path.is_symlink() and not path.exists():
+                raise ValueError(
+                    f"{path}: a broken symbolic link (to {os.readlink(path)}) among the source's files"
+                )
+            if path.is_dir() and (path.name in TOOL_DIRS or path.is_symlink()):
                 left_out.append(name + "/")
             elif path.is_dir():
-                (dst_dir / path.name).mkdir()
-                walk(path, dst_dir / path.name, name + "/")
+                if dst_dir is not None:
+                    (dst_dir / path.name).mkdir()
+                walk(path, None if dst_dir is None else dst_dir / path.name, name + "/")
             elif is_weight_file(path.name) or (not rel and path.name in RUN_RECORDS):
                 left_out.append(name)
-            else:
+            elif dst_dir is not None:
                 shutil.copyfile(path, dst_dir / path.name)
 
     walk(src, dst, "")

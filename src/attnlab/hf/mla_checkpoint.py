@@ -99,6 +99,7 @@ def convert_checkpoint_to_mla(
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
+    io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
     cfg = model_config(src, hf)  # a causal-LM family attnlab loads, with its checks
     support = family(hf["model_type"]).mla(cfg)
     if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):

@@ -32,6 +32,7 @@ from torch import nn
 from .. import atomic, data, resources
 from ..cost.memory import training_step_bytes
 from ..hf.causal_lm import family_of, load_causal_lm, save_causal_lm
+from ..hf.io import copy_other_files
 from ..hf_config import from_hf_config
 from . import checkpoint, distributed
 from .evaluate import evaluate
@@ -109,6 +110,9 @@ def _check_paths(opts: UptrainOptions) -> None:
     if opts.teacher is not None and not (opts.teacher / "config.json").is_file():
         raise ValueError(f"--teacher {opts.teacher} is not a checkpoint directory (no config.json)")
     atomic.check_destination(opts.dst, _inputs(opts), overwrite=opts.overwrite, what="DST")
+    copy_other_files(
+        opts.src, None
+    )  # DST gets SRC's other files after training: a broken link is refused now
     atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), what=_run_name(opts))
     run, dst = opts.run_path.resolve(), opts.dst.resolve()
     if run == dst or dst in run.parents or run in dst.parents:
