@@ -108,6 +108,36 @@ def test_the_reported_loss_is_the_written_checkpoints_and_an_overflow_is_refused
     assert len(errors) == 1 and not (tmp_path / "inf").exists()
 
 
+def test_a_resumed_run_keeps_its_evaluation_before_training_and_refuses_another_src(
+    tmp_path, tokenizer, corpus, monkeypatch
+):
+    """A resumed run reported eval_before as null (only a run starting at step 0 made it), and a SRC replaced at
+    the same path by another checkpoint ended in a state-dict traceback."""
+    src = make_llama(tmp_path / "src", tokenizer)
+    opts = dict(src=src, data=corpus, steps=6, batch_size=2, seq_len=32, lr=3e-3, save_every=2, eval_every=3)
+    whole = uptrain(UptrainOptions(dst=tmp_path / "whole", **opts), progress=False)
+    save = ckpt_mod.save_checkpoint
+
+    def save_then_die(run, step, *args):
+        save(run, step, *args)
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_mod, "save_checkpoint", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            uptrain(UptrainOptions(dst=tmp_path / "cut", **opts), progress=False)
+    config = (src / "config.json").read_bytes()
+    changed = json.loads(config) | {"rms_norm_eps": 1e-5}  # another model at SRC's path
+    (src / "config.json").write_text(json.dumps(changed))
+    with pytest.raises(ValueError, match="is not the checkpoint the interrupted run started from"):
+        uptrain(UptrainOptions(dst=tmp_path / "cut", resume=True, **opts), progress=False)
+    (src / "config.json").write_bytes(config)
+    resumed = uptrain(UptrainOptions(dst=tmp_path / "cut", resume=True, **opts), progress=False)
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["eval_before"] == whole["eval_before"] and whole["eval_before"] is not None
+
+
 def test_grad_accumulation_equals_the_bigger_batch(tmp_path, tiny_llama, corpus):
     common = dict(src=tiny_llama, data=corpus, steps=3, seq_len=32, lr=3e-3, save_every=0)
     uptrain(UptrainOptions(dst=tmp_path / "a", batch_size=4, **common), progress=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import math
 import time
 from collections.abc import Iterator
@@ -181,16 +182,29 @@ def _inputs_id(opts: UptrainOptions) -> dict:
     text = [data.fingerprint(data.text_files(root, flag)) if root is not None else None
             for root, flag in ((opts.data, "--data"), (opts.eval_data, "--eval-data"))]  # fmt: skip
     teacher = str(opts.teacher.resolve()) if opts.teacher is not None else None
-    return {"src": str(opts.src.resolve()), "teacher": teacher, "text": text}
+    # each checkpoint's config.json: another model written to the same path (a convert --overwrite) is another input
+    configs = [_config_id(path) if path is not None else None for path in (opts.src, opts.teacher)]
+    return {"src": str(opts.src.resolve()), "teacher": teacher, "text": text, "configs": configs}
+
+
+def _config_id(checkpoint: Path) -> str:
+    return hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:16]
 
 
 def _same_inputs(saved: dict | None, now: dict) -> None:
     """A resumed run reads what the interrupted one read (checkpoints from before ``_inputs_id`` carry none)."""
     if saved is None:
         return
-    for key, flag in (("src", "SRC"), ("teacher", "--teacher")):
+    for i, (key, flag) in enumerate((("src", "SRC"), ("teacher", "--teacher"))):
         if saved[key] != now[key]:
             raise ValueError(f"--resume: {flag} was {saved[key]} in the interrupted run, now {now[key]}")
+        if (
+            "configs" in saved and saved["configs"][i] != now["configs"][i]
+        ):  # (checkpoints before it hold none)
+            raise ValueError(
+                f"--resume: {flag} {now[key]} is not the checkpoint the interrupted run started from (its config.json "
+                "changed since): start over with --overwrite"
+            )
     if saved["text"] != now["text"]:
         raise ValueError(
             "--resume: the text of --data / --eval-data is not what the interrupted run read (a file was added, "
@@ -375,8 +389,10 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
             run, "run", sources=_inputs(opts), fresh=prep.resume_from is None, what=_run_name(opts)
         )
     distributed.barrier(env)
+    saved: dict = {}
     if prep.resume_from is not None:
-        step = resumed = checkpoint.load_checkpoint(prep.resume_from, model, optimizer, env)["step"]
+        saved = checkpoint.load_checkpoint(prep.resume_from, model, optimizer, env)
+        step = resumed = saved["step"]
     global_batch = opts.batch_size * env.dp_size * opts.grad_accum
     log = StepLog(run / "log.jsonl", first_step=step, total=opts.steps, show=progress, env=env)
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=opts.dtype == "bf16")
@@ -385,7 +401,8 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
     def held_out() -> dict | None:
         return evaluate(model, prep.eval, opts.seq_len, **scored) if prep.eval is not None else None
 
-    eval_before = held_out() if opts.eval_every and step == 0 else None
+    # the evaluation before training, made by the run that started at step 0 (a resumed run reads it back)
+    eval_before = held_out() if opts.eval_every and step == 0 else saved.get("eval_before")
     model.train()
     with log, _resumable(run):
         while step < opts.steps:
@@ -434,6 +451,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
                     "tp": env.tp,
                     "options": opts.to_json(),
                     "inputs": prep.inputs,
+                    "eval_before": eval_before,
                 }
                 checkpoint.save_checkpoint(run, step, model, optimizer, env, meta, opts.keep)
 
