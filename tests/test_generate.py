@@ -426,6 +426,50 @@ def test_a_stop_word_the_vocabulary_lacks_is_refused(tmp_path):
         stop_tokens(tmp_path, tok, ["knight"], ignore_eos=True)
 
 
+def test_dtype_auto_takes_the_configs_dtype_for_a_checkpoint_of_mixed_dtypes(checkpoint, tmp_path):
+    """bfloat16 weights with a float32 head and norms (as some checkpoints are saved) failed under --dtype auto:
+    a matmul traceback, or 'x has dtype float32 but the weights are bfloat16'; transformers' dtype='auto' loads
+    the config's dtype."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(checkpoint, mixed)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(mixed / "model.safetensors").items()}
+    for key in tensors:
+        if key == "lm_head.weight" or "norm" in key:
+            tensors[key] = tensors[key].float()
+    save_file(tensors, mixed / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mixed / "config.json").read_text())
+    (mixed / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    args = ["--prompt", "To be, or not", "--max-new", "6", "--ignore-eos", "--json"]
+    auto = CliRunner().invoke(app, ["generate", str(mixed), *args])
+    assert auto.exit_code == 0, auto.output
+    bf16 = CliRunner().invoke(app, ["generate", str(mixed), *args, "--dtype", "bf16"])
+    assert json.loads(auto.stdout)["dtype"] == "bfloat16"
+    tokens = [[o["tokens"] for o in json.loads(r.stdout)["outputs"]] for r in (auto, bf16)]
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 6
+
+
+def test_eos_comes_from_generation_config_json_where_there_is_one_as_in_transformers(tmp_path):
+    """The union of config.json's and generation_config.json's eos stopped where transformers' generate, which
+    reads generation_config.json alone when it exists, goes on."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from attnlab.bench.generate import stop_tokens
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 204}))
+    assert stop_tokens(tmp_path, tok, [], ignore_eos=False) == {204}
+    for written, stops in (({"eos_token_id": [250, 251]}, {250, 251}), ({}, set()), ([], {204})):
+        (tmp_path / "generation_config.json").write_text(json.dumps(written))
+        assert stop_tokens(tmp_path, tok, [], ignore_eos=False) == stops, written
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert stop_tokens(tmp_path, tok, [], ignore_eos=False) == {204}
+
+
 def test_decode_step_times_round_robin_and_cache_bytes():
     # The studies' decode-speed helper: every model timed `repeats` times, caches holding prompt + steps tokens
     # (their bytes against the cost model's count).

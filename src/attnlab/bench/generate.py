@@ -50,22 +50,44 @@ def decode_step_times(
     return times, nbytes
 
 
+def _one_dtype(model: torch.nn.Module, ckpt: Path) -> torch.dtype | None:
+    """``--dtype auto`` for a checkpoint whose tensors mix dtypes (bfloat16 weights with float32 norms or head, as
+    some are saved): the config's dtype, as transformers' ``dtype="auto"`` loads it, else the one most weights
+    have. None: the tensors share one dtype already."""
+    kinds = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(kinds) <= 1:
+        return None
+    from ..hf import io
+
+    raw = io.read_config(ckpt)
+    named = raw.get("dtype", raw.get("torch_dtype"))
+    by_name = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if named in by_name:
+        return by_name[named]
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__)
+
+
 def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool) -> set[int]:
-    """config.json's and generation_config.json's ``eos_token_id`` (unless ``ignore_eos``), plus every
-    ``--stop`` text, each of which must be exactly one token of the vocabulary."""
+    """The checkpoint's ``eos_token_id`` (unless ``ignore_eos``) as transformers' ``generate`` takes it: from
+    generation_config.json where there is one, else from config.json; plus every ``--stop`` text, each of which
+    must be exactly one token of the vocabulary."""
     stops: set[int] = set()
     if not ignore_eos:
-        for name in ("config.json", "generation_config.json"):
-            path = ckpt / name
-            if not path.is_file():
-                continue
+        for name in ("generation_config.json", "config.json"):
             try:
-                eos = json.loads(path.read_text()).get("eos_token_id")
-            except (ValueError, AttributeError):
-                continue  # a malformed generation config: its eos is unknown, not fatal
+                settings = json.loads((ckpt / name).read_text())
+            except (OSError, ValueError):
+                continue  # absent, or a malformed generation config: its eos is unknown, not fatal
+            if not isinstance(settings, dict):
+                continue
+            eos = settings.get("eos_token_id")
             for token in eos if isinstance(eos, list) else [eos]:
                 if isinstance(token, int) and not isinstance(token, bool):
                     stops.add(token)
+            break
     for text in extra:
         token = tokenizer.token_to_id(text)
         if token is None:
@@ -140,8 +162,9 @@ def run_generate(
         raise ValueError(f"--bandwidth must be a number of GB/s > 0, got {bandwidth_gbs}")
     model = load_causal_lm(ckpt)
     tokenizer = load_tokenizer(ckpt, model.cfg.vocab_size)
-    if DTYPES[dtype] is not None:
-        model = model.to(DTYPES[dtype])
+    wanted = DTYPES[dtype] if DTYPES[dtype] is not None else _one_dtype(model, ckpt)
+    if wanted is not None:
+        model = model.to(wanted)
     ids = [tokenizer.encode(text).ids for text in prompts]
     for text, row in zip(prompts, ids, strict=True):
         if not row:
