@@ -326,6 +326,26 @@ def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_pa
     ]
 
 
+def test_a_single_weights_file_is_read_before_a_stale_index_as_transformers_reads_it(tmp_path):
+    """transformers' save_pretrained over a sharded save leaves the old index behind; transformers reads
+    model.safetensors first, and attnlab read the index (refusing its missing shards, or reading stale ones)."""
+    from attnlab.hf import load_causal_lm
+
+    src = make_checkpoint(tmp_path / "src", sharded=True)
+    stale = json.loads((src / "model.safetensors.index.json").read_text())
+    for shard in set(stale["weight_map"].values()):
+        (src / shard).unlink()
+    make_checkpoint(tmp_path / "single")
+    (tmp_path / "single" / "model.safetensors").rename(src / "model.safetensors")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    tokens = torch.arange(12)[None] % 32
+    with torch.no_grad():
+        torch.testing.assert_close(load_causal_lm(src)(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+    result = run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--json")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "dst").glob("model*")) == ["model.safetensors"]
+
+
 def test_linked_directories_are_not_followed_and_a_broken_link_is_refused_naming_it(tmp_path):
     """A directory link inside SRC was followed: an outside tree was copied into DST, a link to SRC itself or its
     parent ended in errors naming DST. A broken link failed at the end, naming DST instead of the link."""

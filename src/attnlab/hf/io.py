@@ -78,8 +78,12 @@ def read_config(src: str | Path) -> dict:
 
 
 def shard_map(src: str | Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name (relative to ``src``)."""
+    """Tensor name -> safetensors file name (relative to ``src``). A single ``model.safetensors`` is read before an
+    index, as transformers reads them (its ``save_pretrained`` over a sharded save leaves the old index behind)."""
     src = Path(src)
+    if (src / SINGLE).is_file():
+        with _open(src / SINGLE) as f:
+            return dict.fromkeys(f.keys(), SINGLE)
     if (src / INDEX).is_file():
         try:
             weight_map = json.loads((src / INDEX).read_text())["weight_map"]
@@ -95,9 +99,6 @@ def shard_map(src: str | Path) -> dict[str, str]:
             if not (src / name).is_file():
                 raise ValueError(f"{src / INDEX} lists {name}, which is missing")
         return dict(weight_map)
-    if (src / SINGLE).is_file():
-        with _open(src / SINGLE) as f:
-            return dict.fromkeys(f.keys(), SINGLE)
     pickled = sorted(p.name for p in src.glob("*.bin")) + sorted(p.name for p in src.glob("*.pt"))
     if pickled:
         raise ValueError(f"only safetensors checkpoints are read; {src} has {', '.join(pickled)}")
