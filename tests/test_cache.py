@@ -240,3 +240,36 @@ def test_a_sliding_layer_caches_at_most_its_window_and_the_paged_cache_gives_blo
     assert (
         sum(paged.dropped) >= (lengths[0] + steps) // block_size - spans
     )  # blocks given back and taken again
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_left_padded_batch_decodes_past_a_window_as_each_row_alone(window):
+    """The mask over every position so far, (T, len(cache) + T), was refused once a window's ring had wrapped:
+    left-padded decoding of a Mistral- or Gemma-like model stopped at the window. It is read at the ring's slots."""
+    from attnlab import ModelConfig
+    from attnlab.model import Transformer
+
+    cfg = ModelConfig(vocab_size=97, n_layers=2, attention=AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2,
+                      window=window), ffn_dim=48, max_seq_len=64)  # fmt: skip
+    model = Transformer(cfg).eval()
+    model.init_weights(std=0.5, seed=0)
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    pad = [6 - len(r) for r in rows]
+    seen = torch.tensor([[False] * p + [True] * len(r) for p, r in zip(pad, rows, strict=True)])
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    caches = model.new_caches(2, 64)
+    with torch.no_grad():
+        logits = model(torch.tensor([[0] * p + r for p, r in zip(pad, rows, strict=True)]), caches=caches,
+                       attn_mask=seen[:, None, None, :] & causal, position_ids=(seen.cumsum(-1) - 1).clamp(min=0))  # fmt: skip
+        chunks = [1, 1, 1, 1, 1, 3, 1]  # past the window one token at a time, then several at once
+        for n in chunks:
+            new = torch.randint(0, 97, (2, n), generator=torch.Generator().manual_seed(len(rows[0])))
+            rows = [r + new[i].tolist() for i, r in enumerate(rows)]
+            seen = torch.cat((seen, torch.ones(2, n, dtype=torch.bool)), 1)
+            band = torch.ones(n, seen.shape[1], dtype=torch.bool).tril(seen.shape[1] - n)
+            positions = torch.tensor([[len(r) - n + j for j in range(n)] for r in rows])
+            logits = model(
+                new, caches=caches, attn_mask=seen[:, None, None, :] & band, position_ids=positions
+            )
+            for i, r in enumerate(rows):
+                torch.testing.assert_close(logits[i], model(torch.tensor([r]))[0, -n:], rtol=1e-4, atol=1e-4)

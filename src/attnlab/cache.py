@@ -274,6 +274,19 @@ class KVCache(_Cache):
 
     append = update  # the ``Cache`` protocol: the live keys and values are what attention reads
 
+    def key_positions(self, t: int) -> torch.Tensor | None:
+        """The positions of the keys that the last ``update`` (of ``t`` tokens) returned, in the order it returned
+        them; None while they are 0, 1, ..., len - 1. A mask over every position so far (``attn_mask``'s
+        (T, len(cache) + T)) is read at these columns once a window's ring has wrapped."""
+        end = self.pos
+        if end <= self.capacity:
+            return None
+        if t == 1:  # the whole ring: slot s holds the latest position p <= end - 1 with p = s (mod capacity)
+            slots = torch.arange(self.capacity, device=self.k.device)
+            return end - 1 - (end - 1 - slots) % self.capacity
+        held = min(end - t, self.capacity)
+        return torch.arange(end - t - held, end, device=self.k.device)
+
 
 class LatentCache(_Cache):
     """MLA's cache: the normalised KV latent and the shared rotary key, nothing per head.

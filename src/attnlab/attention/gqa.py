@@ -47,6 +47,15 @@ def check_step(owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cach
     check_mask(owner, attn_mask, (b, n_heads, t, (0 if cache is None else len(cache)) + t))
 
 
+def _mask_of_keys(attn_mask: torch.Tensor | None, cache: Cache, t: int) -> torch.Tensor | None:
+    """``attn_mask`` over every position so far, read at the columns of the keys a window's ring handed back."""
+    positions = getattr(cache, "key_positions", None)
+    if attn_mask is None or positions is None or attn_mask.shape[-1] == 1:
+        return attn_mask
+    columns = positions(t)
+    return attn_mask if columns is None else attn_mask.index_select(-1, columns.to(attn_mask.device))
+
+
 def cache_rule(
     cache: Cache | None, t: int, attn_mask: torch.Tensor | None, is_causal: bool, window: int | None
 ) -> dict:
@@ -207,6 +216,7 @@ class GroupedQueryAttention(nn.Module):
             q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         if cache is not None:
             k, v = cache.append(k, v)  # everything held: live views, paged views, or a static cache's buffers
+            attn_mask = _mask_of_keys(attn_mask, cache, t)
         y = attend(
             q,
             k,
