@@ -208,3 +208,19 @@ def test_compare(family):
     fam, src = family
     result = run("compare", "--model", src / "config.json", "--json")
     assert support(fam)["compare"].ok and result.exit_code == 0, result.output
+
+
+def test_a_deepseek_mixture_of_experts_is_refused_by_its_config_field(tmp_path):
+    """A MoE DeepSeek-V3 checkpoint was refused by its first expert tensor's name ('unexpected tensor ... in a
+    dense DeepSeek-V3 checkpoint'); the rule is a field attnlab does not model, refused by name, before any weight."""
+    from attnlab.families import FAMILIES
+
+    fam = FAMILIES["deepseek_v3"]
+    config = dict(fam.example) | {"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                                  "moe_intermediate_size": 16, "n_shared_experts": 1}  # fmt: skip
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "text.txt").write_text("To be, or not to be.\n" * 20)
+    result = run("eval", tmp_path / "ckpt", "--data", tmp_path / "text.txt")
+    refused(result)
+    assert "n_routed_experts=4 is not supported" in result.stderr and "compare --model" in result.stderr

@@ -130,6 +130,13 @@ def check_load(f: Fields) -> None:
         )
     if not isinstance(f.raw.get("rope_interleave", True), bool):
         f.fail(f"rope_interleave must be true or false, got {f.raw['rope_interleave']!r}")
+    if read(f).is_moe:  # the routed experts' tensors would be refused one by one, by name, with no reason
+        f.unsupported(
+            "n_routed_experts",
+            f"first_k_dense_replace={f.raw.get('first_k_dense_replace', 0)} of {f.raw.get('num_hidden_layers')} "
+            "layers are dense: attnlab loads dense DeepSeek-V3 models only (the cost model reads this one: "
+            "attnlab compare --model)",
+        )
 
 
 def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
