@@ -349,7 +349,9 @@ def markdown(result: dict, json_path: Path) -> str:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with ``--json`` and ``--doc`` filled in: the committed files for a full run (every option that
     sets what is converted and timed at its default), else their places under .cache/quick/."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument(
         "--n-layers", type=int, default=SHAPE["n_layers"], help="Fewer layers: a quick check."

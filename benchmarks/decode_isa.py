@@ -333,7 +333,9 @@ def _bf16_bound(run: dict, ratio: float) -> str:
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument(
         "--isa", default=None, help="comma list of native, avx2 (default: every one this CPU runs)"
     )

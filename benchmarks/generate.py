@@ -322,7 +322,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     context, ``--new`` tokens as by default), else their places under benchmarks/.cache/quick/ (locations.py).
     ``--long-variants`` only leaves out some variants' longest prompts, as the published run did (its command is
     on the page), so it does not make a run partial."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--contexts", default="512,4096,16384", help="comma list of prompt lengths")
     parser.add_argument("--new", type=int, default=8, help="new tokens per run")

@@ -921,7 +921,9 @@ def _yes(x) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes (the CPU test)")
     parser.add_argument("--from-json", action="store_true", help="only rewrite the page from the saved JSON")

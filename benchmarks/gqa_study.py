@@ -545,7 +545,9 @@ def run_record(result: dict) -> dict:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with the scale, the cache and the files filled in: ``--quick`` keeps its JSON, plots and page
     under benchmarks/.cache/ (locations.py), out of the repository."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument("--quick", action="store_true", help="Tiny sizes, for development (a few minutes).")
     parser.add_argument(
         "--replot", action="store_true", help="Only redraw the plots and the page from the JSON."

@@ -103,7 +103,9 @@ def run(rows_list: list[int], dtypes: list[str], repeats: int) -> list[dict]:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with ``--json`` filled in: the committed file for every row count and dtype, else its place
     under benchmarks/.cache/quick/ (locations.py)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument("--rows", default="1,4,8", help="comma list of input rows")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per round (median kept)")

@@ -76,7 +76,9 @@ VARIANTS = (
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="llamacpp_roundtrip.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="llamacpp_roundtrip.py", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument(
         "--source", type=Path, help="A Llama-family checkpoint (default: the tiny model, built once)."
     )

@@ -374,7 +374,9 @@ def previous_figures(path: Path) -> dict | None:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with the cache and the files filled in: ``--quick`` keeps its JSON, plot and page under
     benchmarks/.cache/ (locations.py), out of the repository."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument(
         "--src", type=Path, help="a Llama checkpoint with tokenizer.json (default: the GQA study's)"
     )

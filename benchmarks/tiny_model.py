@@ -1,4 +1,4 @@
-"""A small MHA checkpoint built offline in about a minute, to try ``attnlab sweep`` on (the README's newcomer path).
+"""A small MHA checkpoint built offline in about 20 s on 2 idle cores, to try ``attnlab sweep`` on (the README's newcomer path).
 
 From the Shakespeare plays attnlab ships (``attnlab.data.shakespeare()``): a byte-level BPE tokenizer (512 tokens)
 trained on them, and an 8-head Llama (d_model 64, 2 layers, 256 positions) pretrained from a random init with
@@ -8,7 +8,7 @@ trained on them, and an 8-head Llama (d_model 64, 2 layers, 256 positions) pretr
                  ready for every command (and for llama.cpp's GGUF converter: benchmarks/llamacpp_roundtrip.py)
     DST/text/    the plays (links into the shipped corpus), for --data
 
-    python benchmarks/tiny_model.py tiny                 # ~1 min on 2 cores
+    python benchmarks/tiny_model.py tiny                 # ~20 s on 2 idle cores
     python benchmarks/tiny_model.py tiny --steps 2000    # better trained, a few minutes
 """
 

@@ -201,7 +201,9 @@ def fill(page: str, parts: dict[str, str]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )  # the first paragraph
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "tp_table.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "parallel.md")
     parser.add_argument(
