@@ -326,6 +326,29 @@ def test_weight_files_the_conversion_did_not_write_are_left_out_and_named(tmp_pa
     ]
 
 
+def test_the_weight_files_keep_their_metadata_and_the_index_its_own(tmp_path):
+    """Each rewritten safetensors file came out with {"format": "pt"} alone (a license, an origin dropped), and the
+    index lost everything but total_size (transformers writes total_parameters)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src = make_checkpoint(tmp_path / "src", sharded=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        save_file(
+            load_file(src / shard), src / shard, metadata={"format": "pt", "license": "mine", "origin": shard}
+        )
+    index["metadata"]["total_parameters"] = 12345
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert run("convert", src, tmp_path / "dst", "--kv-heads", 2).exit_code == 0
+    written = json.loads((tmp_path / "dst" / "model.safetensors.index.json").read_text())
+    assert written["metadata"]["total_parameters"] == 12345
+    assert written["metadata"]["total_size"] < index["metadata"]["total_size"]  # fewer KV heads, fewer bytes
+    for shard in set(written["weight_map"].values()):
+        with safe_open(tmp_path / "dst" / shard, "pt") as f:
+            assert f.metadata() == {"format": "pt", "license": "mine", "origin": shard}
+
+
 def test_a_single_weights_file_is_read_before_a_stale_index_as_transformers_reads_it(tmp_path):
     """transformers' save_pretrained over a sharded save leaves the old index behind; transformers reads
     model.safetensors first, and attnlab read the index (refusing its missing shards, or reading stale ones)."""

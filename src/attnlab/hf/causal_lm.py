@@ -150,7 +150,7 @@ def save_causal_lm(
                 tensors[key] = f.get_tensor(key)
     weight_files = set(files.values()) | {io.INDEX}
     with io.atomic_dir(dst, overwrite, sources=(like, *sources), what="DST") as tmp:
-        io.write_tensors(tmp, tensors, files)
+        io.write_tensors(tmp, tensors, files, like=like)
         # config.json, tokenizer files, generation config: unchanged.
         io.copy_other_files(like, tmp, skip=weight_files | set(extra_files or {}))
         for name, text in (extra_files or {}).items():

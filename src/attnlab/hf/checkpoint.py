@@ -1,10 +1,12 @@
 """On-disk conversion of a Hugging Face checkpoint to fewer KV heads: ``attnlab convert --to gqa`` (the default).
 
 A causal LM of any registered family (``attnlab.families``) is loaded, converted in attnlab, and written back through
-its family: its config.json by the family's writer (the KV-head field lowered, nothing else changed), and the
-checkpoint tensors made from attnlab tensors the conversion changed (``k_proj``/``v_proj``, or a fused QKV tensor at
-the new width; the data-aware "fit" methods also change the queries and the output projection) rewritten; every
-other tensor and file is copied bit for bit. A family whose class has no KV-head field (``Family.gqa ==
+its family: its config.json by the family's writer (the KV-head field lowered; and ``tie_word_embeddings`` written
+false where the source ties them but holds a head of its own, which transformers then keeps untied too: the
+loaded model's reading, made explicit), and the checkpoint tensors made from attnlab tensors the conversion changed
+(``k_proj``/``v_proj``, or a fused QKV tensor at the new width; the data-aware "fit" methods also change the queries
+and the output projection) rewritten; every other tensor and file is copied bit for bit, and each weight file and
+the index keep their metadata. A family whose class has no KV-head field (``Family.gqa ==
 "repeated"``) is written in the MHA layout with each KV head repeated for its group, which computes the GQA model
 exactly. BERT: converted in attnlab, written in that MHA layout (see ``attnlab.hf.bert``).
 
@@ -200,7 +202,7 @@ def convert_checkpoint(
             rewritten.append(key)
     weight_names = set(files.values()) | {io.INDEX, "config.json"}
     with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:
-        io.write_tensors(tmp, tensors, files)
+        io.write_tensors(tmp, tensors, files, like=src)
         io.write_config(tmp, new_hf)
         left_out = io.copy_other_files(src, tmp, skip=weight_names)
     head_dim = attn.head_dim

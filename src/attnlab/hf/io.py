@@ -11,6 +11,7 @@ failed write (disk full, permission) is an ``OSError`` naming the destination.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -123,23 +124,38 @@ def read_tensors(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, files
 
 
-def write_tensors(dst: Path, tensors: dict[str, torch.Tensor], files: dict[str, str] | None = None) -> None:
-    """Save ``tensors`` into ``dst`` with the shard layout ``files`` (default: one model.safetensors)."""
+def write_tensors(
+    dst: Path, tensors: dict[str, torch.Tensor], files: dict[str, str] | None = None, like: Path | None = None
+) -> None:
+    """Save ``tensors`` into ``dst`` with the shard layout ``files`` (default: one model.safetensors). ``like``: the
+    checkpoint whose files these replace: each file keeps its metadata (a license, an origin), the index its own."""
     files = files or dict.fromkeys(tensors, SINGLE)
     if set(files) != set(tensors):
         raise ValueError("write_tensors: the shard map and the tensors name different keys")
     for name in sorted(set(files.values())):
-        save_safetensors({k: tensors[k] for k, f in files.items() if f == name}, dst / name)
+        kept = {}
+        if like is not None and (like / name).is_file():
+            with _open(like / name) as f:
+                kept = f.metadata() or {}
+        save_safetensors({k: tensors[k] for k, f in files.items() if f == name}, dst / name, kept)
     if len(set(files.values())) > 1 or SINGLE not in files.values():
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(files.items()))}
+        meta = {}
+        if like is not None and (like / INDEX).is_file():
+            with contextlib.suppress(ValueError, AttributeError):
+                meta = dict(json.loads((like / INDEX).read_text()).get("metadata") or {})
+        meta["total_size"] = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": meta, "weight_map": dict(sorted(files.items()))}
         (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """``safetensors.torch.save_file``, with a failed write (disk full, a file-size limit) as an ``OSError``."""
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """``safetensors.torch.save_file`` (``metadata`` beside its "format": "pt"), with a failed write (disk full, a
+    file-size limit) as an ``OSError``."""
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+        meta = {**(metadata or {}), "format": "pt"}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
     except SafetensorError as err:  # the Rust writer reports I/O errors as "... (os error N)"
         code = re.search(r"os error (\d+)", str(err))
         number = int(code.group(1)) if code else errno.EIO
