@@ -100,6 +100,37 @@ def test_compare_never_plots_into_the_checkpoint_it_reads(tmp_path):
     assert done.exit_code == 0, done.output
 
 
+def test_compare_refuses_before_measuring_and_a_refused_run_prints_one_line(monkeypatch):
+    """--measure --dtype fp64 measured this machine for 15 s, then failed (no float64 rate is measured here); a
+    --tp that does not divide the heads printed a note about the default --seq-len before its error."""
+
+    def no_measuring(*, fresh=False):
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr("attnlab.bench.compare.measure_local", no_measuring)
+    for args, fragment in [
+        (["--measure", "--dtype", "fp64"], "--measure runs in fp32, bf16, fp16; got --dtype 'fp64'"),
+        (["--hardware", "local", "--dtype", "fp64"], "--hardware local has no float64 peak"),
+        (["--tp", "5"], "--tp 5 must divide"),  # gpt2's 1024 positions < the default --seq-len: no note first
+        (["--dtype", "fp64", "--hardware", "l40s"], "no float64 peak"),
+    ]:
+        one_line_error(runner.invoke(app, ["compare", "--model", "gpt2", *args]), fragment)
+
+
+def test_compare_prints_a_tiny_models_step_in_microseconds():
+    """A small config.json's decode steps all printed as 0.000 ms, beside a sentence saying one was faster."""
+    result = runner.invoke(app, ["compare", "--model", "gpt2", "--seq-len", "64", "--hardware", "h100"])
+    text = " ".join(result.stdout.split())
+    assert result.exit_code == 0 and "µs per decode step" in text and "0.000 ms" not in text
+    from attnlab.cost.sweep import format_seconds
+
+    assert (format_seconds(1.37e-7), format_seconds(4.586e-3), format_seconds(2.5)) == (
+        "0.137 µs",
+        "4.586 ms",
+        "2.50 s",
+    )
+
+
 def test_compare_local_measures_the_machine_once(monkeypatch):
     # Issue 8: --hardware local --measure used this boot's cached bandwidth in one table and a fresh one in the
     # other. Now one measurement serves both.

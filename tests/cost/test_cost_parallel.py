@@ -89,6 +89,13 @@ def test_all_reduce_payload_and_ring_time_on_nvlink_and_across_nodes():
         assert tp_comm(model, get_hardware("h100"), 8, tokens=1, sampled=1, dtype=stored) == tp_comm(
             model, get_hardware("h100"), 8, tokens=1, sampled=1, dtype="bf16"
         )
+    # fp8 on an A100, which has no fp8 rate, computes (and sends) bf16 as compute_peak has it; an H100 sends fp8
+    a100 = get_hardware("a100-80gb")
+    assert allreduce_bytes_per_token_per_layer(model, "fp8", a100) == 2 * 8192 * 2
+    assert tp_comm(model, a100, 8, tokens=1, sampled=1, dtype="fp8") == tp_comm(
+        model, a100, 8, tokens=1, sampled=1, dtype="bf16"
+    )
+    assert allreduce_bytes_per_token_per_layer(model, "fp8", h100) == 2 * 8192
     one = tp_comm(model, h100, 8, tokens=1, sampled=1, dtype="bf16")
     assert one.collectives == 2 * 80 + 2  # per layer two, the embedding's all-reduce, the logits' all-gather
     assert one.allreduce_bytes == (2 * 80 + 1) * 8192 * 2 and one.allgather_bytes == 32000 * 2

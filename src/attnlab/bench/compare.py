@@ -29,8 +29,9 @@ from ..cost import (
 from ..cost.hardware import HARDWARE_NAMES, get_hardware
 from ..cost.memory import DTYPE_BITS
 from ..cost.parallel import check_tp, rank_config
+from ..cost.sweep import format_bytes, format_seconds
 from .layer import LayerTiming, check_fits, measure_variants
-from .machine import measure_local
+from .machine import MEASURED_DTYPES, measure_local
 
 
 def _si(n: float, unit: str) -> str:
@@ -40,23 +41,12 @@ def _si(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}"
 
 
-def _bytes(n: float) -> str:
-    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.2f} {name}"
-    return f"{n:.0f} B"
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
-
-
 def compare_table(c: Comparison) -> Grid:
     tp = c.tp > 1
     title = (
         f"{c.model}: batch {c.batch} x {c.seq_len} tokens, {c.dtype}, {c.hardware}"
-        + (f", tp {c.tp} (per rank: weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})" if tp else
-           f" (weights {_bytes(c.weight_bytes)} of {_bytes(c.memory_bytes)})")
+        + (f", tp {c.tp} (per rank: weights {format_bytes(c.weight_bytes)} of {format_bytes(c.memory_bytes)})" if tp else
+           f" (weights {format_bytes(c.weight_bytes)} of {format_bytes(c.memory_bytes)})")
     )  # fmt: skip
     header = "variant|KV heads|attn params|KV bytes/token|KV cache|prefill FLOPs|decode step|bound|max batch"
     if tp:
@@ -88,16 +78,16 @@ def compare_table(c: Comparison) -> Grid:
         cells = [r.label + (" *" if r.native else ""), heads]
         if tp:
             cells += [f"{r.kv_heads_per_rank} x{r.kv_replicas}", f"{r.kv_cache_bytes_per_token:,}",
-                      f"{r.kv_cache_bytes_per_token_per_rank:,}", _bytes(r.kv_cache_bytes_per_rank)]  # fmt: skip
+                      f"{r.kv_cache_bytes_per_token_per_rank:,}", format_bytes(r.kv_cache_bytes_per_rank)]  # fmt: skip
         else:
             cells += [
                 _si(r.attention_params, "").strip(),
                 f"{r.kv_cache_bytes_per_token:,}",
-                _bytes(r.kv_cache_bytes),
+                format_bytes(r.kv_cache_bytes),
             ]
         cells += [
             _si(r.prefill_flops, "FLOP"),
-            _seconds(r.decode_step_seconds),
+            format_seconds(r.decode_step_seconds),
             r.decode_bound,
             str(r.max_batch),
         ]
@@ -112,8 +102,8 @@ def measure_table(timings: list[LayerTiming], hw_source: str) -> Grid:
         right=(1, 2, 3, 4, 5),
     )
     for t in timings:
-        grid.add_row(t.label, _si(t.flops, ""), _bytes(t.bytes), _seconds(t.predicted_seconds),
-                     _seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
+        grid.add_row(t.label, _si(t.flops, ""), format_bytes(t.bytes), format_seconds(t.predicted_seconds),
+                     format_seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
     return grid
 
 
@@ -165,11 +155,19 @@ def run_compare(
     if plot is not None:
         check_inputs(check_figure_path(plot).absolute(), read, str(plot), "--plot")
     model_cfg = load_model(model)
-    for note in _notes(model, model_cfg, seq_len, dtype):
-        Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
     check_tp(
         model_cfg, tp, flag="--tp"
     )  # the native variant must split (compare checks it too, without flags)
+    # a dtype the device has no rate for, refused before any measuring (this machine: MEASURED_DTYPES)
+    if measure and dtype_name(dtype) not in MEASURED_DTYPES:
+        raise ValueError(f"--measure runs in {', '.join(MEASURED_DTYPES)}; got --dtype {dtype!r}")
+    if hardware == "local" and dtype_name(dtype) == "fp64":
+        raise ValueError(
+            "--hardware local has no float64 peak FLOP/s (this machine is measured in "
+            f"{', '.join(MEASURED_DTYPES)}); choose h100, h200 or a100-80gb, or another --dtype"
+        )
+    if hardware != "local" and not measure:
+        compute_peak(get_hardware(hardware), dtype)
     out = Console()
     err = Console(stderr=True)
     local = None  # this machine, measured once per run: the compare table and the timings share it
@@ -187,6 +185,8 @@ def run_compare(
         hardware=local if hardware == "local" else get_hardware(hardware),
         tp=tp,
     )
+    for note in _notes(model, model_cfg, seq_len, dtype):  # after every check: a refused run gets one line
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
     if plot is not None:
         plot_comparison(comparison, model_cfg, plot, sources=read)
     timings: list[LayerTiming] = []

@@ -20,7 +20,7 @@ from ..config import AttentionConfig
 from ..cost import Hardware, Variant, attention_flops, dtype_bits, dtype_name, kv_cache_bytes, param_count
 from ..cost.memory import TORCH_DTYPES
 from ..cost.roofline import step_seconds
-from .machine import measure_local, memory_bytes
+from .machine import MEASURED_DTYPES, measure_local, memory_bytes
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ def measure_variants(
     ``hw``: this machine as measured by the caller in the same run; None measures it now.
     """
     dtype = dtype_name(dtype)
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"--measure runs in {', '.join(TORCH_DTYPES)}; got dtype {dtype!r}")
+    if dtype not in MEASURED_DTYPES:  # timed here and predicted on this machine, measured in these
+        raise ValueError(f"--measure runs in {', '.join(MEASURED_DTYPES)}; got dtype {dtype!r}")
     check_fits(chosen, batch, seq_len, dtype)
     fused.ensure_built()  # a first-use build before any clock starts
     if hw is None:  # timings are read against the machine as it is now, not earlier this boot

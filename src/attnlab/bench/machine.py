@@ -20,6 +20,7 @@ import torch
 from ..atomic import write_atomic
 from ..cost import hardware as table
 from ..cost.hardware import Hardware
+from ..cost.memory import TORCH_DTYPES
 from ..resources import available_memory_bytes, memory_bytes
 
 __all__ = ["available_memory_bytes", "get_hardware", "measure_local", "memory_bytes"]
@@ -93,11 +94,15 @@ def _matmul_rate(dtype: torch.dtype, budget_s: float = 0.25, repeats: int = 3) -
         n *= 2
 
 
+# The dtypes whose matmul peak this machine is measured in ("local" has no float64 rate: fp64 is refused there).
+MEASURED_DTYPES = ("fp32", "bf16", "fp16")
+
+
 def _measure(rounds: int = 3) -> Hardware:
     # Each peak is the best of a few rounds, the dtypes taken in turn: one round alone read as little as 0.6 of the
     # others now and then (AMD EPYC, 2 threads: fp32 102 against 147-171 GFLOP/s, bf16 205 against 349-387 in runs
     # of the same hour), and a roofline under a low peak puts kernels above 1.0 of it.
-    dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
+    dtypes = tuple((name, TORCH_DTYPES[name]) for name in MEASURED_DTYPES)
     peaks = {name: 0.0 for name, _ in dtypes}
     for _ in range(rounds):
         for name, dt in dtypes:

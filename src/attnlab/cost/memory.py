@@ -8,6 +8,8 @@ to whole bytes once, for the whole cache.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..config import AttentionConfig, MLAConfig, ModelConfig, check_int
@@ -67,10 +69,16 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 STORAGE_ONLY = ("int8", "fp6", "int4", "fp4")
 
 
-def activation_dtype(dtype: str | torch.dtype) -> str:
-    """The dtype a model whose weights are stored in ``dtype`` computes its activations in."""
+def activation_dtype(dtype: str | torch.dtype, hw: Any = None) -> str:
+    """The dtype a model whose weights are stored in ``dtype`` computes its activations in: bf16 for weights stored
+    narrower than any arithmetic (int8, fp6, int4, fp4), and on a device ``hw`` (a ``Hardware``) that has no rate of
+    its own for ``dtype`` (fp8 on an A100), as ``roofline.compute_peak`` computes it there."""
     name = dtype_name(dtype)
-    return "bf16" if name in STORAGE_ONLY else name
+    if name in STORAGE_ONLY or (
+        hw is not None and name not in ("fp32", "fp64") and name not in hw.peak_flops
+    ):
+        return "bf16"
+    return name
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -95,11 +95,14 @@ def rank_config(model_cfg: ModelConfig, tp: int) -> ModelConfig:
     )
 
 
-def allreduce_bytes_per_token_per_layer(model_cfg: ModelConfig, dtype: str | torch.dtype = "bf16") -> int:
+def allreduce_bytes_per_token_per_layer(
+    model_cfg: ModelConfig, dtype: str | torch.dtype = "bf16", hw: Hardware | None = None
+) -> int:
     """Payload all-reduced per token per layer in a forward: the attention's and the MLP's output, d_model
     values each (zero without tensor parallelism; a backward all-reduces as much again, for the input gradients),
-    in the activations' dtype (bf16 for weights stored in int8, fp6 or int4: ``activation_dtype``)."""
-    return _bits_to_bytes(2 * model_cfg.d_model * dtype_bits(activation_dtype(dtype)))
+    in the activations' dtype (bf16 for weights stored in int8, fp6 or int4, and on a device ``hw`` without a rate
+    of its own for ``dtype``: ``activation_dtype``)."""
+    return _bits_to_bytes(2 * model_cfg.d_model * dtype_bits(activation_dtype(dtype, hw)))
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,9 @@ def tp_comm(
         )
     split_vocab = not model_cfg.tie_embeddings
     n_allreduce = 2 * model_cfg.n_layers + (1 if split_vocab else 0)
-    bits = dtype_bits(activation_dtype(dtype))  # activations and logits: dequantised weights compute in bf16
+    bits = dtype_bits(
+        activation_dtype(dtype, hw)
+    )  # activations and logits: dequantised weights compute in bf16
     allreduce = _bits_to_bytes(n_allreduce * tokens * model_cfg.d_model * bits)
     allgather = _bits_to_bytes(sampled * model_cfg.vocab_size * bits) if split_vocab else 0
     within_node = tp <= hw.gpus_per_node or hw.network_bandwidth is None

@@ -170,8 +170,8 @@ class Comparison:
         where = f"{self.batch} x {self.seq_len} tokens on {self.hardware} ({self.dtype})"
         per_rank = f" per rank of tp={self.tp}" if self.tp > 1 else ""
         text = (
-            f"{self.model}, {where}: native {native.label} needs {_gib(native.kv_cache_bytes_per_rank)} of KV cache"
-            f"{per_rank} and {native.decode_step_seconds * 1e3:.2f} ms per decode step"
+            f"{self.model}, {where}: native {native.label} needs {format_bytes(native.kv_cache_bytes_per_rank)} of KV cache"
+            f"{per_rank} and {format_seconds(native.decode_step_seconds)} per decode step"
         )
         if smallest.kv_cache_bytes_per_rank < native.kv_cache_bytes_per_rank:
             ratio = native.kv_cache_bytes_per_rank / smallest.kv_cache_bytes_per_rank
@@ -184,7 +184,7 @@ class Comparison:
         if self.weight_bytes > self.memory_bytes:
             return (
                 text
-                + f"; the weights ({_gib(self.weight_bytes)}{per_rank}) alone exceed the {_gib(self.memory_bytes)} of memory (try --tp)."
+                + f"; the weights ({format_bytes(self.weight_bytes)}{per_rank}) alone exceed the {format_bytes(self.memory_bytes)} of memory (try --tp)."
             )
         best = max(self.rows, key=lambda r: (r.max_batch, r.native))
         return (
@@ -193,11 +193,19 @@ class Comparison:
         )
 
 
-def _gib(n: float) -> str:
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB")):
+def format_bytes(n: float) -> str:
+    """A byte count as compare's table and sentence print it: two decimals in the largest binary unit it fills."""
+    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
+            return f"{n / scale:.2f} {name}"
+    return f"{n:.0f} B"
+
+
+def format_seconds(s: float) -> str:
+    """A duration in the unit that shows its digits (a tiny model's decode step is microseconds, not 0.000 ms)."""
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
 
 
 def compare(
@@ -255,7 +263,7 @@ def compare(
                 kv_cache_bytes_per_token_per_rank=kv_cache_bytes(local, 1, 1, dtype),
                 kv_cache_bytes_per_rank=r.kv_cache_bytes,
                 weight_bytes_per_rank=r.weight_bytes,
-                allreduce_bytes_per_token_per_layer=allreduce_bytes_per_token_per_layer(v.model, dtype)
+                allreduce_bytes_per_token_per_layer=allreduce_bytes_per_token_per_layer(v.model, dtype, hw)
                 if tp > 1
                 else 0,
                 decode_comm_seconds=r.decode.comm_seconds,
