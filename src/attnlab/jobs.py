@@ -271,7 +271,9 @@ def run_jobs(
                         running.pop(job.name)
                         done += 1
                     else:
-                        pending[pool.submit(_call, job.fn, job.args, inputs(job), out, per_worker)] = job
+                        # a job that runs alone (a timing) has every thread, as it would in one process
+                        share = threads if job.alone else per_worker
+                        pending[pool.submit(_call, job.fn, job.args, inputs(job), out, share)] = job
                 done = sum(1 for j in todo if j.name in outcomes)
                 bar.update(done, running=_running_text(running, time.monotonic()), left=str(len(waiting)))
                 if pending:

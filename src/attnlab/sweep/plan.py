@@ -28,11 +28,12 @@ from pathlib import Path
 
 from ..config import AttentionConfig, ModelConfig
 from ..convert.gqa import METHODS
+from ..convert.mla import full_rank
 from ..convert.model import DATA_AWARE
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
 from ..data import fingerprint, split_held_out, text_files
-from ..jobs import Job
+from ..jobs import Job, cpu_count
 from ..resources import resolve_device
 from . import work
 
@@ -102,6 +103,34 @@ def parse_ints(text: str, flag: str) -> tuple[int, ...]:
 
 def check_options(opts: SweepOptions) -> None:
     """Refuse bad options before anything is loaded, naming the flag."""
+    for field in ("src", "data"):
+        if not isinstance(getattr(opts, field), Path):
+            raise TypeError(f"SweepOptions.{field} must be a pathlib.Path, got {getattr(opts, field)!r}")
+    for field in ("eval_data", "out"):
+        if getattr(opts, field) is not None and not isinstance(getattr(opts, field), Path):
+            raise TypeError(
+                f"SweepOptions.{field} must be None or a pathlib.Path, got {getattr(opts, field)!r}"
+            )
+    for flag, values in (("--variants", opts.variants), ("--methods", opts.methods),
+                         ("--uptrain-steps", opts.steps), ("--hardware", opts.hardware)):  # fmt: skip
+        if (
+            not isinstance(values, tuple)
+            or not values
+            or any(isinstance(v, str) and not v.strip() for v in values)
+        ):
+            raise ValueError(f"{flag} needs at least one value and no empty ones, got {values!r}")
+        if len(set(values)) != len(values):  # two rows, jobs or columns of one name
+            raise ValueError(f"{flag} lists a value twice: {','.join(map(str, values))}")
+    if any(isinstance(s, bool) or not isinstance(s, int) for s in opts.steps):
+        raise ValueError(f"--uptrain-steps must be integers, got {opts.steps!r}")
+    for flag, value in (("--lr", opts.lr), ("--distill-weight", opts.distill_weight),
+                        ("--temperature", opts.temperature)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{flag} must be a number, got {value!r}")
+    if opts.warmup is not None and (
+        isinstance(opts.warmup, bool) or not isinstance(opts.warmup, (int, float))
+    ):
+        raise TypeError(f"--warmup must be None or a number, got {opts.warmup!r}")
     for m in opts.methods:
         if m not in METHODS:
             raise ValueError(f"--methods: {m!r} is not a method; choose among {', '.join(METHODS)}")
@@ -195,7 +224,10 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
                 ranks = [2 * (groups or [n_kv])[0] * hd - rope]
             else:
                 ranks = [2 * g * hd - rope for g in (n_kv, *groups)]
-            out += [_gqa(g, methods) for g in groups] + [_mla(r, rope, methods) for r in ranks if r > 0]
+            # MLA at the bytes of the source or a GQA row: only the ranks the conversion can reach (an MHA
+            # source's own bytes exceed what its stacked keys and values hold)
+            reachable = [r for r in ranks if 0 < r <= full_rank(attn, rope)]
+            out += [_gqa(g, methods) for g in groups] + [_mla(r, rope, methods) for r in reachable]
         elif kind == "gqa" and values:
             for g in parse_ints(values, "--variants gqa:"):
                 if not 1 <= g < n_kv or n_kv % g:
@@ -211,8 +243,21 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
             )
     seen: dict[str, Variant] = {}
     for v in out:
-        seen.setdefault(v.name, v)
+        if (
+            seen.setdefault(v.name, v) != v
+        ):  # the same row asked for twice, two ways: say so, drop neither silently
+            raise ValueError(
+                f"--variants asks for {v.name} twice, differently ({_described(seen[v.name])} and "
+                f"{_described(v)}); give it once"
+            )
     return list(seen.values())
+
+
+def _described(v: Variant) -> str:
+    methods = "/" + ",".join(v.methods) if v.methods is not None else ""
+    if v.kind == "mla":
+        return f"mla:{v.kv_lora_rank}+{v.rope_dim}{methods}"
+    return f"gqa:{v.n_kv_heads}{methods}"
 
 
 def methods_of(variant: Variant, methods: tuple[str, ...]) -> list[str]:
@@ -255,14 +300,17 @@ def _texts(data: Path, eval_data: Path | None) -> tuple[dict[str, dict[str, Path
     def named(group: list[Path]) -> dict[str, Path | str]:
         return {f"{i:04d}-{f.stem if f.suffix == '.txt' else f.name}.txt": f for i, f in enumerate(group)}
 
-    return {"train": named(train), "heldout": named(held)}, fingerprint([*train, *held])
+    # where the training files end is part of the text: a file moved between the two is another sweep
+    return {"train": named(train), "heldout": named(held)}, fingerprint(
+        [*train, *held], f"{len(train)} to train"
+    )
 
 
 def _links_to(folder: Path, group: dict[str, Path | str]) -> bool:
     """Whether ``folder`` (made by an earlier sweep for a text of the same fingerprint) holds ``group``'s files as
     links to these very files. Equal text read from another place (a copy, since moved, deleted or edited) is not:
     its folder's links would read the other place."""
-    if not folder.is_dir():
+    if not folder.is_dir() or {p.name for p in folder.iterdir()} != set(group):
         return False
     for file_name, text in group.items():
         link = folder / file_name
@@ -328,7 +376,7 @@ def uptrain_args(opts: SweepOptions, cfg: ModelConfig, data: dict, steps: int) -
     teacher = {"src": str(opts.src.resolve()), "none": None}.get(opts.teacher, opts.teacher)
     if teacher is not None:
         teacher = str(Path(teacher).resolve())
-    warmup = None if opts.warmup is None else max(1, round(opts.warmup * steps))
+    warmup = None if opts.warmup is None else round(opts.warmup * steps)  # 0: none, as uptrain --warmup 0
     return {"steps": steps, "batch_size": opts.batch_size, "seq_len": _seq_len(opts, cfg), "lr": opts.lr,
             "seed": opts.seed, "warmup": warmup, "distill_weight": opts.distill_weight,
             "temperature": opts.temperature, "eval_windows": _windows(opts), "data": str(data["train"]),
@@ -345,6 +393,7 @@ def timing_args(opts: SweepOptions) -> dict:
         "batch": opts.batch,
         "steps": steps,
         "repeats": repeats,
+        "threads": cpu_count(),  # what a timing runs on (all of them, with any --jobs): a figure of its own
         **device_args(opts),
     }
 
