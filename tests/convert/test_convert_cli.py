@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from attnlab.cli import app
 from attnlab.convert import convert_model
-from attnlab.hf import load_llama
+from attnlab.hf import convert_checkpoint, load_llama
 from attnlab.hf.checkpoint import calibration_batches
 from conftest import seeded
 
@@ -242,6 +242,19 @@ def test_padded_calibration_equals_one_sequence_at_a_time(tmp_path, calib_file):
         ids[mask.bool()][None] for b_ids, b_mask in batches for ids, mask in zip(b_ids, b_mask, strict=True)
     ]
     torch.testing.assert_close(attention_inputs(model, 1, batches), attention_inputs(model, 1, singles))
+
+
+def test_calibration_lines_are_cut_at_the_models_positions(tmp_path, calib_file):
+    """Calibration lines were cut at 128 tokens whatever the model's max_position_embeddings, so a short-context
+    model was calibrated past the positions it was made for."""
+    src = make_checkpoint(tmp_path / "src", max_position_embeddings=8)
+    longest = max(ids.shape[1] for ids, _ in calibration_batches(src, calib_file))
+    assert longest == 12  # twelve words a line
+    assert max(ids.shape[1] for ids, _ in calibration_batches(src, calib_file, max_positions=8)) == 8
+    with pytest.raises(TypeError, match=r"n_kv_heads .* must be an int, got '2'"):
+        convert_checkpoint(
+            src, tmp_path / "dst", "2"
+        )  # once: '--kv-heads 2 must be a positive divisor of ... 8'
 
 
 # --- issue 8: nothing lost, no traceback, no silent corruption ------------------------------------------

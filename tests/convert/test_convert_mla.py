@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_convert_gqa import heads, inputs, make, rope_commuting
 
-from attnlab import AttentionConfig, ModelConfig
+from attnlab import AttentionConfig, GroupedQueryAttention, ModelConfig
 from attnlab.attention.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from attnlab.convert import (
     choose_stride,
@@ -223,8 +223,34 @@ def test_bad_targets_name_the_value():
     biased = make(bias=True, rope=False)
     with pytest.raises(ValueError, match="query bias"):
         gqa_to_mla(biased, 16)
+    # an MLA layer has none of these: converted, the layer once computed another model without a word
+    for change in ({"window": 4}, {"qk_norm": "head"}, {"softcap": 5.0}):
+        other = GroupedQueryAttention(attn.cfg.replace(**change))
+        field = next(iter(change))
+        with pytest.raises(ValueError, match=f"the source's {field}=.* cannot be converted to MLA"):
+            gqa_to_mla(other, 8)
     with pytest.raises(ValueError, match="planes"):
         choose_stride(Transformer(ModelConfig(64, 1, attn.cfg, 32)), 4, "lowest")
+
+
+def test_bad_calibration_arguments_are_refused_by_name():
+    """A (B, T) tensor as calib raised 'Boolean value of Tensor ... is ambiguous'; ids past the vocabulary an
+    IndexError; models of two vocabularies a size mismatch; a str seed a str + int TypeError."""
+    from attnlab.convert import convert_model
+
+    model = Transformer(ModelConfig(50, 2, AttentionConfig(d_model=32, n_heads=4), 64)).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    for call, error, match in [
+        (lambda: convert_model(model, 2, "fit", calib=ids), TypeError, r"got a tensor: pass \[calib\]"),
+        (lambda: convert_model(model, 2, "fit", calib=[ids + 50]), ValueError, "outside the model's vocabulary"),
+        (lambda: convert_model(model, 2, "fit", calib=[(ids, torch.ones(3, 3))]), ValueError, "the mask must be"),
+        (lambda: convert_model(model, 2, "random", seed="a"), TypeError, "seed must be an int"),
+        (lambda: convert_model(torch.nn.Linear(2, 2), 2), TypeError, "model must be an attnlab Transformer"),
+        (lambda: logit_distance(model, Transformer(ModelConfig(60, 2, model.cfg.attention, 64)), [ids]),
+         ValueError, "vocabularies differ"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=match):
+            call()
 
 
 def test_padded_calibration_equals_one_sequence_at_a_time():

@@ -209,6 +209,13 @@ def check_target(
     obstacle = rope_obstacle(cfg)
     if obstacle:
         raise ValueError(obstacle)
+    # what an MLA layer (MLAConfig) has no field for: converted, the layer would silently compute another model
+    for field, value, what in (("window", cfg.window, "sliding window"), ("softcap", cfg.softcap, "logit soft-capping"),
+                               ("qk_norm", None if cfg.qk_norm == "none" else cfg.qk_norm, "q/k norms")):  # fmt: skip
+        if value is not None:
+            raise ValueError(
+                f"the source's {field}={value!r} cannot be converted to MLA: an MLA layer has no {what}"
+            )
     if rope_dim is None:
         rope_dim = default_rope_dim(cfg)
     rope_dim = check_rope_dim(rope_dim, cfg, names["rope_dim"])

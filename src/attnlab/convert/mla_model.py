@@ -49,7 +49,7 @@ from .mla import (
     source_frequencies,
     stride_limit,
 )
-from .model import Batch, Progress, calibrate
+from .model import Batch, Progress, calibrate, check_batches
 
 PLANES = ("error", "norm", "first", "uniform")
 
@@ -198,8 +198,7 @@ def fold_latent_norms(
     """A copy of an MLA model (``kv_norm=False``) with DeepSeek's latent norm in every layer
     (``fold_latent_norm``), each layer calibrated on the inputs the already folded layers give it; and the
     per-layer statistics. The fit needs every input row of one layer at a time (N x d_model values)."""
-    if not calib:
-        raise ValueError("fold_latent_norms needs calib: a non-empty list of token batches (B, T)")
+    check_batches(calib, "calib", model)
     _attentions(model, MultiHeadLatentAttention)
     out = copy.deepcopy(model).eval()
     stats = []
@@ -285,8 +284,7 @@ def layer_errors(
     model gives the layer): ``output_error`` = ||y' - y|| / ||y|| over real tokens, and ``score_error`` = the
     same for the pre-softmax scores (scaled logits) of every head over causal pairs of real tokens.
     ``progress(done, total)`` is called after each layer."""
-    if not batches:
-        raise ValueError("layer_errors needs a non-empty list of token batches (B, T)")
+    check_batches(batches, "batches", source)
     src_attns = _attentions(source, GroupedQueryAttention)
     if len(converted.layers) != len(src_attns):
         raise ValueError(f"converted has {len(converted.layers)} layers, the source {len(src_attns)}")
@@ -346,8 +344,12 @@ def logit_distance(a: nn.Module, b: nn.Module, batches: Sequence[Batch]) -> dict
     """How far model ``b``'s next-token distribution is from ``a``'s over the real tokens of ``batches``:
     ``max_abs`` logit difference, ``rel_rms`` (||l_b - l_a|| / ||l_a - mean||, logits centred per token) and
     ``kl`` (mean KL(p_a || p_b), nats per token)."""
-    if not batches:
-        raise ValueError("logit_distance needs a non-empty list of token batches (B, T)")
+    check_batches(batches, "batches", a)
+    vocabs = [getattr(getattr(m, "cfg", None), "vocab_size", None) for m in (a, b)]
+    if vocabs[0] != vocabs[1]:
+        raise ValueError(
+            f"logit_distance: the models' vocabularies differ ({vocabs[0]} and {vocabs[1]} tokens)"
+        )
     max_abs, num, den, kl, n = 0.0, 0.0, 0.0, 0.0, 0
     for batch in batches:
         ids, mask = batch if isinstance(batch, tuple) else (batch, torch.ones_like(batch))

@@ -149,6 +149,28 @@ class LayerInputs:
             yield x[mask]
 
 
+def check_batches(batches: object, name: str, model: nn.Module | None = None) -> None:
+    """``batches`` must be a non-empty list of token batches: integer tensors (B, T), or ``(ids, mask)`` pairs of
+    one shape; given ``model``, ids of its vocabulary. A ValueError or TypeError naming ``name`` otherwise (a bare
+    tensor once raised 'Boolean value of Tensor ... is ambiguous', an id past the vocabulary an IndexError)."""
+    what = f"{name} must be a non-empty list of token batches (B, T) or (ids, mask) pairs"
+    if isinstance(batches, torch.Tensor):
+        raise TypeError(f"{what}, got a tensor: pass [{name}]")
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
+        raise ValueError(f"{what}, got {type(batches).__name__} {batches!r:.60}")
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    for i, batch in enumerate(batches):
+        ids, mask = batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None)
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(
+                f"{name}[{i}] must hold integer token ids, got {getattr(ids, 'dtype', type(ids))}"
+            )
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+            raise ValueError(f"{name}[{i}]: the mask must be a tensor of the ids' shape {tuple(ids.shape)}")
+        if vocab is not None and ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < vocab):
+            raise ValueError(f"{name}[{i}] holds token ids outside the model's vocabulary [0, {vocab})")
+
+
 @torch.no_grad()
 def calibrate(
     model: nn.Module, batches: Sequence[Batch], *, carry: str = "converted"
@@ -159,8 +181,7 @@ def calibrate(
     "source" the one that was in place when the layer's inputs were given."""
     if carry not in CARRY:
         raise ValueError(f"carry must be one of {', '.join(CARRY)}; got {carry!r}")
-    if not batches:
-        raise ValueError("calibration needs a non-empty list of token batches (B, T) or (ids, mask) pairs")
+    check_batches(batches, "calib", model)
     states = _first_layer_inputs(model, batches)
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
@@ -193,8 +214,14 @@ def convert_model(
     ``carry``: which inputs "fit" and "grouped-fit" calibrate each layer on (module docstring).
     ``progress(done, total)`` is called after each layer.
     """
-    if method in DATA_AWARE and not calib:
+    if method in DATA_AWARE and calib is None:
         raise ValueError(f"method={method!r} needs calib: a non-empty list of token batches (B, T)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(model, nn.Module) or not hasattr(model, "layers"):
+        raise TypeError(f"model must be an attnlab Transformer or BertEncoder, got {type(model).__name__}")
+    if method in DATA_AWARE:
+        check_batches(calib, "calib", model)
     if carry not in CARRY:
         raise ValueError(f"carry must be one of {', '.join(CARRY)}; got {carry!r}")
     out = copy.deepcopy(model).eval()

@@ -39,10 +39,14 @@ def calibration_batches(
     max_tokens: int = 128,
     batch_size: int = 16,
     vocab_size: int | None = None,
+    max_positions: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Padded batches ``(ids, mask)`` of the lines of the text file ``calib``, tokenised with the source's
-    ``tokenizer.json`` (checked against the model's ``vocab_size``); padding is on the right (what
+    ``tokenizer.json`` (checked against the model's ``vocab_size``), each line at most ``max_tokens`` tokens and
+    no longer than the ``max_positions`` the model was made for; padding is on the right (what
     ``convert_model`` needs for causal decoders)."""
+    if max_positions is not None:
+        max_tokens = min(max_tokens, max_positions)
     calib = Path(calib)
     if not calib.is_file():
         raise FileNotFoundError(f"calibration file not found: {calib}")
@@ -99,6 +103,8 @@ def _gqa_types() -> str:
 
 
 def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
+    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int):
+        raise TypeError(f"n_kv_heads (--kv-heads) must be an int, got {n_kv_heads!r}")
     if (
         isinstance(n_kv_heads, bool)
         or not isinstance(n_kv_heads, int)
@@ -160,7 +166,11 @@ def convert_checkpoint(
     attn = model.cfg.attention
     _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
     io.check_finite(model, src)
-    batches = calibration_batches(src, calib, vocab_size=model.cfg.vocab_size) if calib is not None else None
+    batches = (
+        calibration_batches(src, calib, vocab_size=model.cfg.vocab_size, max_positions=model.cfg.max_seq_len)
+        if calib is not None
+        else None
+    )
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model = model.float().to(where)  # conversions run in float32 (the fit in float64); cast back on write
     if method in DATA_AWARE:  # the other methods run no model

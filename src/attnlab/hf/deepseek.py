@@ -30,14 +30,7 @@ def model_config_from_deepseek(hf: dict) -> ModelConfig:
         raise ValueError(f"model_type must be 'deepseek_v3', got {hf.get('model_type')!r}")
     fields = Fields(hf, "deepseek_v3")
     DEEPSEEK_V3.check_load(fields)
-    cfg = DEEPSEEK_V3.read(fields)
-    if cfg.is_moe:
-        raise ValueError(
-            f"config.json has MoE layers (n_routed_experts={hf['n_routed_experts']}, first_k_dense_replace="
-            f"{hf.get('first_k_dense_replace')} < num_hidden_layers={cfg.n_layers}); attnlab.model builds dense models"
-            " only"
-        )
-    return cfg
+    return DEEPSEEK_V3.read(fields)  # check_load refused MoE layers by their field
 
 
 def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, rope_interleave: bool = True) -> dict:

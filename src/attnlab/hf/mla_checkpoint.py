@@ -130,7 +130,7 @@ def convert_checkpoint_to_mla(
     dtype = model.tok_embeddings.weight.dtype
     model = model.float().to(where)
     if calib is not None:
-        batches = calibration_batches(src, calib, vocab_size=cfg.vocab_size)
+        batches = calibration_batches(src, calib, vocab_size=cfg.vocab_size, max_positions=cfg.max_seq_len)
     else:  # no longer than the positions the model was made for (drawn on the CPU: the same ids on any device)
         batches = random_batches(cfg.vocab_size, seed, length=min(64, cfg.max_seq_len))
     batches = on_device(batches, where)
