@@ -240,6 +240,9 @@ def test_sweep_options_that_would_run_wrong_are_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=r"asks for .* twice, differently"):
             variants(cfg, spec, quick=False)
     assert [v.name for v in variants(cfg, ("gqa:2", "gqa:2"), quick=False)] == ["gqa-2"]  # the same ask, once
+    for spec in ("mla:2_8", "gqa:\uff12"):  # Python's int() reads 28 and a full-width 2: plain digits only
+        with pytest.raises(ValueError, match="comma list of integers"):
+            variants(cfg, (spec,), quick=False)
     base = dict(src=tmp_path, data=tmp_path)
     for kwargs, field in [(dict(methods=()), "--methods needs at least one value"),
                           (dict(variants=("",)), "--variants needs at least one value"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +93,12 @@ class SweepOptions:
 
 
 def parse_ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"{flag} takes a comma list of integers, got {text!r}") from None
+    """A comma list of plain decimal integers (Python's int() would also take "2_8" as 28, and other scripts'
+    digits)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not all(re.fullmatch(r"-?[0-9]+", x) for x in items):
+        raise ValueError(f"{flag} takes a comma list of integers, got {text!r}")
+    values = tuple(int(x) for x in items)
     if not values:
         raise ValueError(f"{flag} takes a comma list of integers, got {text!r}")
     return values

@@ -94,7 +94,7 @@ def build_rows(plan_rows: list[dict], outcomes: dict, src_hf: dict, opts) -> lis
                 f"tok/s: the shared timing (--timing together) {t.error}; --timing each times every row"
             )
         job = planned["checkpoint_job"]
-        out = outcomes[job].out if job is not None else Path(opts.src)
+        out = outcomes[job].out if job is not None else Path(opts.src).resolve()  # absolute, as the others
         row["checkpoint"] = str(out) if out is not None and out.is_dir() else None
         row["error"] = "; ".join(errors) or None
         rows.append(row)
