@@ -77,6 +77,17 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def rope_parameter_problem(rope_type: str, params: dict[str, Any], sequence: type = tuple) -> str | None:
+    """What ``params`` lacks of ``ROPE_NEEDS[rope_type]`` ("needs KEY, a number; got VALUE"; longrope's factors are a
+    ``sequence`` of numbers: a tuple in ``AttentionConfig``, a list in config.json), or None."""
+    for key in ROPE_NEEDS[rope_type]:
+        value, listed = params.get(key), rope_type == "longrope"  # longrope: a factor per rotary plane
+        if not (isinstance(value, sequence) and all(map(is_number, value)) if listed else is_number(value)):
+            need = f"a {sequence.__name__} of numbers" if listed else "a number"
+            return f"rope_type {rope_type!r} needs {key}, {need}; got {value!r}"
+    return None
+
+
 def _check_float(owner: str, name: str, value: Any) -> None:
     if not is_number(value):
         raise TypeError(f"{owner}.{name} must be a number, got {value!r} ({type(value).__name__})")
@@ -187,17 +198,9 @@ class AttentionConfig:
                     f"AttentionConfig.rope_scaling: rope_type {self.rope_type!r} is not one of "
                     f"{', '.join(('default', *ROPE_NEEDS))}"
                 )
-            params = dict(self.rope_scaling)
-            for key in ROPE_NEEDS[self.rope_type]:
-                value, listed = params.get(key), self.rope_type == "longrope"
-                if not (
-                    isinstance(value, tuple) and all(map(is_number, value)) if listed else is_number(value)
-                ):
-                    need = "a tuple of numbers" if listed else "a number"
-                    raise ValueError(
-                        f"AttentionConfig.rope_scaling: rope_type {self.rope_type!r} needs {key}, {need}; "
-                        f"got {value!r}"
-                    )
+            problem = rope_parameter_problem(self.rope_type, dict(self.rope_scaling))
+            if problem:
+                raise ValueError(f"AttentionConfig.rope_scaling: {problem}")
         _check_choice(owner, "qk_norm", self.qk_norm, QK_NORMS)
         _check_finite(owner, "norm_eps", self.norm_eps, zero=True)
         _check_float(owner, "norm_offset", self.norm_offset)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config import LAYER_TYPES, ROPE_NEEDS, AttentionConfig, ModelConfig, is_number
+from ..config import LAYER_TYPES, ROPE_NEEDS, AttentionConfig, ModelConfig, rope_parameter_problem
 
 _MISSING = object()
 # No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is a
@@ -117,12 +117,10 @@ class Fields:
             self.fail(
                 f"rope_type={kind!r} is not supported (attnlab computes {', '.join(('default', *known))})"
             )
-        for key in ROPE_NEEDS[kind]:  # what transformers' ROPE_INIT_FUNCTIONS read without a default
-            value, listed = params.get(key), kind == "longrope"  # longrope: a factor per rotary plane
-            if not (isinstance(value, list) and all(map(is_number, value)) if listed else is_number(value)):
-                field = "rope_scaling" if self.raw.get("rope_scaling") else "rope_parameters"
-                need = "a list of numbers" if listed else "a number"
-                self.fail(f"{field}: rope_type {kind!r} needs {key}, {need}; got {value!r}")
+        # what transformers' ROPE_INIT_FUNCTIONS read without a default (JSON: longrope's factors are lists)
+        problem = rope_parameter_problem(kind, params, list)
+        if problem:
+            self.fail(f"{'rope_scaling' if self.raw.get('rope_scaling') else 'rope_parameters'}: {problem}")
         # partial_rotary_factor is the attention config's rope_dim; the scaling is computed over the rotary dims
         scaling = {
             k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")
