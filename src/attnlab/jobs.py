@@ -249,9 +249,8 @@ def run_jobs(
             if workers > 1 and len(todo) > 1
             else None
         )
-        stopped = (
-            True  # until the loop ends normally: an exception (Ctrl-C, SIGTERM, an error) stops the workers
-        )
+        # until the loop ends normally: an exception (Ctrl-C, SIGTERM, an error) stops the workers at once
+        stopped = True
         try:
             while waiting or pending:
                 skip_failed()

@@ -386,10 +386,8 @@ def define(namespace: str = _NAMESPACE) -> None:
     library = torch.library.Library(namespace, "DEF")
     for name, schema in _schemas().items():
         library.define(schema)
-        if name not in (
-            "amx",
-            "signatures",
-        ):  # those two take no tensor: the build registers them for every key
+        # amx and signatures take no tensor: the build registers them for every key
+        if name not in ("amx", "signatures"):
             library.impl(name, _unbuilt(namespace, name), "CompositeExplicitAutograd")
     _register(namespace, library)
     _LIBRARIES[namespace] = library

@@ -149,9 +149,8 @@ def run_compare(
         raise ValueError(
             "--tp models GPUs and their interconnect; --hardware local and --measure are one process on this machine"
         )
-    read = (
-        [Path(model)] if Path(model).exists() else []
-    )  # a checkpoint (or config.json) is an input: never written
+    # a checkpoint (or config.json) is an input: never written
+    read = [Path(model)] if Path(model).exists() else []
     if plot is not None:
         check_inputs(check_figure_path(plot).absolute(), read, str(plot), "--plot")
     model_cfg = load_model(model)

@@ -138,9 +138,8 @@ def tp_comm(
         )
     split_vocab = not model_cfg.tie_embeddings
     n_allreduce = 2 * model_cfg.n_layers + (1 if split_vocab else 0)
-    bits = dtype_bits(
-        activation_dtype(dtype, hw)
-    )  # activations and logits: dequantised weights compute in bf16
+    # activations and logits: dequantised weights (and dtypes the device has no rate for) compute in bf16
+    bits = dtype_bits(activation_dtype(dtype, hw))
     allreduce = _bits_to_bytes(n_allreduce * tokens * model_cfg.d_model * bits)
     allgather = _bits_to_bytes(sampled * model_cfg.vocab_size * bits) if split_vocab else 0
     within_node = tp <= hw.gpus_per_node or hw.network_bandwidth is None

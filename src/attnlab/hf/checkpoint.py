@@ -105,12 +105,7 @@ def _gqa_types() -> str:
 def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
     if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int):
         raise TypeError(f"n_kv_heads (--kv-heads) must be an int, got {n_kv_heads!r}")
-    if (
-        isinstance(n_kv_heads, bool)
-        or not isinstance(n_kv_heads, int)
-        or n_kv_heads < 1
-        or n_kv_src % n_kv_heads
-    ):
+    if n_kv_heads < 1 or n_kv_src % n_kv_heads:
         raise ValueError(
             f"--kv-heads {n_kv_heads} must be a positive divisor of the checkpoint's {n_kv_src} KV heads "
             f"({n_heads} query heads)"

@@ -212,7 +212,7 @@ def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) 
     """Copy everything in ``src`` except the names in ``skip`` (tokenizer, generation config, ...) unchanged.
 
     Weight files (``WEIGHT_SUFFIXES``, their indexes), tool directories (``TOOL_DIRS``), an uptraining's records
-    (``RUN_RECORDS``) and linked directories (followed, one could lead anywhere, the source itself included) are
+    (``RUN_RECORDS``) and linked directories (not followed: one could lead anywhere, the source itself included) are
     never copied: the first three hold or describe the source's weights, which the written ones replace. Returns
     those left out (relative paths). Files are copied by content (a symlink, as in a Hugging Face cache snapshot,
     yields its target); a broken link is refused naming it. ``dst`` None: only the checks, before any work.

@@ -246,9 +246,8 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
             )
     seen: dict[str, Variant] = {}
     for v in out:
-        if (
-            seen.setdefault(v.name, v) != v
-        ):  # the same row asked for twice, two ways: say so, drop neither silently
+        # the same row asked for twice, two ways: say so, drop neither silently
+        if seen.setdefault(v.name, v) != v:
             raise ValueError(
                 f"--variants asks for {v.name} twice, differently ({_described(seen[v.name])} and "
                 f"{_described(v)}); give it once"

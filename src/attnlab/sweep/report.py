@@ -87,9 +87,7 @@ def build_rows(plan_rows: list[dict], outcomes: dict, src_hf: dict, opts) -> lis
                     "cache_nbytes": timed["cache_nbytes"]}  # fmt: skip
         elif t.error and not t.error.startswith("needs "):
             errors.append(f"speed: {t.error}")
-        elif (
-            t.error and planned.get("speed_of") and not errors
-        ):  # the shared timing lost to another row's failure
+        elif t.error and planned.get("speed_of") and not errors:  # the shared timing failed with another row
             errors.append(
                 f"tok/s: the shared timing (--timing together) {t.error}; --timing each times every row"
             )

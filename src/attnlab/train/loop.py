@@ -87,9 +87,8 @@ class Prepared:
     eval: data.TokenStream | None
     resume_from: Path | None
     inputs: dict  # what the run reads (``_inputs_id``), saved with each checkpoint for --resume to compare
-    dtypes: dict[
-        str, torch.dtype
-    ]  # each parameter's dtype in SRC, which DST keeps (the model trains in float32)
+    # each parameter's dtype in SRC, which DST keeps (the model trains in float32)
+    dtypes: dict[str, torch.dtype]
 
 
 def _inputs(opts: UptrainOptions) -> tuple[Path | None, ...]:
@@ -111,9 +110,8 @@ def _check_paths(opts: UptrainOptions) -> None:
     if opts.teacher is not None and not (opts.teacher / "config.json").is_file():
         raise ValueError(f"--teacher {opts.teacher} is not a checkpoint directory (no config.json)")
     atomic.check_destination(opts.dst, _inputs(opts), overwrite=opts.overwrite, what="DST")
-    copy_other_files(
-        opts.src, None
-    )  # DST gets SRC's other files after training: a broken link is refused now
+    # DST gets SRC's other files after training: a broken link among them is refused now
+    copy_other_files(opts.src, None)
     atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), what=_run_name(opts))
     run, dst = opts.run_path.resolve(), opts.dst.resolve()
     if run == dst or dst in run.parents or run in dst.parents:
@@ -198,9 +196,8 @@ def _same_inputs(saved: dict | None, now: dict) -> None:
     for i, (key, flag) in enumerate((("src", "SRC"), ("teacher", "--teacher"))):
         if saved[key] != now[key]:
             raise ValueError(f"--resume: {flag} was {saved[key]} in the interrupted run, now {now[key]}")
-        if (
-            "configs" in saved and saved["configs"][i] != now["configs"][i]
-        ):  # (checkpoints before it hold none)
+        # checkpoints from before the config hash hold none
+        if "configs" in saved and saved["configs"][i] != now["configs"][i]:
             raise ValueError(
                 f"--resume: {flag} {now[key]} is not the checkpoint the interrupted run started from (its config.json "
                 "changed since): start over with --overwrite"
