@@ -174,3 +174,25 @@ def test_nan_weights_are_refused(tmp_path, source):
     result = run("convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8)
     assert result.exit_code == 2 and "NaN or inf" in result.stderr, result.output
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_checkpoint_of_mixed_dtypes_keeps_each_tensors_dtype(tmp_path, source):
+    """bfloat16 weights with float32 norms (as many published checkpoints hold them): the MLA checkpoint keeps the
+    norms in float32, its latent norm too, and its new projections in bfloat16, as the GQA conversion does."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in source.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    tensors = {k: v.float() if "norm" in k else v.to(torch.bfloat16) for k, v in tensors.items()}
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    result = run("convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8)
+    assert result.exit_code == 0, result.output
+    written = load_file(tmp_path / "dst" / "model.safetensors")
+    for key, value in written.items():
+        want = torch.float32 if "norm" in key else torch.bfloat16
+        assert value.dtype == want, key
+    assert written["model.layers.0.self_attn.kv_a_layernorm.weight"].dtype == torch.float32
+    assert written["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16

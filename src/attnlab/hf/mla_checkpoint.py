@@ -5,8 +5,8 @@ Mistral, Qwen2, Phi-3, GLM, ChatGLM, each on the config's terms, docs/families.m
 Steps: load the source (``load_causal_lm``) in float32; convert every attention layer to MLA
 (``convert.convert_model_to_mla``: RoPE kept on the chosen planes after RoRoPE, the rest factored into the
 latent); add DeepSeek's latent norm (``convert.fold_latent_norms``); write ``DeepseekV3ForCausalLM`` weights
-(``hf.deepseek``, in the source's dtype) atomically, with every other file of the source (tokenizer,
-generation config) copied. The source is only read.
+(``hf.deepseek``, each tensor in its source tensor's dtype: ``written_dtypes``) atomically, with every other file of
+the source (tokenizer, generation config) copied. The source is only read.
 
 Calibration: ``calib`` is a UTF-8 text file, tokenised with the source's ``tokenizer.json`` as for
 ``attnlab convert --kv-heads`` (``hf.checkpoint.calibration_batches``). Without it, random token ids (seeded)
@@ -60,6 +60,23 @@ def random_batches(
     """Token-id batches drawn uniformly from the vocabulary: calibration when no text is given."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (batch, length), generator=gen) for _ in range(n)]
+
+
+def written_dtypes(native: torch.nn.Module, source: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """The dtype each parameter of the MLA model ``native`` is written in, from ``source`` (the source model's
+    parameter name -> dtype): a tensor the conversion kept (embeddings, norms, MLPs, ``wq``, ``wo``) keeps its own; a
+    new one takes its layer's counterpart's, the latent norm the attention norm's and a projection ``wq``'s. A
+    bfloat16 checkpoint with float32 norms stays one, as the GQA conversion and uptrain write it."""
+    fallback = source["tok_embeddings.weight"]
+    dtypes = {}
+    for name, _ in native.named_parameters():
+        if name in source:
+            dtypes[name] = source[name]
+            continue
+        layer, _, rest = name.partition(".attention.")
+        kin = f"{layer}.attention_norm.weight" if "norm" in rest else f"{layer}.attention.wq.weight"
+        dtypes[name] = source.get(kin, fallback)
+    return dtypes
 
 
 def _stage(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:
@@ -127,7 +144,7 @@ def convert_checkpoint_to_mla(
                 f"{attn_cfg.rotary_dim} dims the source's RoPE turns{band}"
             )
     model = load_causal_lm(src)
-    dtype = model.tok_embeddings.weight.dtype
+    source_dtypes = {name: p.dtype for name, p in model.named_parameters()}
     model = model.float().to(where)
     if calib is not None:
         batches = calibration_batches(src, calib, vocab_size=cfg.vocab_size, max_positions=cfg.max_seq_len)
@@ -198,7 +215,11 @@ def convert_checkpoint_to_mla(
         # zero one (the same model; its distances above are those of the model without it)
         native = with_nope_dim(native)
         summary["qk_nope_head_dim"] = native.cfg.attention.qk_nope_head_dim
-    native = native.cpu().to(dtype)
+    native = native.cpu()
+    dtypes = written_dtypes(native, source_dtypes)
+    with torch.no_grad():
+        for name, p in native.named_parameters():
+            p.data = p.data.to(dtypes[name])
     tensors = deepseek.state_to_hf(native)
     files = set(io.shard_map(src).values()) | {io.INDEX, "config.json"}
     with io.atomic_dir(dst, overwrite, sources=(src, calib)) as tmp:
