@@ -225,6 +225,33 @@ def test_one_writer_per_destination(tmp_path):
         pass
 
 
+def test_a_directory_being_read_is_not_replaced_or_deleted_and_one_being_written_is_not_read(tmp_path):
+    src = tmp_path / "src"
+    with atomic_dir(src) as tmp:
+        (tmp / "v").write_text("old")
+    with atomic.reading(src, "SRC"), atomic.reading(src, "SRC"):  # readers share it
+        with (
+            pytest.raises(atomic.Busy, match=r"destination .*src is being read by another attnlab process"),
+            atomic_dir(src, overwrite=True) as tmp,
+        ):
+            (tmp / "v").write_text("new")
+        with pytest.raises(atomic.Busy, match="being read"):
+            atomic.remove_owned(src, "checkpoint")
+        assert (src / "v").read_text() == "old"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no lock file, no temporary left
+    with (
+        atomic.lock(src, "DST"),
+        pytest.raises(atomic.Busy, match=r"SRC .*src is being written by another attnlab process"),
+        atomic.reading(src, "SRC"),
+    ):
+        pass
+    with atomic.reading(tmp_path / "missing"), atomic.reading(src / "v"):  # nothing to keep: read as before
+        pass
+    with atomic_dir(src, overwrite=True) as tmp:  # once the readers are gone
+        (tmp / "v").write_text("new")
+    assert (src / "v").read_text() == "new"
+
+
 def test_a_failed_lock_or_write_removes_the_directories_it_made(tmp_path):
     with pytest.raises(RuntimeError), atomic_dir(tmp_path / "x" / "y" / "dst") as tmp:
         (tmp / "v").write_text("1")

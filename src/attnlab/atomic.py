@@ -18,6 +18,11 @@
   run) holds an exclusive ``flock`` on ``.{name}.lock`` beside the destination; a second writer gets an error
   naming the first. The lock goes with its process, even a killed one. The final rename never replaces a
   destination that appeared during the write (``renameat2(RENAME_NOREPLACE)`` on Linux).
+- **No writer under a reader.** A command that reads a checkpoint again at the end of a long run (uptrain and
+  convert copy SRC's config and side files into DST after training or converting) holds ``reading(SRC)``, a shared
+  ``flock`` on the directory itself (nothing is written, and a read-only checkpoint works); ``lock`` on an
+  existing directory takes it exclusively, so a second command cannot replace or delete a checkpoint that one in
+  flight still reads (it gets ``Busy``), nor can a checkpoint being replaced be read.
 - **Leftovers are cleaned.** A process killed while writing (SIGKILL, power loss) cannot remove its temporary;
   the next write to the same destination removes every temporary whose process (the pid in its name) no longer
   runs. Temporaries of live processes are left alone.
@@ -279,7 +284,8 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
         raise
     ok = False
     try:
-        yield
+        with _no_readers(dst, shown, what):
+            yield
         ok = True
     finally:
         del _held[key]
@@ -291,6 +297,57 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
         os.close(fd)
         if not ok:
             _remove_empty(made)
+
+
+_excluding: set[Path] = set()  # the directories this process holds ``_no_readers`` on
+
+
+@contextlib.contextmanager
+def _dir_flock(path: PathLike, mode: int, busy: str) -> Iterator[None]:
+    """Hold ``flock(mode)`` on the directory ``path`` itself until the block ends (``Busy(busy)`` if it is taken);
+    a path that is missing or not a directory has nothing to lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Busy(busy) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _no_readers(path: Path, shown: str, what: str) -> Iterator[None]:
+    """An exclusive ``flock`` on the existing directory ``path`` (not on its lock file): no ``reading`` holder is
+    reading it, and none starts until the block ends. Re-entrant in a process (``lock`` holds it for a run, whose
+    end deletes the directory)."""
+    path = _absolute(path)
+    if path in _excluding:
+        yield
+        return
+    busy = (
+        f"{what} {shown} is being read by another attnlab process (a convert or an uptrain from it); wait for it "
+        "to finish or choose another path"
+    )
+    _excluding.add(path)
+    try:
+        with _dir_flock(path, fcntl.LOCK_EX, busy):
+            yield
+    finally:
+        _excluding.discard(path)
+
+
+def reading(src: PathLike, what: str = "source") -> contextlib.AbstractContextManager[None]:
+    """Keep attnlab's writers from replacing or deleting the directory ``src`` while a command reads it (a shared
+    ``flock`` on the directory, held until the block ends); ``Busy`` if one is replacing it now. A path that is not
+    a directory is read without it."""
+    busy = f"{what} {src} is being written by another attnlab process; wait for it to finish"
+    return _dir_flock(src, fcntl.LOCK_SH, busy)
 
 
 def _make_parents(directory: Path) -> list[Path]:
@@ -574,7 +631,8 @@ def remove_owned(path: PathLike, kind: str, what: str = "directory") -> None:
     if found != kind:
         raise FileExistsError(_not_ours(str(path), what, kind, found, path))
     _check_replaceable(path, str(path), what)
-    shutil.rmtree(path)
+    with _no_readers(path, str(path), what):
+        shutil.rmtree(path)
 
 
 # ---- files ---------------------------------------------------------------------------------------------------

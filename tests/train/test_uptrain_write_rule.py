@@ -5,6 +5,7 @@ Each case below deleted user files, printed a traceback or ran for minutes befor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -115,25 +116,48 @@ main()
 """
 
 
-def test_one_writer_per_dst(work):
-    # Issue 29: a second run to the same DST deleted the first's run directory; both "finished".
-    first = subprocess.Popen(
-        [sys.executable, "-c", SLOW_RUN, "gqa2", "up", "--data", "corpus", "--steps", "100000", "--batch-size", "1",
+@contextlib.contextmanager
+def slow_run(work: Path, src: str, dst: str):
+    """An ``attnlab uptrain SRC DST`` of 100,000 steps in another process, once it has logged its first step;
+    killed at the end of the block."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_RUN, src, dst, "--data", "corpus", "--steps", "100000", "--batch-size", "1",
          "--seq-len", "16", "--save-every", "0"],
         cwd=work, stderr=subprocess.PIPE, text=True, env=os.environ | {"COLUMNS": "200"},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (work / "up.run" / "log.jsonl").is_file() and time.monotonic() < deadline:
-            assert first.poll() is None, first.stderr.read()
+        while not (work / f"{dst}.run" / "log.jsonl").is_file() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_one_writer_per_dst(work):
+    # Issue 29: a second run to the same DST deleted the first's run directory; both "finished".
+    with slow_run(work, "gqa2", "up") as first:
         run_before = tree(work / "up.run")
         second = run_cli("uptrain", "gqa2", "up", "--data", "corpus", "--overwrite", *FAST)
         one_line_error(second, f"DST up is being written by another attnlab process (pid {first.pid}")
         assert set(tree(work / "up.run")) >= set(run_before) and first.poll() is None
-    finally:
-        first.kill()
-        first.wait()
+
+
+def test_a_checkpoint_an_uptrain_reads_is_not_replaced_under_it(work):
+    # Last stop's left-alone item: a convert or uptrain --overwrite into a running uptrain's SRC replaced it, and
+    # the run's final write, which reads SRC's config and side files again, failed after all the training.
+    assert run_cli("uptrain", "gqa2", "up", "--data", "corpus", *FAST).exit_code == 0
+    with slow_run(work, "up", "up2") as reader:
+        before = tree(work / "up")
+        second = run_cli("uptrain", "gqa2", "up", "--data", "corpus", "--overwrite", *FAST)
+        one_line_error(second, "DST up is being read by another attnlab process")
+        convert = run_cli("convert", "gqa2", "up", "--kv-heads", 1, "--overwrite")
+        one_line_error(convert, "destination up is being read by another attnlab process")
+        assert tree(work / "up") == before and reader.poll() is None
+    # the reader's lock went with it
+    assert run_cli("uptrain", "gqa2", "up", "--data", "corpus", "--overwrite", *FAST).exit_code == 0
 
 
 @pytest.mark.parametrize("lr", ["inf", "nan"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..atomic import check_destination, json_text, lock
+from ..atomic import check_destination, json_text, lock, reading
 from ..convert.mla_model import PLANES
 
 TARGETS = ("gqa", "mla")
@@ -83,7 +83,8 @@ def run_convert(
     # this one, and with --overwrite the later finisher replaced the other's result); checked first, since the lock
     # file is written beside dst.
     check_destination(dst, (src, calib), overwrite=overwrite)
-    with lock(dst), Progress("loading", transient=True) as bar:
+    # SRC is read again at the end (its other files are copied): no attnlab writer may replace it meanwhile
+    with lock(dst), reading(src, "SRC"), Progress("loading", transient=True) as bar:
         if to == "gqa":
             from .checkpoint import convert_checkpoint
 

@@ -217,6 +217,9 @@ def _claim(
 
     def decide() -> str | None:
         held.enter_context(atomic.lock(opts.dst, "DST"))
+        # SRC is read again after training (config, shard map and side files go into DST): no attnlab writer
+        # may replace it meanwhile, and the run's work is not lost at its final write
+        held.enter_context(atomic.reading(opts.src, "SRC"))
         held.enter_context(atomic.lock(opts.run_path, _run_name(opts)))
         _check_paths(opts)  # again, under the locks
         found = checkpoint.checkpoints(opts.run_path)
