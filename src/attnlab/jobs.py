@@ -8,7 +8,7 @@ no other. ``run_jobs`` writes each finished job's result to ``ROOT/<name>-<key>.
 files (``output=True``) the directory ``ROOT/<name>-<key>/``; a later run reuses every result it finds, so an
 interrupted or extended run (a killed process, a new variant, more steps) computes only what is new. An output
 directory deleted since (a sweep that keeps only its best checkpoints) is made again only when a job that has to
-run reads it.
+run reads it, or when the caller names its job in ``remake``.
 
 A job that raises ``Exception`` is reported with its one-line reason (``Outcome.error``) and the jobs that need it
 are skipped, naming it; the others run on. Failures that come from the inputs (``ValueError``, ``TypeError``,
@@ -158,9 +158,12 @@ def run_jobs(
     threads: int | None = None,
     progress: bool = True,
     title: str = "jobs",
+    remake: frozenset[str] = frozenset(),
 ) -> dict[str, Outcome]:
     """Run what is not cached in ``root`` (an attnlab "cache" directory, created if missing); returns every
-    job's outcome by name. ``threads``: torch threads shared by the workers (default: this process's)."""
+    job's outcome by name. ``threads``: torch threads shared by the workers (default: this process's).
+    ``remake``: jobs whose output directory, deleted since, is wanted again (they run again, with the jobs whose
+    deleted outputs they read)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--jobs must be an int >= 1, got {workers!r}")
     order = _order(jobs)
@@ -189,7 +192,7 @@ def run_jobs(
     for job in reversed(order):  # a deleted output is made again when a job that runs reads it
         out = outs[job.name]
         if not need[job.name] and out is not None and not out.is_dir() and outcomes[job.name].error is None:
-            need[job.name] = any(need[d] for d in dependants[job.name])
+            need[job.name] = job.name in remake or any(need[d] for d in dependants[job.name])
     todo = [j for j in order if need[j.name]]
     for job in todo:
         outcomes.pop(job.name, None)

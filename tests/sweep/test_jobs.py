@@ -91,6 +91,20 @@ def test_a_new_job_runs_alone_and_a_deleted_output_is_made_again_only_when_neede
     assert out["e"].result == {"total": 5 + 1 + 1}
 
 
+def test_a_deleted_output_named_in_remake_is_made_again_with_the_outputs_it_reads(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "cache"
+    jobs = [*graph(log), Job("e", record, {"id": "e", "log": str(log), "value": 5}, deps=("a",), output=True)]
+    first = run_jobs(jobs, root, progress=False)
+    shutil.rmtree(first["a"].out)
+    shutil.rmtree(first["e"].out)  # a sweep's --keep best deleted both
+    again = run_jobs(jobs, root, progress=False)
+    assert len(calls(log)) == 5 and not first["e"].out.is_dir()  # nobody asked for them
+    again = run_jobs(jobs, root, progress=False, remake=frozenset({"e"}))
+    assert calls(log)[5:] == ["a", "e"]  # e, and a, whose directory e reads
+    assert again["e"].out.is_dir() and again["a"].out.is_dir() and not again["e"].cached
+    assert again["e"].result == first["e"].result and again["b"].cached
+
+
 def test_a_failing_job_is_reported_and_the_others_go_on(tmp_path):
     log, root = tmp_path / "log", tmp_path / "cache"
     out = run_jobs(graph(log, b={"fail": True}, d={"crash": True}), root, progress=False)

@@ -145,6 +145,30 @@ def test_warm_rerun_runs_nothing_and_a_new_variant_runs_only_its_jobs(first, tin
             assert r["checkpoint"] is None or Path(r["checkpoint"]).is_dir()
 
 
+def test_a_row_that_becomes_pareto_optimal_gets_back_its_deleted_checkpoint(first, tiny):
+    """After --keep best deleted the checkpoints of the rows it did not keep, a run where one of those rows is
+    Pareto-optimal (here: fewer variants to beat it) makes its checkpoint again; the losses stay the cached ones."""
+    out = tiny["root"] / "out"
+    before = json.loads((out / "sweep.json").read_text())["rows"]
+    # MLA of rank 28, uptrained 2 steps: beaten by gqa-2 then (the same bytes, a lower loss, faster), and alone
+    # with the source now, whose loss it beats with half the bytes
+    lost = [r for r in before if r["variant"] == "mla-28" and r["steps"] == 2 and r["checkpoint"] is None]
+    assert lost, before
+    again = sweep(tiny, "--variants", "mla:28", "--out", out, "--json", "--keep", "best")
+    assert again.exit_code == 0, again.output
+    rows = json.loads(again.stdout)["rows"]
+    for r in rows:
+        if r["kind"] != "source":
+            assert (r["checkpoint"] is not None) == r["pareto"], r
+            assert r["checkpoint"] is None or Path(r["checkpoint"]).is_dir()
+    remade = next(r for r in rows if r["variant"] == "mla-28" and r["steps"] == 2)
+    assert remade["pareto"] and Path(remade["checkpoint"]).is_dir()
+    m = remade["method"]  # MLA's counterpart of --methods mean
+    assert json.loads(again.stdout)["jobs"]["computed"] == [f"convert/mla-28/{m}", f"uptrain/mla-28/{m}/2"]
+    old = {(r["variant"], r["steps"]): r.get("loss") for r in before}
+    assert all(r["loss"] == old[(r["variant"], r["steps"])] for r in rows)
+
+
 def test_pareto_on_a_hand_made_table():
     rows = [
         {"loss": 3.0, "kv_bytes_per_token": 256, "tokens_per_s": 100},  # best loss

@@ -5,7 +5,8 @@ Where it writes: ``--out DIR`` (an attnlab "sweep" directory, created if missing
 holds everything: ``jobs/`` (the job cache with every converted and uptrained checkpoint), ``sweep.json``,
 ``report.md`` and the plots. Without ``--out`` the job cache is attnlab's own,
 ``$XDG_CACHE_HOME/attnlab/sweep/<source>``, and only the table (or JSON) is printed. ``--keep best`` deletes the
-checkpoints of the rows that are not Pareto-optimal, ``--keep none`` all of them; their results stay cached.
+checkpoints of the rows that are not Pareto-optimal, ``--keep none`` all of them; their results stay cached, and a
+row that a later run (``--keep all`` or ``best``) finds Pareto-optimal gets its checkpoint made again.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
                             title="sweep (jobs)")  # fmt: skip
         rows = report.build_rows(planned, outcomes, hf, opts)
+        # a Pareto row whose checkpoint an earlier --keep best/none deleted: made again, since this run keeps it
+        lost = frozenset(
+            p["checkpoint_job"] for p, r in zip(planned, rows, strict=True)
+            if r["pareto"] and r["checkpoint"] is None and p["checkpoint_job"] is not None
+            and outcomes[p["checkpoint_job"]].result is not None and opts.keep != "none"
+        )  # fmt: skip
+        if lost:
+            outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
+                                title="sweep (checkpoints to keep)", remake=lost)  # fmt: skip
+            rows = report.build_rows(planned, outcomes, hf, opts)
         if opts.keep != "all":
             kept = {r["checkpoint"] for r in rows if r["pareto"] and opts.keep == "best"}
             for r in rows:
