@@ -17,7 +17,15 @@ import matplotlib.pyplot as plt
 import pytest
 
 from attnlab import atomic
-from attnlab.atomic import atomic_dir, check_destination, remove_stale, save_figure, write_atomic
+from attnlab.atomic import (
+    atomic_dir,
+    check_destination,
+    claim_dir,
+    marker_kind,
+    remove_stale,
+    save_figure,
+    write_atomic,
+)
 
 
 def tree_hash(path: Path) -> str:
@@ -250,6 +258,59 @@ def test_a_directory_being_read_is_not_replaced_or_deleted_and_one_being_written
     with atomic_dir(src, overwrite=True) as tmp:  # once the readers are gone
         (tmp / "v").write_text("new")
     assert (src / "v").read_text() == "new"
+
+
+def test_a_lock_file_that_is_not_attnlabs_is_refused_and_left_as_it_is(tmp_path):
+    # A QA reproduction: a user's ".dst.lock" was overwritten and deleted, and a link of that name to a training
+    # file made the lock write its "pid ...: attnlab ..." line into the training file.
+    data = tmp_path / "data.txt"
+    data.write_text("six thousand bytes of text")
+    (tmp_path / ".dst.lock").symlink_to(data)
+    with (
+        pytest.raises(FileExistsError, match="is a symbolic link, not attnlab's lock file"),
+        atomic.lock(tmp_path / "dst"),
+    ):
+        pass
+    assert data.read_text() == "six thousand bytes of text" and (tmp_path / ".dst.lock").is_symlink()
+    (tmp_path / ".dst.lock").unlink()
+    (tmp_path / ".dst.lock").write_text("precious")
+    with pytest.raises(FileExistsError, match="holds 'precious'"), atomic_dir(tmp_path / "dst") as tmp:
+        (tmp / "v").write_text("1")
+    assert (tmp_path / ".dst.lock").read_text() == "precious" and not (tmp_path / "dst").exists()
+    os.mkfifo(tmp_path / ".fifo.lock")
+    with pytest.raises(FileExistsError, match="not a regular file"), atomic.lock(tmp_path / "fifo"):
+        pass
+    # an empty one (left by a killed holder) or an attnlab holder's text is attnlab's
+    (tmp_path / ".dst.lock").write_text("pid 12: attnlab convert a dst")
+    with atomic_dir(tmp_path / "dst") as tmp:
+        (tmp / "v").write_text("1")
+    assert not (tmp_path / ".dst.lock").exists()
+
+
+def test_a_deletion_cut_short_leaves_directories_attnlab_still_owns(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    claim_dir(run, "run")
+    for step in ("step-1", "step-2"):
+        claim_dir(run / step, "checkpoint")
+        for i in range(3):
+            (run / step / f"shard-{i}").write_text("x" * 100)
+    real = Path.unlink
+    calls = []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(self.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the deletion
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.remove_owned(run, "run")
+    monkeypatch.setattr(Path, "unlink", real)
+    assert marker_kind(run) == "run"
+    assert all(marker_kind(d) == "checkpoint" for d in run.iterdir() if d.is_dir())
+    atomic.remove_owned(run, "run")  # the next run deletes what is left
+    assert not run.exists()
 
 
 def test_a_failed_lock_or_write_removes_the_directories_it_made(tmp_path):

@@ -16,13 +16,16 @@
   directory or one of its parents.
 - **One writer per destination.** ``lock`` (taken by ``atomic_dir`` for the write, and by commands for their whole
   run) holds an exclusive ``flock`` on ``.{name}.lock`` beside the destination; a second writer gets an error
-  naming the first. The lock goes with its process, even a killed one. The final rename never replaces a
+  naming the first. The lock goes with its process, even a killed one. A file of that name that is not attnlab's
+  (a link, a user's file) is refused and left as it is. The final rename never replaces a
   destination that appeared during the write (``renameat2(RENAME_NOREPLACE)`` on Linux).
 - **No writer under a reader.** A command that reads a checkpoint again at the end of a long run (uptrain and
   convert copy SRC's config and side files into DST after training or converting) holds ``reading(SRC)``, a shared
   ``flock`` on the directory itself (nothing is written, and a read-only checkpoint works); ``lock`` on an
   existing directory takes it exclusively, so a second command cannot replace or delete a checkpoint that one in
   flight still reads (it gets ``Busy``), nor can a checkpoint being replaced be read.
+- **Deleting** an attnlab directory removes each directory's marker last, so a deletion cut short leaves
+  directories attnlab still owns.
 - **Leftovers are cleaned.** A process killed while writing (SIGKILL, power loss) cannot remove its temporary;
   the next write to the same destination removes every temporary whose process (the pid in its name) no longer
   runs. Temporaries of live processes are left alone.
@@ -45,6 +48,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -232,6 +236,37 @@ def _lock_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.lock"
 
 
+LOCK_TEXT = re.compile(r"pid \d+: attnlab\b")  # what a holder writes in its lock file
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file ``path``, created if missing; never through a link, and only a regular file (a link or
+    anything else of that name is the user's: refused, untouched)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise FileExistsError(
+            f"{path} is a symbolic link, not attnlab's lock file; attnlab does not follow or remove it: move it away"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileExistsError(f"{path} is not attnlab's lock file (not a regular file); move it away")
+    return fd
+
+
+def _check_lock_text(fd: int, path: Path) -> None:
+    """An existing lock file is attnlab's only when it is empty or names an attnlab process: anything else of that
+    name is the user's file, which attnlab would overwrite and delete."""
+    text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    if text and not LOCK_TEXT.match(text):
+        raise FileExistsError(
+            f"{path} exists and is not attnlab's lock file (it holds {text[:40]!r}); attnlab does not overwrite "
+            "or remove it: move it away"
+        )
+
+
 @contextlib.contextmanager
 def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Iterator[None]:
     """Hold the one-writer lock of ``dst`` (re-entrant within a thread); ``Busy`` names the holder if it is taken,
@@ -255,7 +290,7 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
     fd = -1
     try:
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
@@ -271,6 +306,7 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
             except FileNotFoundError:
                 same = False
             if same:
+                _check_lock_text(fd, path)
                 break
             os.close(fd)
             fd = -1
@@ -632,7 +668,21 @@ def remove_owned(path: PathLike, kind: str, what: str = "directory") -> None:
         raise FileExistsError(_not_ours(str(path), what, kind, found, path))
     _check_replaceable(path, str(path), what)
     with _no_readers(path, str(path), what):
-        shutil.rmtree(path)
+        _delete_marker_last(path)
+
+
+def _delete_marker_last(directory: Path) -> None:
+    """Delete ``directory`` and what it holds, each directory's marker after everything beside it: a deletion cut
+    short (Ctrl-C, a kill, while gigabytes go) leaves directories that attnlab still owns and deletes next time."""
+    for entry in directory.iterdir():
+        if entry.name == MARKER:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            _delete_marker_last(entry)
+        else:
+            entry.unlink()
+    (directory / MARKER).unlink(missing_ok=True)
+    directory.rmdir()
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
