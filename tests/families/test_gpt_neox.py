@@ -203,6 +203,65 @@ def test_fewer_kv_heads_are_written_repeated_and_compute_the_gqa_model(checkpoin
     assert not torch.equal(fused[0, 1:], fused[2, 1:])
 
 
+def test_a_repeated_layout_loads_as_gqa_and_uptraining_keeps_each_group_one_head(checkpoint, tmp_path):
+    """The written MHA layout is read back as the GQA model (2 KV heads), and uptraining trains that model: each
+    group's repeated heads stay equal in DST (they were trained apart, 4 heads, before), and DST computes in
+    attnlab what it computes in transformers."""
+    from attnlab.train import UptrainOptions, uptrain
+
+    if not (checkpoint / "tokenizer.json").exists():
+        _tokenizer(checkpoint)
+    check_convert(checkpoint, tmp_path / "gqa", 2)
+    model = load_causal_lm(tmp_path / "gqa")
+    assert model.cfg.attention.n_kv_heads == 2 and load_causal_lm(checkpoint).cfg.attention.n_kv_heads == 4
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(2):  # the word-level tokenizer's words: numbers
+        (text / f"{i}.txt").write_text(" ".join(str((7 * j + i) % 96) for j in range(600)))
+    summary = uptrain(
+        UptrainOptions(src=tmp_path / "gqa", dst=tmp_path / "up", data=text, steps=3, batch_size=2, seq_len=16,
+                       lr=1e-2, warmup=0, save_every=0),
+        progress=False,
+    )  # fmt: skip
+    fused = read_tensors(tmp_path / "up")[0]["gpt_neox.layers.1.attention.query_key_value.weight"]
+    heads = fused.reshape(4, 3, 16, 64)
+    before = read_tensors(tmp_path / "gqa")[0]["gpt_neox.layers.1.attention.query_key_value.weight"]
+    assert not torch.equal(fused, before)  # trained
+    assert torch.equal(heads[0, 1:], heads[1, 1:]) and torch.equal(heads[2, 1:], heads[3, 1:])
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters())  # the GQA model's
+    up = load_causal_lm(tmp_path / "up")
+    assert up.cfg.attention.n_kv_heads == 2
+    x = tokens(16)
+    with torch.no_grad():
+        torch.testing.assert_close(up(x), hf_model(tmp_path / "up")(x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_sweep_counts_the_kv_bytes_of_the_gqa_model_a_repeated_layout_computes(checkpoint, tmp_path):
+    """A QA reproduction: every GQA/MQA row of a GPT-NeoX sweep showed the source's KV bytes (config.json of the
+    repeated layout counts every head)."""
+    if not (checkpoint / "tokenizer.json").exists():
+        _tokenizer(checkpoint)
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(2):
+        (text / f"{i}.txt").write_text(" ".join(str((7 * j + i) % 96) for j in range(400)))
+    result = CliRunner().invoke(
+        app,
+        ["sweep", str(checkpoint), "--data", str(text), "--variants", "gqa:2,1", "--methods", "mean",
+         "--uptrain-steps", "0", "--seq-len", "16", "--eval-windows", "2", "--context", "24", "--warmup", "0",
+         "--out", str(tmp_path / "out"), "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = {r["variant"]: r for r in json.loads(result.stdout)["rows"]}
+    source = load_causal_lm(checkpoint).cfg
+    for name, n_kv in (("source", 4), ("gqa-2", 2), ("mqa", 1)):
+        want = kv_cache_bytes(
+            source.replace(attention=source.attention.replace(n_kv_heads=n_kv)), 1, 24, "bf16"
+        )
+        assert rows[name]["kv_bytes_per_token"] == want / 24, name
+        assert rows[name]["cache_nbytes"] < rows["source"]["cache_nbytes"] or name == "source"  # timed as GQA
+
+
 def test_the_buffers_of_an_old_checkpoint_are_copied_on_conversion(tmp_path):
     src = build(transformers.GPTNeoXConfig, tmp_path / "src", **CASES[min(CASES)])
     pythia_style(src)

@@ -68,7 +68,10 @@ def load_causal_lm(src: str | Path) -> nn.Module:
     hf = io.read_config(src)
     cfg = model_config(src, hf)
     tensors, _ = io.read_tensors(src)
-    state = family(hf["model_type"]).tensor_map(hf).to_attnlab(tensors, cfg)
+    fam = family(hf["model_type"])
+    state = fam.tensor_map(hf).to_attnlab(tensors, cfg)
+    if fam.gqa == "repeated":  # a GQA model in the MHA layout is loaded as the GQA model it computes
+        cfg, state = collapse_repeated_kv_heads(cfg, state)
     model = model_from_state(src, cfg, state)
     io.check_finite(model, src)
     return model
@@ -127,7 +130,12 @@ def save_causal_lm(
     """
     like, dst = Path(like), Path(dst)
     hf = io.read_config(like)
-    _family(hf, like)
+    _, fam = _family(hf, like)
+    attn = cfg.attention
+    if fam.gqa == "repeated" and isinstance(attn, AttentionConfig) and attn.n_rep > 1:
+        # written as it was read (load_causal_lm): each KV head repeated for its group, in the MHA layout
+        state = repeat_kv_heads(state, attn)
+        cfg = cfg.replace(attention=attn.replace(n_kv_heads=attn.n_heads))
     new = checkpoint_tensors(state, cfg, hf)
     files = io.shard_map(like)
     meta = _tensor_meta(like, files, set(new))
@@ -180,8 +188,33 @@ def repeat_kv_heads(state: dict[str, torch.Tensor], attn: AttentionConfig) -> di
     biases) repeated for the query heads of its group, which computes the GQA model exactly (how a family whose
     class has no KV-head field, ``Family.gqa == "repeated"``, is written)."""
     out = dict(state)
-    for name, value in state.items():
-        if re.search(r"attention\.w[kv]\.(weight|bias)$", name):
-            heads = value.reshape(attn.n_kv_heads, attn.head_dim, *value.shape[1:])
-            out[name] = heads.repeat_interleave(attn.n_rep, 0).flatten(0, 1)
+    for name in _kv_rows(state):
+        heads = state[name].reshape(attn.n_kv_heads, attn.head_dim, *state[name].shape[1:])
+        out[name] = heads.repeat_interleave(attn.n_rep, 0).flatten(0, 1)
     return out
+
+
+def _kv_rows(state: dict[str, torch.Tensor]) -> list[str]:
+    return [name for name in state if re.search(r"attention\.w[kv]\.(weight|bias)$", name)]
+
+
+def collapse_repeated_kv_heads(
+    cfg: ModelConfig, state: dict[str, torch.Tensor]
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The GQA model that an MHA-layout state computes when its KV heads come in groups of equal ones (what
+    ``repeat_kv_heads`` writes, and ``attnlab convert`` for a family whose class has no KV-head field): its config
+    with the fewest KV heads whose repetition the state is, bit for bit in every layer, and the state with one head
+    of each group. Training then keeps each group one head, as the GQA model has it; an MHA model (no two heads
+    equal) is returned as it is."""
+    attn = cfg.attention
+    if not isinstance(attn, AttentionConfig) or attn.n_kv_heads != attn.n_heads:
+        return cfg, state
+    rows = _kv_rows(state)
+    for n_kv in range(1, attn.n_heads):
+        if attn.n_heads % n_kv:
+            continue
+        groups = {n: state[n].reshape(n_kv, attn.n_heads // n_kv, -1) for n in rows}
+        if rows and all(bool((g == g[:, :1]).all()) for g in groups.values()):
+            one = {n: g[:, 0].reshape(n_kv * attn.head_dim, *state[n].shape[1:]) for n, g in groups.items()}
+            return cfg.replace(attention=attn.replace(n_kv_heads=n_kv)), state | one
+    return cfg, state

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..config import AttentionConfig
 from ..console import Grid, print_grid
 from ..cost.memory import kv_cache_bytes
 from ..cost.roofline import roofline
@@ -42,13 +43,18 @@ def pareto(rows: list[dict]) -> list[bool]:
     return marks
 
 
-def costs(hf: dict, context: int, batch: int, hardware: tuple[str, ...]) -> dict:
+def costs(
+    hf: dict, context: int, batch: int, hardware: tuple[str, ...], n_kv_heads: int | None = None
+) -> dict:
     """KV bytes (bf16) per token and per request of ``batch`` x ``context`` tokens, and the roofline's decode step
     on each ``hardware`` (``local``: this machine, measured once per boot), for the checkpoint whose config.json is
-    ``hf``."""
+    ``hf``, with ``n_kv_heads`` KV heads where given (a GQA model written in the MHA layout, whose config.json
+    counts the repeated heads: GPT-NeoX's; attnlab loads and caches it with its own)."""
     from ..bench.machine import get_hardware
 
     cfg = model_config("config.json", hf)
+    if n_kv_heads is not None and isinstance(cfg.attention, AttentionConfig):
+        cfg = cfg.replace(attention=cfg.attention.replace(n_kv_heads=n_kv_heads))
     per_request = kv_cache_bytes(cfg, batch, context, "bf16")
     return {
         "kv_bytes_per_token": per_request / (batch * context),
@@ -73,7 +79,8 @@ def build_rows(plan_rows: list[dict], outcomes: dict, src_hf: dict, opts) -> lis
             hf = conv.result["config"] if conv.result else None
             if conv.error:
                 errors.append(conv.error)
-        row |= costs(hf, opts.context, opts.batch, opts.hardware) if hf is not None else {}
+        n_kv = planned.get("n_kv_heads") if planned.get("kv_lora_rank") is None else None
+        row |= costs(hf, opts.context, opts.batch, opts.hardware, n_kv) if hf is not None else {}
         q = outcomes[planned["eval"]]
         if q.result is not None:
             scores = q.result.get("eval") or q.result  # an uptraining's summary holds its final eval
