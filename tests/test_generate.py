@@ -245,6 +245,18 @@ def test_sampling_is_seeded_and_stays_inside_the_filter():
     assert bool((drawn[:, None] == top2).any(dim=-1).all())
 
 
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    # A QA reproduction: temperature 1e-40 (or --temperature 1e-300) raised "probability tensor contains either
+    # inf, nan or element < 0" where any temperature > 0 is accepted.
+    logits = torch.randn(50, 7, generator=torch.Generator().manual_seed(0)) * 4
+    for t in (1e-40, 1e-300, 5e-324):
+        assert torch.equal(
+            sample_next(logits, t, None, None, torch.Generator().manual_seed(0)), logits.argmax(-1)
+        )
+    m, rows = model("gqa"), prompts([6, 6])
+    assert generate(m, rows, 8, temperature=1e-40, seed=0).tokens == generate(m, rows, 8).tokens
+
+
 def test_bad_arguments_are_refused_naming_the_field():
     m = model("gqa")
     for kwargs, field in [

@@ -196,3 +196,20 @@ def test_a_checkpoint_of_mixed_dtypes_keeps_each_tensors_dtype(tmp_path, source)
         assert value.dtype == want, key
     assert written["model.layers.0.self_attn.kv_a_layernorm.weight"].dtype == torch.float32
     assert written["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+
+
+def test_an_mlp_bias_is_refused_before_any_work(tmp_path):
+    # A QA reproduction: a Llama with mlp_bias=True was refused only when DeepSeek-V3's writer met it, after the
+    # whole conversion (a minute on a tiny model; the whole conversion on a real one).
+    import time
+
+    from attnlab.families import family
+    from attnlab.hf.causal_lm import model_config
+
+    src = make_checkpoint(tmp_path / "src", num_key_value_heads=2, mlp_bias=True)
+    assert family("llama").mla(model_config(src)).verdict == "refused"
+    started = time.perf_counter()
+    result = run("convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8)
+    assert result.exit_code == 2 and "mlp_bias=True" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "dst").exists()
+    assert time.perf_counter() - started < 10  # refused before loading the weights

@@ -448,3 +448,14 @@ def sliding_layer_types(cfg: ModelConfig) -> list[str]:
         "sliding_attention" if getattr(attn, "window", None) is not None else "full_attention"
         for attn in cfg.layer_attentions
     ]
+
+
+def mlp_obstacle(cfg: ModelConfig) -> str | None:
+    """Why the MLPs of ``cfg`` cannot be written as a dense DeepSeek-V3's (None if they can): what an MLA conversion
+    keeps as it is must be SwiGLU without bias."""
+    if cfg.mlp != "swiglu" or cfg.mlp_bias or cfg.is_moe:
+        return (
+            f"DeepSeek-V3's dense MLP is SwiGLU without bias; got mlp={cfg.mlp!r}, mlp_bias={cfg.mlp_bias}, "
+            f"n_experts={cfg.n_experts}"
+        )
+    return None

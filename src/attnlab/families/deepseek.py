@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..config import MLAConfig, ModelConfig
-from .base import Family, Fields, MLASupport, Rule, TensorMap, Transform
+from .base import Family, Fields, MLASupport, Rule, TensorMap, Transform, mlp_obstacle
 from .llama import LAYER_RULES, TOP_RULES, decoder_rules
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -150,11 +150,9 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
             "MLAConfig.kv_norm=False: a DeepSeek-V3 checkpoint always normalises the latent (kv_a_layernorm); "
             "add the norm first with attnlab.convert.fold_latent_norms"
         )
-    if cfg.mlp != "swiglu" or cfg.mlp_bias or cfg.is_moe:
-        raise ValueError(
-            f"DeepSeek-V3's dense MLP is SwiGLU without bias; got mlp={cfg.mlp!r}, mlp_bias={cfg.mlp_bias}, "
-            f"n_experts={cfg.n_experts}"
-        )
+    obstacle = mlp_obstacle(cfg)
+    if obstacle:
+        raise ValueError(obstacle)
     hf = {k: base[k] for k in CARRIED if k in base}
     hf.update(
         model_type="deepseek_v3",

@@ -45,6 +45,7 @@ from ..convert.mla_model import (
     with_nope_dim,
 )
 from ..families import family
+from ..families.base import mlp_obstacle
 from . import deepseek, io
 from .causal_lm import load_causal_lm, model_config
 from .checkpoint import calibration_batches, computing_on, conversion_device, on_device
@@ -121,9 +122,8 @@ def convert_checkpoint_to_mla(
     support = family(hf["model_type"]).mla(cfg)
     if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
         raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
-    obstacle = rope_obstacle(
-        cfg.attention
-    )  # what the family's verdict cannot see: a scaling that keeps no plane
+    # what the family's verdict cannot see: a scaling that keeps no plane, MLPs DeepSeek-V3 does not have
+    obstacle = rope_obstacle(cfg.attention) or mlp_obstacle(cfg)
     if obstacle:
         raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {obstacle}")
     attn_cfg = cfg.attention
