@@ -246,6 +246,27 @@ def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly_with_a_warning
             generate(m, _prompts(4, 5), 6, compile=True)
 
 
+def test_the_compiled_mla_step_takes_no_inputs_that_alias(monkeypatch):
+    """MLA's static cache holds its values in its keys' buffer. Handed to the compiler as two inputs that alias,
+    they went through AOTAutograd's synthetic-base path, whose graph inductor's on-disk cache gave another process
+    at another batch size: `generate --compile` then failed a stride check ("wrong number of dimensions1"). The
+    graph now takes the one buffer."""
+    torch._dynamo.reset()
+    inputs = []
+
+    def backend(graph, example_inputs):
+        inputs.extend(t for t in example_inputs if isinstance(t, torch.Tensor))
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    step = torch.compile(generation._step, fullgraph=True, dynamic=False, backend=backend)
+    monkeypatch.setattr(generation, "_COMPILED", {"cpu": step})
+    m, rows = _model("mla"), _prompts(2, 5)
+    assert generate(m, rows, 6, compile=True).tokens == generate(m, rows, 6).tokens
+    storages = [t.untyped_storage().data_ptr() for t in inputs]
+    assert inputs and len(storages) == len(set(storages))
+    torch._dynamo.reset()
+
+
 def test_the_compiled_step_with_inductor_gives_the_eager_tokens():
     # The real compiler (C++ code generation on a CPU): what `compile=True` runs.
     torch._dynamo.reset()

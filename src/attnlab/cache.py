@@ -404,12 +404,22 @@ class StaticKVCache:
         self.dtype, self.values_in_keys = dtype, values_in_keys
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = _values("StaticKVCache", self.k, values_in_keys, value_dim)
+        values = _values("StaticKVCache", self.k, values_in_keys, value_dim)
+        self._value_dim, self._v = values.shape[-1], None if values_in_keys else values
         self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
         self._slots = torch.arange(max_seq_len, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)[:, None]
-        for t in (self.k, self.v, self.length, self._slots, self._rows):
-            torch._dynamo.mark_static_address(t)
+        for t in (self.k, self._v, self.length, self._slots, self._rows):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The value buffer; with ``values_in_keys`` the keys' first ``value_dim`` columns, sliced at each use, so
+        that a compiled step takes one buffer, not two inputs that alias: torch's on-disk graph cache gave a graph
+        compiled for the aliased pair of one batch size to another and failed its stride check (an MLA
+        ``generate --compile`` after another process had compiled one)."""
+        return self.k[..., : self._value_dim] if self._v is None else self._v
 
     def __len__(self) -> int:
         """The longest row's length."""
@@ -427,7 +437,8 @@ class StaticKVCache:
             raise ValueError(f"StaticKVCache.row: row {i} of a batch of {self.batch_size}")
         one = copy.copy(self)
         one.batch_size = 1
-        one.k, one.v, one.length = self.k[i : i + 1], self.v[i : i + 1], self.length[i : i + 1]
+        one.k, one.length = self.k[i : i + 1], self.length[i : i + 1]
+        one._v = None if self._v is None else self._v[i : i + 1]
         one._rows = self._rows[:1]
         return one
 
