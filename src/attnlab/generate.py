@@ -35,6 +35,10 @@ A model with longrope RoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) turns every positio
 longer than its ``original_max_position_embeddings`` (``rope.switch_length``): the keys its caches hold from shorter
 forwards are then stale. A row that grows past that length is prefilled again, whole, at the step it does (as
 transformers' Phi-3 drops its cache there), so that the tokens equal those of rerunning the model on the sequence.
+This holds for every family with a longrope config: transformers drops the cache for Phi-3 only, so its `generate`
+of a Llama-class longrope checkpoint keeps the stale keys past the switch and can give other tokens than its own
+forward over the sequence (and than attnlab). A loop of your own over ``Transformer(..., caches=)`` keeps them stale
+too, as transformers' own does: prefill again past the switch.
 """
 
 from __future__ import annotations

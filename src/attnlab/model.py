@@ -364,7 +364,9 @@ class Transformer(nn.Module):
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) of ``tokens`` (B, T); ``attn_mask`` (bool, True = attend) is applied in
-        every layer together with the causal rule; see the module docstring for ``position_ids``.
+        every layer together with the causal rule; see the module docstring for ``position_ids``. With a longrope
+        model, keys cached by forwards shorter than its ``original_max_position_embeddings`` are stale once the
+        sequence passes it (its angles change): ``attnlab.generate`` prefills again there, a loop of your own must.
 
         ``logits_to_keep`` > 0 scores only the last that many positions (B, logits_to_keep, vocab_size), as
         transformers' argument of that name: a prefill needs the last position only, and the output head costs
