@@ -134,7 +134,8 @@ def test_a_stream_read_in_the_rounds_gives_each_row_its_own_bandwidth():
     )  # fmt: skip
     result = run_decode(grid)
     (row,) = result["rows"]
-    assert row["bandwidth"] > 1e8 and set(row["ms"]) == {"fused", "sdpa"}
+    # in bytes per second (a GB/s figure would read ~30); a loaded 2-core machine measured 88 MB/s here once
+    assert row["bandwidth"] > 1e6 and set(row["ms"]) == {"fused", "sdpa"}
     hw = Hardware(**result["machine"]["hardware"])
     assert set(row["peak_flops"]) == {"fp32", "bf16"} and min(row["peak_flops"].values()) > 1e8
     own = Hardware(
