@@ -269,7 +269,11 @@ def uptrain(
     eval_data: Path | None = typer.Option(
         None, "--eval-data", help="Held-out text; default: whole files of --data (--held-out of them)."
     ),
-    held_out: float = typer.Option(0.1, "--held-out", help="Fraction of --data's files held out."),
+    held_out: float = typer.Option(
+        0.1,
+        "--held-out",
+        help="Fraction of --data's files held out (rounded, at least one of two or more; 0: none).",
+    ),
     steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per rank per micro-step."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per sequence (<= max_position_embeddings)."),
@@ -289,7 +293,7 @@ def uptrain(
         None, "--teacher", help="Checkpoint to distil from (same vocabulary)."
     ),
     distill_weight: float = typer.Option(0.5, "--distill-weight", help="Weight of the KL term, in [0, 1]."),
-    temperature: float = typer.Option(2.0, "--temperature", help="Distillation temperature."),
+    temperature: float = typer.Option(2.0, "--temperature", help="Distillation temperature, in [0.01, 100]."),
     train: str = typer.Option("all", "--train", help="What is trained: all or attention."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 autocast (fp32 master weights)."),
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard with FSDP2 (under torchrun) instead of DDP."),
@@ -325,7 +329,11 @@ def uptrain(
 @user_errors
 def eval_(
     ckpt: Path = typer.Argument(..., help="Causal-LM checkpoint directory (with its tokenizer.json)."),
-    data: Path = typer.Option(..., "--data", help="A text file or a directory of .txt files (all scored)."),
+    data: Path = typer.Option(
+        ...,
+        "--data",
+        help="A text file or a directory of .txt files (every whole window scored; the last tokens, short of a window of --seq-len, are not).",
+    ),
     seq_len: int | None = typer.Option(
         None, "--seq-len", help="Window length (default min(1024, max positions))."
     ),

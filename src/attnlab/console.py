@@ -67,11 +67,12 @@ def column_widths(grid: Grid, width: int) -> list[int] | None:
 
 
 def render(grid: Grid, widths: list[int]) -> Table:
-    table = Table(title=grid.title, caption=grid.caption or None, **STYLE)
+    """The table of ``grid``, its text taken literally (a path ``ck[v2]`` or ``x/[/b]`` is no markup)."""
+    table = Table(title=Text(grid.title), caption=Text(grid.caption) if grid.caption else None, **STYLE)
     for i, (name, w) in enumerate(zip(grid.header, widths, strict=True)):
-        table.add_column(name, width=w, justify="right" if i in grid.right else "left", overflow="fold")
+        table.add_column(Text(name), width=w, justify="right" if i in grid.right else "left", overflow="fold")
     for row in grid.rows:
-        table.add_row(*row)
+        table.add_row(*map(Text, row))
     return table
 
 

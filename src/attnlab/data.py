@@ -6,7 +6,8 @@
 - Text is tokenised with a checkpoint's own ``tokenizer.json`` (the ``tokenizers`` library, no special tokens
   added); files are joined into one stream with the checkpoint's end-of-sequence token between them, and the
   stream is cut into consecutive windows of ``seq_len + 1`` tokens that overlap by one token (inputs are the
-  first ``seq_len``, targets the last ``seq_len``), so every token after the first is predicted exactly once.
+  first ``seq_len``), so every token after the first is predicted exactly once, up to the last whole window (the
+  up to ``seq_len - 1`` tokens after it are not). An empty file adds nothing, not even a separator.
 - Each token carries the number of UTF-8 bytes of text it adds (separators add none), so a loss can be
   reported in bits per byte, which does not depend on the tokenizer.
 - The training order is a pure function of (seed, position): sample number ``p`` is window
@@ -64,6 +65,8 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
         return [path]
     if not path.exists():
         raise FileNotFoundError(f"{flag} {path} not found")
+    if not path.is_dir():  # a device, a FIFO, a socket (/dev/null read as "a directory without .txt files")
+        raise ValueError(f"{flag} {path} is neither a text file nor a directory")
     files = sorted(p for p in path.rglob("*.txt") if p.is_file())
     if not files:
         raise ValueError(f"{flag} {path} is a directory without .txt files")
@@ -216,7 +219,17 @@ def tokenize_files(
     tok.no_padding()
     tok.no_truncation()
     ids, nbytes = [], []
-    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+    try:
+        encodings = tok.encode_batch(texts, add_special_tokens=False)
+    except (
+        Exception
+    ) as err:  # the tokenizers library raises a bare Exception (e.g. a WordLevel unk not in its vocab)
+        raise ValueError(f"{flag}: {checkpoint / 'tokenizer.json'} cannot tokenise the text: {err}") from None
+    for text, enc in zip(texts, encodings, strict=True):
+        if (
+            not enc.ids
+        ):  # an empty file: no text, and no separator (each one added an end-of-text token to score)
+            continue
         if ids and sep is not None:
             ids.append(np.array([sep], dtype=np.int64))
             nbytes.append(np.zeros(1, dtype=np.int64))

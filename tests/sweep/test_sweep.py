@@ -474,3 +474,13 @@ def test_a_second_sweep_of_the_same_source_without_out_is_refused(tiny, tmp_path
     assert (
         "\n" not in line and f"the job cache of this source {root}" in line and "another attnlab" in line
     ), line
+
+
+def test_text_that_is_not_utf8_is_named(tiny, tmp_path):
+    # A QA reproduction: "'utf-8' codec can't decode byte 0xe9 ..." without the file or the flag.
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"line one\ncaf\xe9\nline three\nfour\n" * 10)
+    result = runner.invoke(
+        app, ["sweep", str(tiny["src"]), "--data", str(latin), *FAST, "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2 and f"--data: {latin} is not UTF-8 text" in result.output, result.output

@@ -222,6 +222,9 @@ def test_learning_rate_warmup_then_cosine():
         ("train", "mlp", "--train must be one of all, attention; got 'mlp'"),
         ("dtype", "fp16", "--dtype must be one of fp32, bf16; got 'fp16'"),
         ("warmup", 200, "--warmup must be in [0, --steps=100], got 200"),
+        # a QA reproduction: float32's KL at T=1e4 was negative, at 1e20 and 1e-40 NaN ("lower --lr")
+        ("temperature", 1e4, "--temperature must be in [0.01, 100.0], got 10000.0"),
+        ("temperature", 1e-40, "--temperature must be in [0.01, 100.0], got 1e-40"),
         (
             "lr",
             1e38,

@@ -33,7 +33,7 @@ from ..convert.mla import full_rank
 from ..convert.model import DATA_AWARE
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
-from ..data import fingerprint, split_held_out, text_files
+from ..data import fingerprint, read_text, split_held_out, text_files
 from ..jobs import Job, cpu_count
 from ..resources import resolve_device
 from . import work
@@ -286,7 +286,7 @@ def _texts(data: Path, eval_data: Path | None) -> tuple[dict[str, dict[str, Path
     a name) and end in .txt, which the jobs' --data reads."""
     files = text_files(data)
     if eval_data is None and len(files) == 1:
-        lines = files[0].read_text().splitlines(keepends=True)
+        lines = read_text(files[0]).splitlines(keepends=True)
         cut = len(lines) - max(1, len(lines) // 10)
         if cut < 1:
             raise ValueError(
@@ -348,7 +348,7 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
         folders[name] = folder
     calib = root / f"calib-{fp}.txt"
     if not calib.is_file():
-        train = (t.read_text() if isinstance(t, Path) else t for t in texts["train"].values())
+        train = (read_text(t) if isinstance(t, Path) else t for t in texts["train"].values())
         lines = sorted({ln.strip() for text in train for ln in text.splitlines() if len(ln.split()) >= 7})
         random.Random(0).shuffle(lines)
         if not lines:

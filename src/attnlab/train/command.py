@@ -6,6 +6,7 @@ import os
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..atomic import json_text
 from .evaluate import evaluate_checkpoint
@@ -24,11 +25,12 @@ def _fmt(value: object) -> str:
 
 
 def _table(title: str, rows: dict) -> Table:
-    table = Table(title=title)
+    """Paths in the title and the values are text, not markup (``ck[v2]`` printed ``ck``; ``[/b]`` raised)."""
+    table = Table(title=Text(title))
     table.add_column("field")
     table.add_column("value", justify="right")
     for key, value in rows.items():
-        table.add_row(key, _fmt(value))
+        table.add_row(Text(key), Text(_fmt(value)))
     return table
 
 

@@ -2,7 +2,8 @@
 uptrain`` during training, by the GQA study and by the tests (which check it against transformers' own loss).
 
 Scored are the stream's consecutive windows (``attnlab.data.TokenStream.windows``): each window predicts
-``seq_len`` tokens, every token after the first is predicted once, with up to ``seq_len - 1`` tokens of context.
+``seq_len`` tokens, every token after the first is predicted once (up to the last whole window), with up to
+``seq_len - 1`` tokens of context.
 Reported: mean next-token loss in nats, perplexity ``exp(loss)``, and bits per byte ``sum(loss) / ln 2 /
 bytes``, where bytes are the UTF-8 bytes of the text the scored tokens spell (comparable across tokenizers).
 """
@@ -77,7 +78,7 @@ def evaluate(
     loss = nats / tokens
     return {
         "loss": loss,
-        "perplexity": math.exp(loss),
+        "perplexity": math.inf if loss > 709.0 else math.exp(loss),  # past float64's exp: a diverged model
         "bits_per_byte": nats / math.log(2) / nbytes_total if nbytes_total else float("nan"),
         "tokens": int(tokens),
         "bytes": int(nbytes_total),

@@ -130,8 +130,13 @@ def _check_sizes(opts: UptrainOptions, env: distributed.Env) -> None:
         raise ValueError(
             f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings {cfg.max_seq_len}"
         )
+    teacher = from_hf_config(opts.teacher) if opts.teacher is not None else None
+    if teacher is not None and opts.seq_len > teacher.max_seq_len:  # it would score positions it never had
+        raise ValueError(
+            f"--seq-len {opts.seq_len} exceeds --teacher {opts.teacher}'s max_position_embeddings "
+            f"{teacher.max_seq_len}"
+        )
     if env.device.type == "cpu":
-        teacher = from_hf_config(opts.teacher) if opts.teacher is not None else None
         resources.check_fits(
             training_step_bytes(cfg, opts.batch_size, opts.seq_len, teacher=teacher),
             f"--batch-size {opts.batch_size} x --seq-len {opts.seq_len}",

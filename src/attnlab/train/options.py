@@ -106,7 +106,8 @@ class UptrainOptions:
             ("weight_decay", 0.0, None, True),
             ("grad_clip", 0.0, None, True),
             ("distill_weight", 0.0, 1.0, True),
-            ("temperature", 0.0, None, False),
+            # beyond, the float32 KL of softmax(logits / T) loses its digits: T=1e4 gave a negative KL, 1e-40 NaN
+            ("temperature", 0.01, 100.0, True),
             ("held_out", 0.0, 1.0, True),
         ):
             value = getattr(self, name)
