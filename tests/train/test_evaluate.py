@@ -155,3 +155,21 @@ def test_a_tokenizer_that_cannot_encode_the_text_is_named(tmp_path, tiny_llama):
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "tokenizer.json cannot tokenise the text" in lines[0]
+
+
+def test_evaluate_names_a_bad_argument():
+    # A QA reproduction: seq_len 0 raised ZeroDivisionError, 8.0 an IndexError, batch_size 0 range()'s error.
+    stream = data.TokenStream(torch.arange(20), torch.ones(20, dtype=torch.int64), ("x.txt",))
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 20))
+    for kwargs, error, name in (
+        ({"seq_len": 0}, ValueError, "seq_len must be >= 1, got 0"),
+        ({"seq_len": 8.0}, TypeError, "seq_len must be an int"),
+        ({"seq_len": 4, "batch_size": 0}, ValueError, "batch_size must be >= 1"),
+        ({"seq_len": 4, "max_windows": -2}, ValueError, "max_windows must be >= 0"),
+    ):
+        try:
+            evaluate(model, stream, **kwargs)
+        except error as err:
+            assert name in str(err)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import resources
+from ..config import check_int
 from ..console import Progress
 from ..cost.memory import activation_bytes
 from ..data import TokenStream, load_stream
@@ -54,6 +55,9 @@ def evaluate(
     the same number of forward passes (a sharded model needs all of them), padding its share with zero-weight windows.
     ``progress(done, total)``: called after each batch with this rank's windows scored.
     """
+    check_int("seq_len", seq_len)
+    check_int("batch_size", batch_size)
+    check_int("max_windows", max_windows, minimum=0)
     index = eval_windows(stream, seq_len, max_windows)
     share = -(-len(index) // env.dp_size)
     mine = index[env.dp_rank :: env.dp_size]  # the ranks of a tp group score the same windows together
@@ -111,10 +115,8 @@ def evaluate_checkpoint(
         raise ValueError(
             f"--seq-len must be in [1, {max_len}] (the model's max_position_embeddings), got {seq_len}"
         )
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if max_windows < 0:
-        raise ValueError(f"--max-windows must be >= 0, got {max_windows}")
+    check_int("--batch-size", batch_size)
+    check_int("--max-windows", max_windows, minimum=0)
     stream = load_stream(ckpt, data, seq_len, vocab_size=model.cfg.vocab_size)
     windows = len(eval_windows(stream, seq_len, max_windows))
     if (
