@@ -41,7 +41,9 @@ from .options import SAME_ON_RESUME, UptrainOptions
 
 
 def learning_rate(step: int, *, lr: float, steps: int, warmup: int, min_lr: float) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``lr * min_lr`` at the last step."""
+    """Linear warmup to ``lr`` over ``warmup`` steps (step ``warmup - 1`` is at ``lr``), then cosine decay from ``lr``
+    (step ``warmup``) to ``lr * min_lr`` at the last step. With ``warmup >= steps - 1`` no decay step remains: the
+    run ends at ``lr``."""
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - 1 - warmup)
