@@ -265,6 +265,7 @@ def test_bad_arguments_are_refused_naming_the_field():
         (dict(top_k=0), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(top_p=True), "top_p"),  # read as 1.0 (top_k=True was refused)
         (dict(cache="ring"), "cache"),
         (dict(block_size=0), "block_size"),
     ]:

@@ -103,7 +103,8 @@ def load_tokenizer(checkpoint: str | Path, vocab_size: int | None = None):
     path = Path(checkpoint) / "tokenizer.json"
     if not path.is_file():
         raise ValueError(
-            f"no tokenizer.json in {checkpoint}: the text is tokenised with the checkpoint's own"
+            f"no tokenizer.json in {checkpoint}: the text is tokenised with the checkpoint's own tokenizer.json, "
+            "which the checkpoint directory must hold"
         )
     try:
         tok = Tokenizer.from_file(str(path))

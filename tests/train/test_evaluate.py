@@ -173,3 +173,14 @@ def test_evaluate_names_a_bad_argument():
             assert name in str(err)
         else:
             raise AssertionError(f"{kwargs} was accepted")
+
+
+def test_a_held_out_file_too_short_is_named(tmp_path, tiny_llama, corpus):
+    # A QA reproduction: "the held-out files has 11 tokens" named no file.
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text(sorted(corpus.glob("*.txt"))[0].read_text()[:6000])
+    (text / "z.txt").write_text("The end.")
+    result = run_cli("uptrain", tiny_llama, tmp_path / "up", "--data", text, "--seq-len", 32, "--steps", 1)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and f"the held-out text ({text / 'z.txt'}) has" in lines[-1], result.output

@@ -49,6 +49,10 @@ def calibration_batches(
         max_tokens = min(max_tokens, max_positions)
     calib = Path(calib)
     if not calib.is_file():
+        if calib.exists():  # a directory: "not found" sent users looking for a missing path
+            raise ValueError(
+                f"--calib {calib} is not a text file (one calibration text, one sequence a line)"
+            )
         raise FileNotFoundError(f"calibration file not found: {calib}")
     if not (src / "tokenizer.json").is_file():
         raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")

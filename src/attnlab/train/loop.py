@@ -158,7 +158,10 @@ def _streams(opts: UptrainOptions, vocab_size: int) -> tuple[data.TokenStream, d
     held = None
     if eval_files:
         flag = "--eval-data" if opts.eval_data is not None else "--data"
-        what = f"--eval-data {opts.eval_data}" if opts.eval_data is not None else "the held-out files"
+        names = ", ".join(str(f) for f in eval_files[:3]) + (", ..." if len(eval_files) > 3 else "")
+        what = (
+            f"--eval-data {opts.eval_data}" if opts.eval_data is not None else f"the held-out text ({names})"
+        )
         held = data.checked_stream(
             data.tokenize_files(opts.src, eval_files, vocab_size, flag), opts.seq_len, what
         )
