@@ -332,7 +332,8 @@ def eval_(
     data: Path = typer.Option(
         ...,
         "--data",
-        help="A text file or a directory of .txt files (every whole window scored; the last tokens, short of a window of --seq-len, are not).",
+        help="A text file or a directory of .txt files (every whole window scored; the last tokens, short of a "
+        "window of --seq-len, are not).",
     ),
     seq_len: int | None = typer.Option(
         None, "--seq-len", help="Window length (default min(1024, max positions))."

@@ -222,14 +222,12 @@ def tokenize_files(
     ids, nbytes = [], []
     try:
         encodings = tok.encode_batch(texts, add_special_tokens=False)
-    except (
-        Exception
-    ) as err:  # the tokenizers library raises a bare Exception (e.g. a WordLevel unk not in its vocab)
+    # the tokenizers library raises a bare Exception (e.g. a WordLevel unk not in its vocab)
+    except Exception as err:
         raise ValueError(f"{flag}: {checkpoint / 'tokenizer.json'} cannot tokenise the text: {err}") from None
     for text, enc in zip(texts, encodings, strict=True):
-        if (
-            not enc.ids
-        ):  # an empty file: no text, and no separator (each one added an end-of-text token to score)
+        # an empty file: no text, and no separator (each one added an end-of-text token to score)
+        if not enc.ids:
             continue
         if ids and sep is not None:
             ids.append(np.array([sep], dtype=np.int64))

@@ -174,9 +174,9 @@ def sample_next(
         return logits.argmax(dim=-1)
     # The same distribution from logits whose largest is 0: divided by any temperature > 0 they stay finite (a
     # temperature of 1e-40 turned logits of a few units into inf, and the softmax into NaN)
-    # temperature 1e-300, which float32 reads as 0, is the argmax as float32's smallest normal number is
     logits = logits.float()
     logits = logits - logits.amax(dim=-1, keepdim=True)
+    # temperature 1e-300, which float32 reads as 0, is the argmax as float32's smallest normal number is
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
     if generator is not None and generator.device != probs.device:  # a CPU generator (seed=) for a CUDA model

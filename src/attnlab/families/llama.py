@@ -191,8 +191,8 @@ def mla(cfg: ModelConfig) -> MLASupport:
             "a query bias (attention_bias, or Qwen2's q/k/v biases): DeepSeek-V3's q_proj has none, and the "
             "per-key logit it adds cannot be folded into MLA's weights"
         )
-    if mlp_obstacle(cfg):  # mlp_bias: the MLPs are kept as they are, and DeepSeek-V3's have no bias
-        obstacles.append(mlp_obstacle(cfg))
+    if mlp := mlp_obstacle(cfg):  # mlp_bias: the MLPs are kept as they are, and DeepSeek-V3's have no bias
+        obstacles.append(mlp)
     if obstacles:
         return MLASupport("refused", "; ".join(obstacles))
     if kind in ROPE_KEEPING_FAST_PLANES:

@@ -62,13 +62,13 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
                             title="sweep (jobs)")  # fmt: skip
         rows = report.build_rows(planned, outcomes, hf, opts)
-        # a Pareto row whose checkpoint an earlier --keep best/none deleted: made again, since this run keeps it
+        # a Pareto row whose checkpoint an earlier --keep best/none deleted: made again, if this run keeps it
         lost = frozenset(
             p["checkpoint_job"] for p, r in zip(planned, rows, strict=True)
             if r["pareto"] and r["checkpoint"] is None and p["checkpoint_job"] is not None
-            and outcomes[p["checkpoint_job"]].result is not None and opts.keep != "none"
+            and outcomes[p["checkpoint_job"]].result is not None
         )  # fmt: skip
-        if lost:
+        if lost and opts.keep != "none":
             outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
                                 title="sweep (checkpoints to keep)", remake=lost)  # fmt: skip
             rows = report.build_rows(planned, outcomes, hf, opts)
