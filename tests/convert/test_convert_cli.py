@@ -586,3 +586,48 @@ def test_convert_holds_the_destination_from_start_to_end(tmp_path, monkeypatch, 
     assert result.exit_code == 0, result.output
     assert len(seen) == 1 and "is being written by another attnlab process" in seen[0], seen
     assert (dst / "config.json").is_file() and not (tmp_path / ".dst.lock").exists()
+
+
+def test_calibration_shorter_than_a_head_is_refused_naming_the_file(tmp_path):
+    # 3 tokens for heads of 8 dims: each head's error weight was singular, and "fit" gave maps thousands of
+    # times the source's weights (worse than "mean"); now refused before anything is converted or written.
+    src = make_checkpoint(tmp_path / "src")
+    short = tmp_path / "short.txt"
+    short.write_text("the king night\n")
+    before = tree_hash(src)
+    for method in ("fit", "grouped-fit"):
+        result = run("convert", src, tmp_path / "dst", "--kv-heads", 2, "--method", method, "--calib", short)
+        assert result.exit_code == 2, result.output
+        line = result.output.strip()
+        assert f"--calib {short} gives 3 tokens; --method {method} needs at least head_dim=8" in line, line
+        assert not (tmp_path / "dst").exists()
+    assert tree_hash(src) == before
+    # the library says so too, for a caller of mha_to_gqa
+    model = load_llama(src)
+    with pytest.raises(ValueError, match=r"calibration has 3 token rows, fewer than 8 \(head_dim\)"):
+        convert_model(model, 2, "fit", calib=[torch.tensor([[1, 2, 3]])])
+
+
+def test_a_float64_source_is_converted_in_float64(tmp_path):
+    src = make_checkpoint(tmp_path / "src", torch_dtype="float64")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
+    model.save_pretrained(src)
+    assert run("convert", src, tmp_path / "dst", "--kv-heads", 2).exit_code == 0
+    key = "model.layers.0.self_attn.k_proj.weight"
+    k, new = load_file(src / "model.safetensors")[key], load_file(tmp_path / "dst" / "model.safetensors")[key]
+    assert k.dtype == new.dtype == torch.float64
+    # the group mean taken in float64: it was taken in float32 (1e-8 off)
+    assert torch.equal(new, k.view(2, 4, 8, 64).mean(1).reshape(16, 64))
+
+
+def test_a_conversion_to_the_sources_heads_reports_no_calibration(tmp_path, calib_file):
+    src = make_checkpoint(tmp_path / "src", num_key_value_heads=2)
+    result = run(
+        "convert", src, tmp_path / "dst", "--kv-heads", 2, "--method", "fit", "--calib", calib_file, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["calibration_sequences"] == 0
+    assert (
+        load_file(tmp_path / "dst" / "model.safetensors").keys()
+        == load_file(src / "model.safetensors").keys()
+    )

@@ -325,3 +325,17 @@ def test_fit_follows_the_rotary_layout(layout):
         mha_to_gqa(ordered, 2, "fit", calib=calib)(held_out), ref, rtol=1e-4, atol=1e-4
     )
     assert (mha_to_gqa(ordered, 2, "mean")(held_out) - ref).abs().max() > 1e-1  # the maps are not trivial
+
+
+@pytest.mark.parametrize("method", ["fit", "grouped-fit"])
+def test_calibration_it_cannot_fit_on_is_refused_by_name(method):
+    attn = make(rope=False)  # head_dim 8
+    # two rows: each head's error weight was singular, and the maps came out thousands of times the weights
+    with pytest.raises(ValueError, match=r"calibration has 2 token rows, fewer than 8 \(head_dim\)"):
+        mha_to_gqa(attn, 2, method, calib=inputs(n=1, t=2))
+    x = inputs(n=1, t=64)
+    x[0, 5, 3] = float("nan")  # eigh failed on it ("the algorithm failed to converge"), naming nothing
+    with pytest.raises(ValueError, match="calibration inputs hold NaN or inf"):
+        mha_to_gqa(attn, 2, method, calib=x)
+    new = mha_to_gqa(attn, 2, method, calib=inputs(n=1, t=8))  # head_dim rows: fitted, at the source's scale
+    assert new.wq.weight.abs().max() < 10 * attn.wq.weight.abs().max()

@@ -75,9 +75,12 @@ def _store(lin: torch.nn.Linear, heads: torch.Tensor) -> None:
         lin.weight.copy_(w)
 
 
-def second_moment(x: torch.Tensor | Iterable[torch.Tensor], bias: bool) -> torch.Tensor:
+def second_moment(
+    x: torch.Tensor | Iterable[torch.Tensor], bias: bool, min_rows: int = 1, why: str = ""
+) -> torch.Tensor:
     """E[x x^T] (d, d) in float64 over all rows of ``x`` (..., d_model), or of every tensor of an iterable of
-    them (accumulated one at a time: only the (d, d) sum is kept); with ``bias`` x gets a trailing 1."""
+    them (accumulated one at a time: only the (d, d) sum is kept); with ``bias`` x gets a trailing 1.
+    Fewer than ``min_rows`` rows: a ValueError that gives ``why`` the reason."""
     total, n = None, 0
     for chunk in [x] if isinstance(x, torch.Tensor) else x:
         rows = chunk.detach().reshape(-1, chunk.shape[-1]).double()
@@ -89,10 +92,18 @@ def second_moment(x: torch.Tensor | Iterable[torch.Tensor], bias: bool) -> torch
         n += rows.shape[0]
     if total is None or not n:
         raise ValueError("calibration inputs are empty: no rows to take a second moment of")
+    if not bool(torch.isfinite(total).all()):  # else eigh fails on it, naming nothing the caller knows
+        raise ValueError(
+            "calibration inputs hold NaN or inf values: the model overflows on the calibration text"
+        )
+    if n < min_rows:
+        raise ValueError(f"calibration has {n} token rows, fewer than {min_rows}{why}")
     return total / n
 
 
-def input_moment(calib: torch.Tensor | Iterable[torch.Tensor], cfg: AttentionConfig) -> torch.Tensor:
+def input_moment(
+    calib: torch.Tensor | Iterable[torch.Tensor], cfg: AttentionConfig, min_rows: int = 1, why: str = ""
+) -> torch.Tensor:
     """``second_moment`` of a module's calibration inputs, each (..., d_model) checked against ``cfg``."""
 
     def checked(chunks: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -101,7 +112,8 @@ def input_moment(calib: torch.Tensor | Iterable[torch.Tensor], cfg: AttentionCon
                 raise ValueError(f"calib must be (..., d_model={cfg.d_model}), got {tuple(x.shape)}")
             yield x
 
-    return second_moment(checked([calib] if isinstance(calib, torch.Tensor) else calib), cfg.bias)
+    chunks = checked([calib] if isinstance(calib, torch.Tensor) else calib)
+    return second_moment(chunks, cfg.bias, min_rows, why)
 
 
 def permute_heads(attn: GroupedQueryAttention, perm: torch.Tensor | list[int]) -> GroupedQueryAttention:
@@ -315,7 +327,10 @@ def mha_to_gqa(
             raise ValueError(
                 f"method={method!r} needs calib: the module's inputs on calibration data (..., d_model)"
             )
-        c = input_moment(calib, attn.cfg)
+        # Fewer rows than head_dim leave each head's error weight singular: the ridge alone then sets the maps,
+        # which came out ~4,000x the source's weights and worse than "mean" (a one-word calibration text).
+        why = f" (head_dim): {method!r} needs at least head_dim tokens of calibration; or use method 'mean'"
+        c = input_moment(calib, attn.cfg, min_rows=attn.head_dim, why=why)
         if method == "grouped-fit":  # heads reordered (the function unchanged): each group consecutive
             attn = permute_heads(attn, _similarity_order(attn, r, c))
     weight = attn.wq.weight

@@ -170,8 +170,18 @@ def convert_checkpoint(
         if calib is not None
         else None
     )
+    merges = any(layer.attention.n_kv_heads != n_kv_heads for layer in model.layers)
+    if batches and merges:
+        tokens = sum(int(mask.sum()) for _, mask in batches)
+        if tokens < attn.head_dim:  # the library says so too, after loading; here it can name the file
+            raise ValueError(
+                f"--calib {calib} gives {tokens} tokens; --method {method} needs at least head_dim="
+                f"{attn.head_dim} (with fewer, each head's error weight is singular and the fit blows up)"
+            )
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model = model.float().to(where)  # conversions run in float32 (the fit in float64); cast back on write
+    # conversions run in float32 (the fit in float64), a float64 source in float64; cast back on write
+    wide = any(p.dtype == torch.float64 for p in model.parameters())
+    model = (model.double() if wide else model.float()).to(where)
     if method in DATA_AWARE:  # the other methods run no model
         resources.announce_device(where)
     with computing_on(where):
@@ -229,7 +239,8 @@ def convert_checkpoint(
         "layout": "gqa" if fam.gqa == "native" else "mha (repeated K/V heads)",
         "tensors_rewritten": len(rewritten),
         "tensors_copied": len(tensors) - len(rewritten),
-        "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches else 0,
+        # a no-op conversion (the source's KV heads) runs no calibration
+        "calibration_sequences": sum(len(ids) for ids, _ in batches) if batches and merges else 0,
         "device": str(where),
         # weight files of the source (other formats, other safetensors) that would contradict the new weights
         "files_left_out": left_out,
