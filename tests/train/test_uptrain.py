@@ -357,3 +357,12 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(
     assert (tmp_path / "whole" / "uptrain_log.jsonl").read_text().count("\n") == 6
     steps = [json.loads(x)["step"] for x in (tmp_path / "dst" / "uptrain_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # the steps redone after the crash are logged once
+
+
+def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path, tiny_llama, corpus):
+    # a script that always passes --resume: the first run started from step 0 without a word
+    dst = tmp_path / "dst"
+    result = run_cli("uptrain", tiny_llama, dst, "--data", corpus, "--steps", 2, *FAST, "--resume")
+    assert result.exit_code == 0, result.output
+    assert f"--resume: {tmp_path / 'dst.run'} holds no checkpoint; starting at step 0" in result.stderr
+    assert json.loads((dst / "uptrain.json").read_text())["resumed_from_step"] is None

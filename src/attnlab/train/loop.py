@@ -21,6 +21,7 @@ import contextlib
 import gc
 import hashlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -380,6 +381,8 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
     prep = prepare(opts, env, held)
     if env.is_main:
         announce(env, opts)
+        if opts.resume and prep.resume_from is None:  # a script that always passes --resume: say what it got
+            print(f"--resume: {opts.run_path} holds no checkpoint; starting at step 0", file=sys.stderr)
     model, cfg = prep.model.to(env.device), prep.model.cfg
     teacher = None
     if prep.teacher is not None:
