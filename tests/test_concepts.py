@@ -119,9 +119,11 @@ def figures() -> list[str]:
         f"{materialised * lite.n_heads / row_bytes:.1f}x",
     ]
     out += [f"{absorbed * v3.n_heads / row_bytes:.0f}", f"{absorbed * lite.n_heads / row_bytes:.0f}"]
-    # §5: the fewest queries for which mode "auto" decompresses (naive), DeepSeek-V3's dims
-    auto = v3.replace(mode="auto")
-    out += [str(next(t for t in range(1, 10**4) if auto.mode_for(t) == "naive"))]
+    # §5: the fewest new tokens for which mode "auto" decompresses (naive) over a long cache, DeepSeek-V3's dims
+    auto, held = v3.replace(mode="auto"), 10**7
+    out += [str(next(t for t in range(1, 10**4) if auto.mode_for(t, kv_len=held + t) == "naive"))]
+    conversion = auto.replace(kv_lora_rank=320, qk_nope_head_dim=64, v_head_dim=64)  # docs/performance.md's
+    out += [str(next(t for t in range(1, 10**4) if conversion.mode_for(t, kv_len=held + t) == "naive"))]
     # §6: DeepSeek-V3's YaRN factor 40 (its config.json): softmax scale times mscale^2
     out += [f"{(0.1 * math.log(40) + 1) ** 2:.3f}"]
     # §9: Gemma-7B with the wrong head_dim, and GQA's K/V width

@@ -298,21 +298,35 @@ class MLAConfig:
         _check_choice(owner, "mode", self.mode, MLA_MODES)
         _check_bool(owner, ("bias", self.bias), ("kv_norm", self.kv_norm))
 
-    def mode_for(self, t_q: int, paged: bool = False, mode: str | None = None) -> str:
-        """The mode ("naive" or "absorbed") a call of ``t_q`` new tokens per row runs in: ``mode`` (default: the
-        config's) unless it is "auto".
+    def mode_for(
+        self,
+        t_q: int,
+        paged: bool = False,
+        mode: str | None = None,
+        *,
+        kv_len: int | None = None,
+        pairs: int | None = None,
+    ) -> str:
+        """The mode ("naive" or "absorbed") a call of ``t_q`` new tokens per row over ``kv_len`` keys (default
+        ``t_q``: no cache) runs in: ``mode`` (default: the config's) unless it is "auto". ``pairs``: the (query,
+        key) pairs scored per row and head (default: those under the causal mask).
 
-        "auto": absorbed over a paged cache (naive needs a contiguous latent) and wherever it costs no more FLOPs.
-        Per head and cached token, naive pays the decompression once, ``2 r (d_nope + d_v)``, whatever ``t_q``;
-        absorbed pays for each query the wider dot products, ``2 (2 r - d_nope - d_v)`` more (scores over
-        ``r + d_rope`` instead of ``d_nope + d_rope``, values over ``r`` instead of ``d_v``). So naive wins once
-        ``t_q (2 r - d_nope - d_v) > r (d_nope + d_v)``: from 81 queries at rank 320 and 64 + 64 dims, from 171
-        at DeepSeek-V3's 512 and 128 + 128; a decode step (one query) is absorbed."""
+        "auto": absorbed over a paged cache (naive needs a contiguous latent), else whichever costs fewer FLOPs
+        (absorbed where they tie), counted as ``attnlab.cost.attention_flops`` counts them. Per head, naive
+        decompresses every key's latent, ``2 r (d_nope + d_v)`` per key; absorbed moves every query into the
+        latent and its output back, the same ``2 r (d_nope + d_v)`` per query, and its products are
+        ``2 (2 r - d_nope - d_v)`` wider per pair (scores over ``r + d_rope`` instead of ``d_nope + d_rope``,
+        values over ``r`` instead of ``d_v``). So naive wins once ``(kv_len - t_q) r (d_nope + d_v) < pairs
+        (2 r - d_nope - d_v)``: without a cache always (when ``2 r > d_nope + d_v``); over a long cache from
+        about ``t_q > r (d_nope + d_v) / (2 r - d_nope - d_v)`` new tokens, 171 at DeepSeek-V3's 512 and
+        128 + 128; a decode step (one query) over a cache is absorbed."""
         mode = self.mode if mode is None else mode
         if mode != "auto":
             return mode
         r, dims = self.kv_lora_rank, self.qk_nope_head_dim + self.v_head_dim
-        return "naive" if not paged and t_q * (2 * r - dims) > r * dims else "absorbed"
+        kv = t_q if kv_len is None else kv_len
+        scored = t_q * kv - t_q * (t_q - 1) // 2 if pairs is None else pairs
+        return "naive" if not paged and (kv - t_q) * r * dims < scored * (2 * r - dims) else "absorbed"
 
     @property
     def qk_head_dim(self) -> int:

@@ -144,22 +144,33 @@ def test_mode_can_switch_mid_sequence_on_one_cache():
 
 
 def test_auto_mode_picks_by_flops_and_runs_what_it_picks(monkeypatch):
-    """ "auto": naive once t_q (2 r - d_nope - d_v) > r (d_nope + d_v) (the decompression is paid once, the
-    absorbed form's wider products per query), absorbed for decode steps and paged caches; results equal."""
+    """ "auto": naive once (kv_len - t_q) r (d_nope + d_v) < pairs (2 r - d_nope - d_v): absorbed pays per query
+    what naive pays per key (moving into and out of the latent) and wider products per pair; so naive without a
+    cache, absorbed for decode steps and paged caches, naive over a long cache from r dims / (2 r - dims) new
+    tokens; results equal."""
     cfg = MLAConfig(
         d_model=576, n_heads=9, kv_lora_rank=320, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64
     )
-    assert [cfg.mode_for(t) for t in (1, 80, 81, 512)] == ["absorbed", "absorbed", "naive", "naive"]
+    # no cache: naive at every length (absorbed was chosen up to 80 queries, and cost 0.8-8.6 % more FLOPs)
+    assert {cfg.mode_for(t) for t in (1, 2, 80, 81, 512)} == {"naive"}
+    long = 10**6  # over a long cache: from r dims / (2 r - dims) = 80 new tokens (it was 81)
+    assert [cfg.mode_for(t, kv_len=long + t) for t in (1, 79, 80, 512)] == [
+        "absorbed",
+        "absorbed",
+        "naive",
+        "naive",
+    ]
+    assert cfg.mode_for(1, kv_len=2) == "absorbed"  # a decode step over one cached token
     assert cfg.mode_for(512, paged=True) == "absorbed"
     assert (
         cfg.replace(mode="naive").mode_for(1) == "naive" and cfg.mode_for(512, mode="absorbed") == "absorbed"
     )
     v3 = cfg.replace(kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128)
-    assert (v3.mode_for(170), v3.mode_for(171)) == ("absorbed", "naive")
+    assert (v3.mode_for(170, kv_len=long + 170), v3.mode_for(171, kv_len=long + 171)) == ("absorbed", "naive")
     narrow = cfg.replace(kv_lora_rank=64)  # 2 r <= d_nope + d_v: absorbed never costs more
     assert narrow.mode_for(10**6) == "absorbed"
-    small = CONFIGS["q_full"]  # r 16, d_nope 8, d_v 6: naive from 13 queries (12 * 18 < 16 * 14 < 13 * 18)
-    assert (small.mode_for(12), small.mode_for(13)) == ("absorbed", "naive")
+    small = CONFIGS["q_full"]  # r 16, d_nope 8, d_v 6: a step of 2 over 13 cached: 13 * 16 * 14 > 27 * 18
+    assert (small.mode_for(2, kv_len=15), small.mode_for(13)) == ("absorbed", "naive")
     mla = _build(small)
     assert mla.mode == "auto"
     ran = []
@@ -317,3 +328,24 @@ def test_cache_misuse_leaves_the_cache_unchanged():
     with pytest.raises(TypeError, match=r"kv has dtype torch.float32, the cache holds torch.bfloat16"):
         mla(torch.randn(2, 1, 32), cache=bf16)
     assert len(bf16) == 0
+
+
+@pytest.mark.parametrize("t,held", [(1, 0), (3, 0), (9, 0), (1, 7), (2, 7), (6, 7), (12, 30)])
+def test_auto_mode_costs_no_more_flops_than_either_mode(t, held):
+    # the oracle: torch's FLOP counter on the module, each mode forced, against "auto"
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mla = _build(CONFIGS["q_full"])
+    x = torch.randn(1, held + t, 32)
+
+    def flops(mode):
+        cache = mla.new_cache(batch_size=1, max_seq_len=held + t)
+        with torch.no_grad():
+            if held:
+                mla(x[:, :held], cache=cache, mode="naive")
+            with FlopCounterMode(display=False) as counter:
+                mla(x[:, held:], cache=cache, mode=mode)
+        return counter.get_total_flops()
+
+    naive, absorbed, auto = flops("naive"), flops("absorbed"), flops("auto")
+    assert auto == min(naive, absorbed) and naive != absorbed

@@ -148,8 +148,14 @@ class MultiHeadLatentAttention(nn.Module):
         cfg = self.cfg
         check_input("MultiHeadLatentAttention", x, cfg.d_model, self.wkv_a.weight)
         b, t, _ = x.shape
+        paged = cache is not None and cache.paged  # absorbed, whatever the counts
+        # keys before this call; a StaticKVCache's count is a tensor (a compiled step must not read it), so it is
+        # taken at its capacity, which decodes absorbed as any long cache does
+        held = 0 if cache is None or paged else getattr(cache, "pos", None)
+        held = cache.max_seq_len - t if held is None else held
+        scored = t * (held + t) - (t * (t - 1) // 2 if is_causal else 0)
         mode = cfg.mode_for(
-            t, cache is not None and cache.paged, _check_mode(cfg.mode if mode is None else mode)
+            t, paged, _check_mode(cfg.mode if mode is None else mode), kv_len=held + t, pairs=scored
         )
         q, kv = self._projections(x)
         q = split_heads(q, cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
