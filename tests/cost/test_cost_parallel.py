@@ -120,7 +120,7 @@ def test_roofline_per_rank_adds_the_interconnect_to_each_phase():
     model = get_preset("llama-2-70b")
     r = roofline(model, "h100", tp=8)
     local = rank_config(model, 8)
-    assert r.kv_cache_bytes == kv_cache_bytes(local, 1, 4096) and r.memory_bytes == 80 * 10**9
+    assert r.kv_cache_bytes == kv_cache_bytes(local, 1, 4096) and r.memory_bytes == int(79.2 * 2**30)
     assert r.decode.seconds == pytest.approx(
         max(r.decode.compute_seconds, r.decode.memory_seconds) + r.decode.comm_seconds
     )

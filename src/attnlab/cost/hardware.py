@@ -1,7 +1,10 @@
 """Accelerators the roofline runs on: peak dense FLOP/s per dtype, memory bandwidth and capacity, with sources.
 
 Datasheet peaks for tensor cores are quoted "with sparsity"; the figures here are the dense ones (half).
-Memory sizes are the datasheet's decimal gigabytes.
+Memory sizes are what the card reports as its total: ``torch.cuda.get_device_properties().total_memory`` for the
+H100 (79.2 GiB on this project's H100 run, docs/performance_gpu.md) and the A100 (a published reading), nvidia-smi's
+MiB for the others (published readings, not measured here). A datasheet's "80GB" is 80 GiB of HBM, not 80e9 bytes:
+read as decimal, an H100 was 6 % short, and compare said Llama-3-70B in bf16 does not fit an H200.
 
 Interconnect (what tensor parallelism's all-reduces cross): ``link_bandwidth`` is one GPU's bandwidth to the other
 GPUs of its node in one direction, ``network_bandwidth`` the same to GPUs in other nodes, ``gpus_per_node`` how
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TERA = 1e12
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ HARDWARE: dict[str, Hardware] = {
             "fp8": 1978.9 * TERA,
         },
         3.35e12,
-        80 * 10**9,
+        int(79.2 * 2**30),  # torch, this project's H100 run (nvidia-smi: 81,559 MiB, 79.6 GiB)
         "NVIDIA H100 Tensor Core GPU datasheet, SXM5 80GB (dense = half the sparsity figures)",
         link_bandwidth=450e9,
         gpus_per_node=8,
@@ -68,7 +72,7 @@ HARDWARE: dict[str, Hardware] = {
             "fp8": 1978.9 * TERA,
         },
         4.8e12,
-        141 * 10**9,
+        143_771 * MIB,  # 140.4 GiB
         "NVIDIA H200 Tensor Core GPU datasheet, SXM 141GB (dense = half the sparsity figures)",
         link_bandwidth=450e9,
         gpus_per_node=8,
@@ -86,7 +90,7 @@ HARDWARE: dict[str, Hardware] = {
             "fp16": 312 * TERA,
         },
         2.039e12,
-        80 * 10**9,
+        85_056_798_720,  # 79.2 GiB
         "NVIDIA A100 Tensor Core GPU datasheet, SXM 80GB",
         link_bandwidth=300e9,
         gpus_per_node=8,
@@ -104,7 +108,7 @@ HARDWARE: dict[str, Hardware] = {
             "fp8": 733 * TERA,
         },
         864e9,
-        48 * 10**9,
+        46_068 * MIB,  # 45.0 GiB, ECC on (the default)
         "NVIDIA L40S datasheet (dense = half the sparsity figures)",
         link_bandwidth=32e9,
         gpus_per_node=8,
@@ -122,7 +126,7 @@ HARDWARE: dict[str, Hardware] = {
             "fp8": 330.3 * TERA,
         },
         1008e9,
-        24 * 10**9,
+        24_564 * MIB,  # 24.0 GiB
         "NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (tensor FLOPs with FP32 accumulate)",
         link_bandwidth=32e9,
         gpus_per_node=8,
