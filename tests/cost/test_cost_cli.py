@@ -209,3 +209,15 @@ def test_a_context_beyond_the_models_positions_is_costed_and_said():
         "such a context would cost"
     )
     assert runner.invoke(app, ["compare", "--model", "gpt2", "--seq-len", "1024"]).stderr == ""
+
+
+def test_a_split_of_q_k_norms_is_priced_and_said():
+    # apply_tp refuses q/k norms; compare priced their split without a word (and for OLMo 2's norm over all heads
+    # without the collectives its statistics need)
+    full = runner.invoke(app, ["compare", "--model", "olmo-2-7b", "--tp", "4", "--json"])
+    assert full.exit_code == 0, full.output
+    assert "apply_tp does not do yet (qk_norm='full'); a norm over all heads needs" in full.stderr
+    head = runner.invoke(app, ["compare", "--model", "qwen3-8b", "--tp", "4"])
+    assert "(qk_norm='head')" in head.stderr and "a norm over all heads" not in head.stderr
+    assert runner.invoke(app, ["compare", "--model", "qwen3-8b"]).stderr == ""
+    assert runner.invoke(app, ["compare", "--model", "llama-3-8b", "--tp", "4"]).stderr == ""

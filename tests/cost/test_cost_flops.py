@@ -163,8 +163,9 @@ def test_causal_count_equals_a_kernel_that_skips_masked_pairs():
         assert causal.scores + causal.values == skipping.get_total_flops()
         assert plain.scores + plain.values == full.get_total_flops()
         assert causal.q_proj == plain.q_proj
-    with pytest.raises(ValueError, match="q_len <= kv_len"):
-        attention_flops(cfg, 1, 5, 3, causal=True)
+    for causal in (True, False):  # without the mask too: it was counted (the keys include the new tokens)
+        with pytest.raises(ValueError, match="q_len <= kv_len"):
+            attention_flops(cfg, 1, 5, 3, causal=causal)
     with pytest.raises(ValueError, match="batch"):
         attention_flops(cfg, 0, 5, 5)
     with pytest.raises(TypeError, match="cfg must be an AttentionConfig or MLAConfig, got str"):

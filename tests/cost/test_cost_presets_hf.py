@@ -163,3 +163,12 @@ def test_rope_theta_read_from_rope_parameters_and_top_level():
     assert from_hf_config(new_style).attention.rope_theta == 500000.0
     old_style = {k: v for k, v in new_style.items() if k != "rope_parameters"} | {"rope_theta": 1e6}
     assert from_hf_config(old_style).attention.rope_theta == 1e6
+
+
+@pytest.mark.parametrize(
+    "spec,error", [(123, TypeError), (None, TypeError), ("", ValueError), ("  ", ValueError)]
+)
+def test_load_model_names_a_spec_that_is_no_model(spec, error):
+    # 123 once gave os.fspath's "expected str, bytes or os.PathLike object", and "" "no config.json at config.json"
+    with pytest.raises(error, match=f"model must be a preset name or a config.json path, got {spec!r}"):
+        load_model(spec)

@@ -184,7 +184,8 @@ def run_compare(
         hardware=local if hardware == "local" else get_hardware(hardware),
         tp=tp,
     )
-    for note in _notes(model, model_cfg, seq_len, dtype):  # after every check: a refused run gets one line
+    # after every check: a refused run gets one line
+    for note in _notes(model, model_cfg, seq_len, dtype, tp):
         err.print(f"note: {note}", highlight=False, soft_wrap=True)
     if plot is not None:
         plot_comparison(comparison, model_cfg, plot, sources=read)
@@ -284,9 +285,10 @@ def plot_comparison(
     return save_figure(fig, path, sources=sources)
 
 
-def _notes(model: str, cfg, seq_len: int, dtype: str) -> list[str]:
+def _notes(model: str, cfg, seq_len: int, dtype: str, tp: int = 1) -> list[str]:
     """What the table's figures assume that the checkpoint does not say, printed on stderr (never silently): weights
-    of a quantized config.json counted at ``dtype``; a context beyond the model's positions."""
+    of a quantized config.json counted at ``dtype``; a context beyond the model's positions; a tensor-parallel split
+    of q/k norms, which ``apply_tp`` does not make."""
     from ..hf_config import quantization, read_raw
 
     notes = []
@@ -298,4 +300,15 @@ def _notes(model: str, cfg, seq_len: int, dtype: str) -> list[str]:
     if seq_len > cfg.max_seq_len:
         notes.append(f"--seq-len {seq_len} is beyond the model's {cfg.max_seq_len} positions "
                      "(max_position_embeddings); the figures are what such a context would cost")  # fmt: skip
+    norms = {a.qk_norm for a in cfg.layer_attentions if getattr(a, "qk_norm", "none") != "none"}
+    if tp > 1 and norms:
+        extra = (
+            "; a norm over all heads needs their statistics from every rank, collectives not counted here"
+            if "full" in norms
+            else ""
+        )
+        notes.append(
+            f"--tp {tp} prices q/k norms split with their heads, which attnlab.parallel.apply_tp does not do yet "
+            f"(qk_norm={sorted(norms)[0]!r}){extra}"
+        )
     return notes

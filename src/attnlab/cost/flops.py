@@ -85,8 +85,10 @@ def _check_sizes(batch: int, q_len: int, kv_len: int, causal: bool) -> None:
     check_int("batch", batch)
     check_int("q_len", q_len)
     check_int("kv_len", kv_len)
-    if causal and q_len > kv_len:
-        raise ValueError(f"causal attention needs q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
+    if q_len > kv_len:  # the keys include the new tokens' own (their K/V projections are counted on q_len)
+        raise ValueError(
+            f"kv_len counts the cached and the new tokens, so q_len <= kv_len; got q_len={q_len}, kv_len={kv_len}"
+        )
 
 
 def attended_pairs(q_len: int, kv_len: int, causal: bool, window: int | None = None) -> int:
@@ -148,7 +150,7 @@ def attention_flops(
             softmax=SOFTMAX_FLOPS * pairs,
         )
         r = cfg.kv_lora_rank
-        if cfg.mode_for(t) == "naive":
+        if cfg.mode_for(t, kv_len=kv_len, pairs=pairs // (b * h)) == "naive":
             flops = AttentionFlops(
                 k_proj=2 * b * kv_len * r * h * cfg.qk_nope_head_dim,  # wkv_b on every cached latent
                 v_proj=2 * b * kv_len * r * h * cfg.v_head_dim,

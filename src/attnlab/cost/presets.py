@@ -231,6 +231,10 @@ def get_preset(name: str) -> ModelConfig:
 
 def load_model(spec: str | Path) -> ModelConfig:
     """A preset name, or a path to a ``config.json`` (or to the directory holding one)."""
+    if not isinstance(spec, (str, Path)) or not str(spec).strip():
+        raise (ValueError if isinstance(spec, str) else TypeError)(
+            f"model must be a preset name or a config.json path, got {spec!r}"
+        )
     if isinstance(spec, str) and spec in HF_CONFIGS:
         return get_preset(spec)
     path = Path(spec)

@@ -108,11 +108,13 @@ class CompareRow:
     n_kv_heads: int
     native: bool
     equivalent_gqa_groups: float  # KV values per token per layer / (2 * d_h)
+    # The whole model's sizes (one rank's: the *_per_rank fields below):
     kv_cache_bytes_per_token: int  # all layers
     kv_cache_bytes: int  # at batch x seq_len
     attention_params: int  # all layers
     model_params: int
-    prefill_flops: int  # whole model, causal mask skipped (the roofline's count)
+    # One rank's steps (the whole model's when tp = 1):
+    prefill_flops: int  # all layers, causal mask skipped (the roofline's count)
     prefill_seconds: float
     decode_step_flops: int
     decode_step_bytes: int
