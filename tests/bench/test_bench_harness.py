@@ -150,3 +150,23 @@ def test_a_stream_read_in_the_rounds_gives_each_row_its_own_bandwidth():
     )
     if hw.bandwidth != row["bandwidth"]:
         assert row["roofline_ms"] != pytest.approx(step_seconds(hw, row["flops"], row["bytes"], "fp32") * 1e3)
+
+
+def test_a_baseline_that_computes_something_else_stops_the_row(monkeypatch):
+    # max_abs_err was only stored: HF's layer given a one-token cache timed as a baseline, 5.9 off, exit 0
+    import warnings
+
+    from attnlab.bench import baselines
+    from attnlab.cost.hardware import Hardware
+
+    hw = Hardware("toy", {"fp32": 100e9, "bf16": 100e9}, bandwidth=10e9, memory_bytes=2**30, source="test")
+    grid = DecodeGrid(kv_heads=(2,), contexts=(33,), dtypes=("fp32",), n_heads=4, head_dim=16, repeats=1)
+    with warnings.catch_warnings():
+        # the cache went by past_key_values, which transformers 5 warns it will drop (and then pass to **kwargs)
+        warnings.simplefilter("error", FutureWarning)
+        row = decode.layer_row(grid, hw, "fp32", 1, 33, 2)
+    assert row["max_abs_err"] < 1e-4
+    real = baselines.llama_attention
+    monkeypatch.setattr(baselines, "llama_attention", lambda attn, k, v: real(attn, k[:, :, :1], v[:, :, :1]))
+    with pytest.raises(RuntimeError, match=r"layer row \(dtype fp32, .*differ by .* different computations"):
+        decode.layer_row(grid, hw, "fp32", 1, 33, 2)

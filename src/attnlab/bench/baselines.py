@@ -11,6 +11,7 @@ only (an optional dependency).
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,13 @@ def _transformers():
     except ImportError as err:  # pragma: no cover - transformers is in the test extra
         raise ValueError("the Hugging Face baselines need transformers: pip install 'attnlab[test]'") from err
     return transformers
+
+
+def _cache_name(module: torch.nn.Module) -> str:
+    """The keyword an attention module of this transformers takes its cache by: ``cache`` in 5.x (where
+    ``past_key_values`` warns, and goes in 5.40), ``past_key_values`` before, ``past_key_value`` in 4.4x."""
+    params = inspect.signature(module.forward).parameters
+    return next((name for name in ("cache", "past_key_values", "past_key_value") if name in params), "cache")
 
 
 def _crop(cache, length: int) -> None:
@@ -70,7 +78,7 @@ def llama_attention(
         position_ids = torch.full((x.shape[0], 1), context, dtype=torch.long, device=x.device)
         cos_sin = rotary(x, position_ids)
         # No mask: a single new token may see every cached one, and HF's sdpa path then uses enable_gqa.
-        return hf(x, position_embeddings=cos_sin, attention_mask=None, past_key_values=cache)[0]
+        return hf(x, position_embeddings=cos_sin, attention_mask=None, **{_cache_name(hf): cache})[0]
 
     return step, lambda: _crop(cache, context)
 
@@ -114,7 +122,7 @@ def deepseek_attention(
     def step(x: torch.Tensor) -> torch.Tensor:
         position_ids = torch.full((x.shape[0], 1), s, dtype=torch.long, device=x.device)
         cos_sin = rotary(x, position_ids)
-        return hf(x, position_embeddings=cos_sin, attention_mask=None, past_key_values=cache)[0]
+        return hf(x, position_embeddings=cos_sin, attention_mask=None, **{_cache_name(hf): cache})[0]
 
     return step, lambda: _crop(cache, s)
 
