@@ -406,3 +406,37 @@ def test_attnlab_isa_avx2_builds_the_avx2_kernels_and_a_misspelt_one_is_named(tm
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0
     assert "ValueError: ATTNLAB_ISA='avx9': expected one of native, avx2" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["ATTNLAB_FUSED", "ATTNLAB_AMX", "ATTNLAB_BACKENDS"])
+def test_an_on_off_variable_takes_1_or_0_and_names_anything_else(name, monkeypatch):
+    # "false", "off" or " 0" left the kernels and the bf16 path on without a word; ATTNLAB_BACKENDS=false logged
+    from attnlab.resources import env_switch
+
+    built = fused.available()  # before the variable is set below
+    for value, default, want in (
+        ("", True, True),
+        (" 0 ", True, False),
+        ("1", False, True),
+        (None, False, False),
+    ):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        assert env_switch(name, default) is want
+    for bad in ("false", "off", "no", "2"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}': expected 1 \\(on\\) or 0 \\(off\\)"):
+            env_switch(name, True)
+    code = "import torch; from attnlab import attend; q = torch.randn(1, 2, 1, 8); attend(q, q, q)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, name: "off"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if name == "ATTNLAB_AMX" and not built:
+        return  # read only once the kernels are built
+    assert out.returncode != 0 and f"ValueError: {name}='off': expected 1 (on) or 0 (off)" in out.stderr

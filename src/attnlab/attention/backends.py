@@ -22,13 +22,14 @@ to stderr once, as it is first made; ``explain(call, backend)`` returns it as te
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from ..resources import env_switch
 
 PHASES = ("prefill", "decode")
 
@@ -174,6 +175,8 @@ def choose(call: Call, backend: str = "auto") -> Choice:
             chosen = BACKENDS[name]
             break
         skipped.append((name, why))
+    if _log["on"] is None:
+        _log["on"] = env_switch("ATTNLAB_BACKENDS", False)
     if _log["on"] and not torch.compiler.is_compiling():
         _log_choice(call, backend, chosen, skipped)
     return Choice(chosen, call, backend, tuple(skipped))
@@ -192,7 +195,8 @@ def explain(call: Call, backend: str = "auto") -> str:
     return str(choice._replace(skipped=choice.skipped + tuple(later)))
 
 
-_log: dict[str, object] = {"on": os.environ.get("ATTNLAB_BACKENDS", "0") not in ("", "0"), "seen": set()}
+# "on": None until the first choice reads ATTNLAB_BACKENDS (a bad value is then a ValueError, not one at import)
+_log: dict[str, object] = {"on": None, "seen": set()}
 
 
 def log_choices(on: bool = True) -> None:

@@ -268,8 +268,11 @@ def paged_decode(
                 if seen + n_tokens <= oldest:  # every key of the run is out of every query's window
                     seen += n_tokens
                     continue
-                split = default_split(n_tokens) if n_split is None else n_split
-                for lo, hi in chunk_bounds(n_tokens, split):
+                # keys of the run before every query's window: not scored (a decode step reads the last `window`
+                # keys, as the contiguous cache and the cost model do; they were scored and masked)
+                skip = max(0, oldest - seen)
+                split = default_split(n_tokens - skip) if n_split is None else n_split
+                for lo, hi in ((skip + lo, skip + hi) for lo, hi in chunk_bounds(n_tokens - skip, split)):
                     mask = None
                     keys = torch.arange(seen + lo, seen + hi, device=q.device)
                     if is_causal and t_q > 1:

@@ -9,7 +9,7 @@ linear layers (``linear``) and a decoder block's whole decode step (``BlockStep`
 ``attnlab.model.Block``).
 
 Operators. Each kernel is a PyTorch operator, ``torch.ops.attnlab.<name>``: ``decode``, ``mla_decode``,
-``paged_decode``, ``linear``, ``block_step`` (and ``amx``, the AMX switch). Their schemas, fake implementations
+``static_decode``, ``paged_decode``, ``linear``, ``block_step`` (and ``amx``, the AMX switch). Their schemas, fake implementations
 (shapes and dtypes, for ``torch.compile`` and meta tensors) and FLOP formulas (``torch.utils.flop_counter``) are
 defined below when this module is imported, whether or not the kernels can be built, so that a ``FlopCounterMode``
 opened before the first call counts them too; the build adds their CPU implementations (``csrc/ops.cpp``), which
@@ -62,6 +62,8 @@ from typing import NamedTuple
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
+
+from ..resources import env_switch
 
 _SOURCE = Path(__file__).with_name("csrc")  # kernels.cpp, ops.cpp and the headers they include
 # -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes). -fvisibility=hidden: a second
@@ -491,7 +493,7 @@ def _library() -> Ops | None:
     with _lock:
         if _state["tried"]:
             return _state["ops"]  # type: ignore[return-value]
-        if os.environ.get("ATTNLAB_FUSED", "1") == "0":
+        if not env_switch("ATTNLAB_FUSED", True):
             _state.update(tried=True, status="disabled by ATTNLAB_FUSED=0: the PyTorch kernels run")
             return None
         flags = isa_flags()  # a misspelt ATTNLAB_ISA is the user's error, not a failed build
@@ -508,7 +510,7 @@ def _library() -> Ops | None:
             )
             return None
         seconds = time.perf_counter() - start
-        if os.environ.get("ATTNLAB_AMX", "1") == "0":
+        if not env_switch("ATTNLAB_AMX", True):
             ops.amx(0)
         engine = {_AMX: "AMX tiles", _DOTS: "AVX512-BF16 dot products"}.get(ops.amx(-1) & _PAIRS)
         tiles = f"; bfloat16 on {engine}" if engine else ""

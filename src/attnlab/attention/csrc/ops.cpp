@@ -116,6 +116,8 @@ bool has_shape(const Tensor& t, std::initializer_list<int64_t> want) {
 // q (B, H, 1, dk): one query per head.
 void check_queries(const Tensor& q) {
   TORCH_CHECK_VALUE(q.dim() == 4 && q.size(2) == 1, "attnlab: q must be (B, H, 1, Dk), got ", shape(q));
+  // no heads or no dims: the kernels divide by both (a zero here killed the process with SIGFPE)
+  TORCH_CHECK_VALUE(q.size(1) > 0 && q.size(3) > 0, "attnlab: q needs H >= 1 heads of Dk >= 1 dims, got ", shape(q));
 }
 
 // k (B, n_kv, S, dk) and v (B, n_kv, S, dv <= dk) for q (B, H, 1, dk), H a multiple of n_kv.
@@ -234,6 +236,7 @@ void paged_decode(StableIValue* stack, uint64_t, uint64_t) {
                         H % k.size(0) == 0 && k.size(2) == q.size(3) && v.size(1) == k.size(1) &&
                         v.size(2) <= k.size(2),
                     "attnlab: inconsistent shapes q ", shape(q), ", k_pool ", shape(k), ", v_pool ", shape(v));
+  TORCH_CHECK_VALUE(B > 0, "attnlab: paged_decode needs B >= 1 rows, got q ", shape(q));
   TORCH_CHECK_VALUE(block > 0 && static_cast<int64_t>(first.size()) == B &&
                         static_cast<int64_t>(lengths.size()) == B && B > 0 &&
                         static_cast<int64_t>(table.size()) % B == 0,
@@ -274,8 +277,10 @@ void linear(StableIValue* stack, uint64_t, uint64_t) {
                     "attnlab: linear needs an input (..., K) and as many biases (or None) as weights, got x ",
                     shape(x_in), ", ", weights.size(), " weights, ", biases.size(), " biases");
   const int64_t K = x_in.size(-1);
+  // F.linear gives the bias there; the kernel would write nothing and leave y's memory as it was
+  TORCH_CHECK_VALUE(K > 0, "attnlab: linear needs K >= 1 input features, got x ", shape(x_in));
   const Tensor x = dense(x_in);  // (..., K), its rows back to back: (M, K) to the kernel
-  const int64_t M = K > 0 ? x.numel() / K : 0;
+  const int64_t M = x.numel() / K;
   std::vector<const void*> ws, bs;
   std::vector<int64_t> ns;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -327,8 +332,8 @@ void block_step(StableIValue* stack, uint64_t, uint64_t) {
   TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && x.size(0) > 0 && x.is_contiguous(),
                     "attnlab: block_step's x must be contiguous (B, 1, D), got ", shape(x));
   const int64_t M = x.size(0), D = x.size(2), hd = cache_k.dim() == 4 ? cache_k.size(3) : 0;
-  TORCH_CHECK_VALUE(hd > 0 && hd % 2 == 0 && wq.dim() == 2 && wk.dim() == 2 && wq.size(0) % hd == 0 &&
-                        wk.size(0) % hd == 0 && wk.size(0) > 0 && (wq.size(0) / hd) % (wk.size(0) / hd) == 0,
+  TORCH_CHECK_VALUE(hd > 0 && hd % 2 == 0 && wq.dim() == 2 && wk.dim() == 2 && wq.size(0) > 0 &&
+                        wq.size(0) % hd == 0 && wk.size(0) % hd == 0 && wk.size(0) > 0 && (wq.size(0) / hd) % (wk.size(0) / hd) == 0,
                     "attnlab: block_step: wq ", shape(wq), " and wk ", shape(wk), " are not heads of the cache's ",
                     hd, " dims (an even number)");
   const int64_t H = wq.size(0) / hd, n_kv = wk.size(0) / hd, F = w1.dim() == 2 ? w1.size(0) : 0;
