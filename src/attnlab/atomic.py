@@ -61,12 +61,21 @@ KINDS = ("checkpoint", "run", "sweep", "cache")
 SIGNATURE = "attnlab"  # what a file's own mark starts with (PNG Software chunk, JSON generated_by)
 
 
+def _resolved(path: PathLike, shown: object) -> Path:
+    """``Path(path).resolve()``; a link that cannot resolve (a loop) is a ValueError naming ``shown`` (it was a
+    RuntimeError and a 62-line traceback)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as err:
+        raise ValueError(f"{shown}: the path does not resolve ({err})") from None
+
+
 def _absolute(path: PathLike) -> Path:
     """``path`` made absolute with its parent resolved and its last component kept (a symlink stays a link)."""
     path = Path(os.path.abspath(path))
     if path.name in ("", ".", ".."):
         raise ValueError(f"destination {str(path)!r} must name a file or directory, not a filesystem root")
-    return path.parent.resolve() / path.name
+    return _resolved(path.parent, path) / path.name
 
 
 # ---- what is attnlab's ---------------------------------------------------------------------------------------
@@ -147,11 +156,11 @@ def is_own_file(path: PathLike) -> bool:
 def check_inputs(path: Path, sources: Iterable[PathLike | None], shown: str, what: str) -> None:
     """``path`` may not be, contain or lie inside any of ``sources``: every input a command reads (None entries
     are skipped)."""
-    target = path.resolve()
+    target = _resolved(path, f"{what} {shown}")
     for src in sources:
         if src is None:
             continue
-        source = Path(src).resolve()
+        source = _resolved(src, src)
         for candidate in {path, target}:
             if candidate == source:
                 raise ValueError(f"{what} {shown} is the source {src}; choose another path")
@@ -165,7 +174,7 @@ def check_inputs(path: Path, sources: Iterable[PathLike | None], shown: str, wha
 
 def _check_replaceable(path: Path, shown: str, what: str) -> None:
     """An existing ``path`` that attnlab would replace or empty: never the root, the home or the working directory."""
-    target = path.resolve()
+    target = _resolved(path, f"{what} {shown}")
     cwd = Path.cwd().resolve()
     if target == Path(target.anchor) or target == Path.home().resolve():
         raise ValueError(

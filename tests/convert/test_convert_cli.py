@@ -192,7 +192,11 @@ def test_table_output_and_overwrite(tmp_path):
         (None, ["--kv-heads", 0], "--kv-heads 0"),
         (None, ["--kv-heads", 2, "--method", "median"], "--method"),
         (None, ["--kv-heads", 2, "--method", "fit"], "--calib"),
-        (None, ["--kv-heads", 2, "--method", "fit", "--calib", "missing.txt"], "calibration file not found"),
+        (
+            None,
+            ["--kv-heads", 2, "--method", "fit", "--calib", "missing.txt"],
+            "--calib missing.txt: calibration file not found",
+        ),
         (None, ["--kv-heads", 2, "--method", "fit", "--calib", "/dev"], "--calib /dev is not a text file"),
         ("no_config", ["--kv-heads", 2], "config.json"),
         ("bad_json", ["--kv-heads", 2], "malformed"),

@@ -101,20 +101,29 @@ def test_progress_reports_every_stage_layer_by_layer(tmp_path, source):
             "--planes 9: a stride must be in [1, 3] for --rope-dim 4",
         ),
         (["--kv-lora-rank", 16, "--planes", "lowest"], "--planes must be one of"),
+        # full-width and superscript digits: str.isdigit took "３" as stride 3 and int() refused "²" unnamed
+        (["--kv-lora-rank", 16, "--planes", "３"], "--planes must be one of"),
+        (["--kv-lora-rank", 16, "--planes", "²"], "--planes must be one of"),
+        (["--kv-lora-rank", 16, "--calib", "loop"], "loop: the path does not resolve (Symlink loop"),
         (["--kv-lora-rank", 16, "--kv-heads", 2], "--kv-heads belongs to --to gqa"),
         (["--kv-lora-rank", 16, "--method", "fit"], "--method belongs to --to gqa"),
         (["--rope-dim", 4], "--to mla needs --kv-lora-rank"),
-        (["--kv-lora-rank", 16, "--calib", "missing.txt"], "calibration file not found"),
+        (["--kv-lora-rank", 16, "--calib", "missing.txt"], "--calib missing.txt: calibration file not found"),
     ],
 )
 def test_bad_mla_targets_exit_2_with_one_line_and_leave_nothing(tmp_path, source, args, message):
     before = tree_hash(source)
     dst = tmp_path / "dst"
+    if "loop" in args:  # a link that points at itself through another: a 62-line traceback
+        (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+        (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+        args = [tmp_path / "loop" if a == "loop" else a for a in args]
+        message = f"{tmp_path / message}"
     result = run("convert", source, dst, "--to", "mla", *args)
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnlab: error:") and message in lines[0], result.output
-    assert list(tmp_path.iterdir()) == []  # no destination, no temporary
+    assert {p.name for p in tmp_path.iterdir()} <= {"loop", "loop2"}  # no destination, no temporary
     assert tree_hash(source) == before
 
 
@@ -213,3 +222,35 @@ def test_an_mlp_bias_is_refused_before_any_work(tmp_path):
     assert result.exit_code == 2 and "mlp_bias=True" in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "dst").exists()
     assert time.perf_counter() - started < 10  # refused before loading the weights
+
+
+def test_a_window_over_every_position_converts_as_full_attention(tmp_path):
+    # Mistral / Phi-3 with sliding_window >= max_position_embeddings (Phi-3-mini-128k: 262144 of 131072) were
+    # refused for a window MLA has no field for, though `attnlab families` says they convert
+    src = make_checkpoint(tmp_path / "src", num_key_value_heads=2)
+    cfg = json.loads((src / "config.json").read_text()) | {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+    }
+    written = {}
+    for window in (None, 64, 300, 63):  # max_position_embeddings is 64
+        (src / "config.json").write_text(json.dumps(cfg | {"sliding_window": window}))
+        dst = tmp_path / f"mla-{window}"
+        result = run("convert", src, dst, "--to", "mla", "--kv-lora-rank", 8, "--rope-dim", 4)
+        if window == 63:
+            assert result.exit_code == 2 and "a sliding window of 63 tokens" in result.output, result.output
+            assert not dst.exists()
+        else:
+            assert result.exit_code == 0, result.output
+            written[window] = (dst / "model.safetensors").read_bytes()
+    assert written[64] == written[300] == written[None]
+
+
+def test_the_api_names_calibration_that_is_no_list_of_batches(source):
+    # a tensor raised "Boolean value of Tensor ... is ambiguous"; [] converted without calibration, silently
+    model = load_llama(source)
+    for calib, error in ((torch.randint(0, 32, (2, 16)), TypeError), ([], ValueError)):
+        with pytest.raises(error, match="calib must be a non-empty list of token batches"):
+            convert_model_to_mla(model, 16, 4, calib=calib)
+        with pytest.raises(error, match="calib must be a non-empty list of token batches"):
+            choose_stride(model, 4, "norm", calib=calib)

@@ -104,6 +104,8 @@ def choose_stride(
     """The stride of the planes that keep RoPE in every layer (module docstring); ``planes`` None: "norm"
     (on the weights alone when no calibration is given). ``progress(done, total)`` is called after each layer
     that is measured (none for a fixed choice)."""
+    if calib is not None:  # a bare tensor once raised "Boolean value of Tensor ... is ambiguous"
+        check_batches(calib, "calib", model)
     if planes is None:
         planes = "norm"
     attns = _attentions(model, GroupedQueryAttention)
@@ -163,6 +165,8 @@ def convert_model_to_mla(
     modified. ``rope_dim`` defaults to every plane that can keep RoPE exactly (``convert.mla.default_rope_dim``,
     head_dim for plain RoPE). ``mean_phase`` (with calibration): planes that lose RoPE are turned by the mean
     rotation each head sees (``mean_phase_queries``) instead of none. ``progress(done, total)`` is called after each layer."""
+    if calib is not None:  # [] was taken as no calibration, silently
+        check_batches(calib, "calib", model)
     attns = _attentions(model, GroupedQueryAttention)
     cfg = attns[0].cfg
     if rope_dim is None:

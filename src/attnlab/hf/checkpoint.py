@@ -53,7 +53,7 @@ def calibration_batches(
             raise ValueError(
                 f"--calib {calib} is not a text file (one calibration text, one sequence a line)"
             )
-        raise FileNotFoundError(f"calibration file not found: {calib}")
+        raise FileNotFoundError(f"--calib {calib}: calibration file not found")
     if not (src / "tokenizer.json").is_file():
         raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")
     tok = data.load_tokenizer(src, vocab_size)
@@ -63,7 +63,7 @@ def calibration_batches(
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     seqs = sorted((ids for ids in (tok.encode(line).ids for line in lines[:max_lines]) if ids), key=len)
     if not seqs:
-        raise ValueError(f"calibration file {calib} has no usable lines")
+        raise ValueError(f"--calib {calib}: the calibration file has no usable lines")
     batches = []
     for i in range(0, len(seqs), batch_size):  # sorted by length, so that little padding is needed
         chunk = seqs[i : i + batch_size]

@@ -8,6 +8,7 @@ summary as a table or JSON.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def parse_planes(planes: str | None) -> str | int | None:
     """``--planes``: a criterion name or an integer stride."""
     if planes is None or planes in PLANES:
         return planes
-    if planes.strip().isdigit():
+    # ASCII digits only: str.isdigit took "３" as 3 (and "²", which int() then refused naming no option)
+    if re.fullmatch(r"[0-9]+", planes.strip()):
         return int(planes)
     raise ValueError(
         f"--planes must be one of {', '.join(PLANES)} or a positive integer stride; got {planes!r}"

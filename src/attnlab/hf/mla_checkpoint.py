@@ -27,7 +27,7 @@ import torch
 
 from .. import resources
 from ..atomic import check_destination
-from ..config import AttentionConfig
+from ..config import AttentionConfig, ModelConfig
 from ..convert.mla import (
     check_target,
     plain_planes,
@@ -84,6 +84,15 @@ def _stage(progress: StageProgress | None, stage: str) -> Callable[[int, int], N
     return None if progress is None else lambda done, total: progress(stage, done, total)
 
 
+def _full_context(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` without its sliding layers when their window covers every position it takes (Mistral or Phi-3 with a
+    ``sliding_window`` of at least ``max_position_embeddings``, as the families' verdicts read it): full attention,
+    which MLA has. They were refused for the window that an MLA layer has no field for."""
+    if cfg.sliding is None or cfg.sliding.window < cfg.max_seq_len:
+        return cfg
+    return cfg.replace(sliding=None, layer_types=())
+
+
 def convert_checkpoint_to_mla(
     src: str | Path,
     dst: str | Path,
@@ -118,7 +127,7 @@ def convert_checkpoint_to_mla(
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     hf = io.read_config(src)
     io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
-    cfg = model_config(src, hf)  # a causal-LM family attnlab loads, with its checks
+    cfg = _full_context(model_config(src, hf))  # a causal-LM family attnlab loads, with its checks
     support = family(hf["model_type"]).mla(cfg)
     if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
         raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
@@ -144,6 +153,10 @@ def convert_checkpoint_to_mla(
                 f"{attn_cfg.rotary_dim} dims the source's RoPE turns{band}"
             )
     model = load_causal_lm(src)
+    if model.cfg.sliding is not None and cfg.sliding is None:  # its windows cover every position: dropped
+        model.cfg = cfg
+        for layer in model.layers:
+            layer.attention.cfg = layer.attention.cfg.replace(window=None)
     source_dtypes = {name: p.dtype for name, p in model.named_parameters()}
     model = model.float().to(where)
     if calib is not None:
