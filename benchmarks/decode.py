@@ -74,6 +74,18 @@ def run(quick: bool, cached_hardware: bool, repeats: int | None = None) -> dict:
     return merged
 
 
+def ring_size_for(row: dict, l3: int) -> int:
+    """The ring ``attnlab.bench.decode.ring_size`` gives a row's KV on a machine of ``l3`` last-level bytes."""
+    from attnlab.bench.decode import RING_MAX
+    from attnlab.config import AttentionConfig
+    from attnlab.cost import kv_cache_bytes
+
+    cfg = AttentionConfig(d_model=row["n_heads"] * row["head_dim"], n_heads=row["n_heads"],
+                          n_kv_heads=row["n_kv_heads"], head_dim=row["head_dim"])  # fmt: skip
+    kv = kv_cache_bytes(cfg, row["batch"], row["context"], row["dtype"])
+    return min(RING_MAX, max(2, -(-2 * l3 // max(1, kv))))
+
+
 def _sel(rows, **want):
     return [r for r in rows if all(r.get(k) == v for k, v in want.items())]
 
@@ -168,6 +180,7 @@ def _mb(n: float) -> str:
 
 def limits(result: dict) -> str:
     """The "what limits" section: every figure in it is read off ``result`` (or the code it describes)."""
+    from attnlab.bench.decode import RING_MAX
     from attnlab.bench.machine import _read_bandwidth
     from attnlab.config import AttentionConfig
     from attnlab.cost import kv_cache_bytes, param_count
@@ -230,7 +243,13 @@ def limits(result: dict) -> str:
     l3 = result["machine"].get("l3_bytes")
     out.append(
         f"- **The roofline inputs.** Bandwidth is `attnlab.bench.machine.measure_local`'s streaming read of one "
-        f"{buffer // 2**20} MiB buffer, measured at the start of this run (so under this run's load); the peak is its"
+        f"{buffer // 2**20} MiB buffer, "
+        + (
+            "measured at the start of this run (so under this run's load)"
+            if (result.get("grids") or [{}])[0].get("fresh_hardware", True)  # the first grid measures
+            else "taken from this boot's cached measurement (`--cached-hardware`), not from this run's moment"
+        )
+        + "; the peak is its"
         " best square matmul, for bfloat16 the faster of the bfloat16 and float32 ones (a CPU with AMX multiplies"
         " bfloat16 several times faster than float32, and then every bfloat16 step here is bound by its bytes)."
         " A KV cache that fits in the last-level cache"
@@ -244,13 +263,14 @@ def limits(result: dict) -> str:
         by_ctx = {c: [x["speedup"]["hf_llama_sdpa"] for x in _sel(rows, kind="layer", context=c)]
                   for c in sorted({x["context"] for x in layer})}  # fmt: skip
         lo, hi = min(by_ctx), max(by_ctx)
+        at_both = f" at {lo} tokens and {_span(by_ctx[hi])}x at {hi}" if hi != lo else f" at {lo} tokens"
         out.append(
             f"- **Whole layer.** At d_model {cfg.d_model} a decode step reads {_mb(param_count(cfg) * 4)} of "
             f"projection weights (float32) against {_mb(kv_bytes(r))} of KV at {r['context']} tokens "
             f"(GQA-{r['n_kv_heads']}): the layer is weight-bound, both implementations spend most of their time in "
             "the same `nn.Linear` matmuls, and the attention speedup is diluted. Hugging Face's `DynamicCache` also "
             "concatenates the whole cache at every step (a copy per step); its layer is "
-            f"{_span(by_ctx[lo])}x slower than ours at {lo} tokens and {_span(by_ctx[hi])}x at {hi}."
+            f"{_span(by_ctx[lo])}x slower than ours{at_both}."
         )
     paged = _sel(rows, kind="paged")
     if paged:
@@ -269,8 +289,18 @@ def limits(result: dict) -> str:
     tight = [r for r in att if r["n_kv_heads"] <= 8 and r["context"] >= 4096]
     if tight:
         worst = min(tight, key=lambda r: r["speedup"]["reference"])
-        longer = _sel(att, dtype=worst["dtype"], batch=worst["batch"], n_kv_heads=worst["n_kv_heads"],
-                      context=max(r["context"] for r in att))  # fmt: skip
+        longest = max(r["context"] for r in att)  # the worst row's own context compares with nothing
+        longer = (
+            []
+            if worst["context"] == longest
+            else _sel(
+                att,
+                dtype=worst["dtype"],
+                batch=worst["batch"],
+                n_kv_heads=worst["n_kv_heads"],
+                context=longest,
+            )
+        )
         out.append(
             f"  The 20x over the repeat-KV reference is weakest at {_shape(worst)}: "
             f"{worst['speedup']['reference']:.1f}x, where the reference takes {worst['ms']['reference']:.1f}"
@@ -330,11 +360,26 @@ def limits(result: dict) -> str:
             f"  Roofline fractions (mean over the n_kv<=8, ctx>=4096 shapes) are best for {best[0]} n_kv {best[1]}"
             f" ({mean[best]:.2f}) and worst for {worst_f[0]} n_kv {worst_f[1]} ({mean[worst_f]:.2f})."
         )
+    fits = [r for r in att if l3 and ring_size_for(r, l3) * kv_bytes(r) < l3]
     out.append(
         "- **Shared machine.** Contenders are timed round-robin and medians kept, so ratios are fair even when other"
         " jobs run; absolute times are not (the load average at the start of the run is in the Machine section)."
         " In attention rows every timed call attends over a ring of distinct caches filling twice the last-level"
-        " cache (as a model's layers do; the time per cache is shown), and the repeat-KV reference, which writes"
+        f" cache, of at most {RING_MAX} caches (as a model's layers do; the time per cache is shown)"
+        + (
+            "; the rings of "
+            + ", ".join(_shape(r) for r in fits)
+            + " hold less than the last-level cache in all,"
+            " so their KV can stay there and their fractions are flattered"
+            if fits
+            else ""
+        )
+        + (
+            ". Paged rows attend over one cache (KV that fits in the last-level cache stays there: fractions above 1)"
+            if _sel(rows, kind="paged")
+            else ""
+        )
+        + ". The repeat-KV reference, which writes"
         " n_heads / n_kv copies of the KV, is timed after the round: timed in it, as up to the run of 2026-11-23,"
         " the contender after it paid for writing them back (the fused kernel 1.2-1.6x slower)."
         " OpenMP's default spinning suits the fused kernels, whose every call is a parallel region:"
@@ -386,6 +431,13 @@ def with_generation_section(page: str) -> str:
     return page.rstrip("\n") + "\n\n" + module.section(json.loads(saved.read_text())) + "\n"
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 repeats or threads gave a traceback after the setup)."""
+    if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with the files to write filled in: the committed ones for the full grid, else their places
     under benchmarks/.cache/quick/ (locations.py)."""
@@ -405,10 +457,17 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--cached-hardware", action="store_true", help="reuse this boot's bandwidth/peak measurement"
     )
     parser.add_argument(
-        "--repeats", type=int, default=None, help="timed repeats per contender (default: the grid's)"
+        "--repeats", type=positive, default=None, help="timed repeats per contender (default: the grid's)"
     )
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=positive, default=None, help="intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
+    for flag, path, suffix in (
+        ("--png", args.png, ".png"),
+        ("--doc", args.doc, ".md"),
+        ("--json", args.json, ".json"),
+    ):
+        if path is not None and path.suffix != suffix:
+            parser.error(f"{flag} {path}: expected a {suffix} file")
     full = not args.quick  # --repeats and --threads change how the grid is timed, not which grid
     args.json = args.json or output(RESULTS / "decode.json", full)
     args.doc = args.doc or output(DOC, full)
@@ -427,6 +486,9 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     command = "python benchmarks/decode.py" + (" --quick" if args.quick else "")
     command += "".join(f" --{k} {v}" for k, v in (("repeats", args.repeats), ("threads", args.threads)) if v)
+    if args.from_json and not args.json.is_file():  # was a FileNotFoundError traceback
+        print(f"decode.py: error: --from-json: no saved result at {args.json}", file=sys.stderr)
+        return 2
     if args.from_json:
         from attnlab.bench.decode import rescore
         from attnlab.cost import Hardware
