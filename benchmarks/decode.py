@@ -28,7 +28,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import output, own_path
+from locations import output, own_path, positive
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -429,13 +429,6 @@ def with_generation_section(page: str) -> str:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return page.rstrip("\n") + "\n\n" + module.section(json.loads(saved.read_text())) + "\n"
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1 (0 repeats or threads gave a traceback after the setup)."""
-    if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:

@@ -42,7 +42,7 @@ import torch
 from attnlab.cost.presets import HF_CONFIGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # locations.py, beside this script
-from locations import at_defaults, output, own_path
+from locations import at_defaults, output, own_path, positive, positive_list
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -327,8 +327,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )  # the first paragraph
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--contexts", default="512,4096,16384", help="comma list of prompt lengths")
-    parser.add_argument("--new", type=int, default=8, help="new tokens per run")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds (best kept)")
+    parser.add_argument("--new", type=positive, default=8, help="new tokens per run")
+    parser.add_argument("--repeats", type=positive, default=2, help="alternating rounds (best kept)")
     parser.add_argument(
         "--long-variants", default=None, help="variants also run at contexts above 4096 (default: all)"
     )
@@ -347,6 +347,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bad := [v for v in args.variants.split(",") if v not in VARIANTS]:
         parser.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+    try:  # checked here; the string stays, as at_defaults compares it with the default
+        positive_list(args.contexts)
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"--contexts: {err}")
     full = at_defaults(parser, args, "variants", "contexts", "new")
     args.json = args.json or output(RESULTS / "generate.json", full)
     args.doc = args.doc or output(DOC, full)
@@ -358,6 +362,9 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "src"))
     from attnlab.atomic import write_atomic
 
+    if args.from_json and not args.json.is_file():  # was a FileNotFoundError traceback
+        print(f"generate.py: error: --from-json: no saved result at {args.json}", file=sys.stderr)
+        return 2
     if args.from_json:
         result = json.loads(args.json.read_text())
     else:

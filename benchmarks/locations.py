@@ -66,3 +66,18 @@ def corpus(full: bool, script: str) -> Path:
         )
         raise SystemExit(2)
     return FULL_CORPUS
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 repeats, threads or new tokens gave a traceback, some after minutes)."""
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def positive_list(text: str) -> list[int]:
+    """An argparse type: a comma list of integers >= 1."""
+    try:
+        return [positive(item) for item in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, got {text!r}") from None

@@ -133,3 +133,28 @@ def test_scripts_replace_files_in_their_own_directories_only(scripts, tmp_path):
         write_atomic(theirs, "{}", ours=locations.own_path(theirs))
     write_json(tmp_path / "marked.json", {"rows": []}, by="benchmarks/decode.py")
     write_atomic(tmp_path / "marked.json", "{}", ours=locations.own_path(tmp_path / "marked.json"))
+
+
+@pytest.mark.parametrize(
+    "name,args,message",
+    [
+        ("decode", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+        ("decode", ["--threads", "0"], "argument --threads: expected an integer >= 1"),
+        ("decode", ["--png", "mine.json"], "--png mine.json: expected a .png file"),
+        ("generate", ["--contexts", "abc"], "--contexts: expected a comma list of integers >= 1, got 'abc'"),
+        ("generate", ["--new", "0"], "argument --new: expected an integer >= 1"),
+    ],
+)
+def test_bad_options_are_one_line_before_any_work(scripts, capsys, name, args, message):
+    # they were tracebacks, --new 0 after building four SmolLM-sized checkpoints
+    with pytest.raises(SystemExit) as stop:
+        scripts(name).arguments(args)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["decode", "generate"])
+def test_from_json_without_a_saved_result_is_one_line(scripts, monkeypatch, capsys, tmp_path, name):
+    module = scripts(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--from-json", "--json", str(tmp_path / "none.json")])
+    assert module.main() == 2
+    assert f"--from-json: no saved result at {tmp_path / 'none.json'}" in capsys.readouterr().err

@@ -512,8 +512,15 @@ def bench_decode(
     mla: bool = typer.Option(
         True, "--mla/--no-mla", help="MLA naive/absorbed vs HF DeepseekV3 (at the first --batch)."
     ),
-    paged: bool = typer.Option(True, "--paged/--no-paged", help="Paged vs contiguous cache."),
-    e2e: bool = typer.Option(False, "--e2e", help="Also time generation of a small model per variant."),
+    paged: bool = typer.Option(
+        True, "--paged/--no-paged", help="Paged vs contiguous cache (for --kv-heads of 8 or fewer)."
+    ),
+    e2e: bool = typer.Option(
+        False,
+        "--e2e",
+        help="Also time generation of a small model per variant (4 layers of d_model 1024, at the smallest "
+        "--context; a ragged batch of 4 at 1, 3/4, 1/2 and 1/4 of it).",
+    ),
     plot: Path | None = typer.Option(None, "--plot", help="Write latency vs n_kv_heads to this PNG."),
     cached_hardware: bool = typer.Option(
         False,

@@ -440,3 +440,12 @@ def test_an_on_off_variable_takes_1_or_0_and_names_anything_else(name, monkeypat
     if name == "ATTNLAB_AMX" and not built:
         return  # read only once the kernels are built
     assert out.returncode != 0 and f"ValueError: {name}='off': expected 1 (on) or 0 (off)" in out.stderr
+
+
+def test_the_status_says_which_bfloat16_engine_runs_now():
+    # inside use_amx(False) it still named the AMX tiles or the AVX512-BF16 dot products
+    if not fused.available() or "bfloat16 on" not in fused.status():
+        pytest.skip(f"no bfloat16 pair path here: {fused.status()}")
+    with fused.use_amx(False):
+        assert "bfloat16 on" not in fused.status() and not fused.bf16_dots() and not fused.amx()
+    assert "bfloat16 on" in fused.status()

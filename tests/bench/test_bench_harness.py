@@ -170,3 +170,14 @@ def test_a_baseline_that_computes_something_else_stops_the_row(monkeypatch):
     monkeypatch.setattr(baselines, "llama_attention", lambda attn, k, v: real(attn, k[:, :, :1], v[:, :, :1]))
     with pytest.raises(RuntimeError, match=r"layer row \(dtype fp32, .*differ by .* different computations"):
         decode.layer_row(grid, hw, "fp32", 1, 33, 2)
+
+
+def test_a_grid_that_cannot_run_is_refused_before_any_row():
+    # dtypes=() ran nothing; mla_cfg=None and kv_norm=False failed at the MLA rows, after the others had run
+    with pytest.raises(ValueError, match="--dtype must list one or more"):
+        DecodeGrid(dtypes=())
+    with pytest.raises(TypeError, match="mla_cfg must be an MLAConfig, got None"):
+        DecodeGrid(mla_cfg=None)
+    with pytest.raises(ValueError, match="kv_norm=True"):
+        DecodeGrid(mla_cfg=TINY_MLA.replace(kv_norm=False))
+    assert DecodeGrid(mla=False, mla_cfg=TINY_MLA.replace(kv_norm=False)).mla is False

@@ -512,15 +512,15 @@ def _library() -> Ops | None:
         seconds = time.perf_counter() - start
         if not env_switch("ATTNLAB_AMX", True):
             ops.amx(0)
-        engine = {_AMX: "AMX tiles", _DOTS: "AVX512-BF16 dot products"}.get(ops.amx(-1) & _PAIRS)
-        tiles = f"; bfloat16 on {engine}" if engine else ""
-        _state.update(
-            tried=True,
-            ops=ops,
-            build_s=seconds,
-            status=f"fused C++ kernel ({seconds:.1f} s to load; {_ISA_NAMES[_isa(ops)]}{tiles})",
-        )
+        _state.update(tried=True, ops=ops, build_s=seconds, status=_describe(ops, seconds))
         return ops
+
+
+def _describe(ops: Ops, seconds: float) -> str:
+    """The status line of built kernels, as they run now (``use_amx`` switches the bfloat16 engine)."""
+    engine = {_AMX: "AMX tiles", _DOTS: "AVX512-BF16 dot products"}.get(ops.amx(-1) & _PAIRS)
+    tiles = f"; bfloat16 on {engine}" if engine else ""
+    return f"fused C++ kernel ({seconds:.1f} s to load; {_ISA_NAMES[_isa(ops)]}{tiles})"
 
 
 def available() -> bool:
@@ -542,6 +542,9 @@ def ensure_built(device: torch.device | str = "cpu") -> None:
 
 def status() -> str:
     """Which decode path runs and why: the fused kernel, or the PyTorch kernels and the reason."""
+    ops = _state.get("ops")
+    if ops is not None:  # read now: inside use_amx(False) it said bfloat16 ran on the pair path still
+        return _describe(ops, float(_state["build_s"]))  # type: ignore[arg-type]
     return str(_state["status"])
 
 

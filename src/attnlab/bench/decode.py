@@ -104,9 +104,17 @@ class DecodeGrid:
         for n_kv in self.kv_heads:
             if self.n_heads % n_kv:
                 raise ValueError(f"--kv-heads {n_kv} does not divide the {self.n_heads} query heads")
+        if not self.dtypes:  # ran nothing, silently
+            raise ValueError(f"--dtype must list one or more of {', '.join(DTYPES)}, got none")
         for dt in self.dtypes:
             if dt not in DTYPES:
                 raise ValueError(f"--dtype {dt!r} is not one of {', '.join(DTYPES)}")
+        if not isinstance(self.mla_cfg, MLAConfig):  # None failed at the MLA rows, after the others had run
+            raise TypeError(f"mla_cfg must be an MLAConfig, got {self.mla_cfg!r}")
+        if self.mla and not self.mla_cfg.kv_norm:  # an AttributeError in the DeepSeek baseline, which has one
+            raise ValueError(
+                "mla_cfg: the MLA rows time DeepseekV3Attention, whose latent has its norm: kv_norm=True"
+            )
         check_int("--repeats", self.repeats)
         if bad := [b for b in self.attention_baselines if b not in ATTENTION_BASELINES]:
             raise ValueError(f"attention_baselines: {bad} not among {', '.join(ATTENTION_BASELINES)}")
@@ -454,7 +462,8 @@ def e2e_rows(grid: DecodeGrid, dtype: str) -> list[dict]:
         model.init_weights(seed=0)
         model = model.to(dt).eval()
         gen = torch.Generator().manual_seed(0)
-        lengths = [context, (3 * context) // 4, context // 2, context // 4]
+        # at least one token a row (a context of 3 gave a row of none)
+        lengths = [max(1, n) for n in (context, (3 * context) // 4, context // 2, context // 4)]
         prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
         with torch.inference_mode():
             single = model.new_caches(1, context + steps + 1)
