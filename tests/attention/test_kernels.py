@@ -389,3 +389,35 @@ def test_float64_keeps_its_precision_and_passes_gradcheck():
     for module in modules:
         x = torch.randn(1, 3, module.cfg.d_model, dtype=torch.float64, generator=gen, requires_grad=True)
         assert torch.autograd.gradcheck(module.double(), (x,)), module.cfg
+
+
+def test_under_autocast_attend_takes_its_dtype_as_sdpa_does():
+    # a q/k norm keeps a float32 gain under autocast: float32 q and k beside a bfloat16 v failed "q, k, v must share
+    # a dtype", so uptrain --dtype bf16 of Qwen3, OLMo 2, Gemma 3 and every MLA checkpoint failed
+    from attnlab import AttentionConfig, MLAConfig, ModelConfig
+    from attnlab.model import Transformer
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    v = torch.randn(2, 2, 9, 16, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = attend(q, k, v, is_causal=True)
+        theirs = F.scaled_dot_product_attention(q, k, v.float(), is_causal=True, enable_gqa=True)
+    assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.allclose(
+        ours.float(), theirs.float(), atol=2e-2
+    )
+    for attn in (
+        AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, qk_norm="head"),
+        MLAConfig(
+            d_model=32, n_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        ),
+    ):
+        model = Transformer(ModelConfig(64, 2, attn, ffn_dim=48, max_seq_len=16))
+        model.init_weights(seed=0)
+        x = torch.randint(0, 64, (2, 12), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        F.cross_entropy(
+            logits.float().flatten(0, 1), x.flatten()
+        ).backward()  # trains, as uptrain --dtype bf16
+        assert torch.allclose(logits.float(), model(x).detach(), atol=0.1)

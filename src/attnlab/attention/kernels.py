@@ -76,6 +76,21 @@ from .decode import grouped_decode, paged_decode, widened
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _autocast(q: torch.Tensor, k, v):
+    """Under ``torch.autocast`` the operands in its dtype, as SDPA takes them there. Norms keep float32 gains under
+    autocast, so a q/k norm (Qwen3, OLMo 2, Gemma 3) or MLA's latent norm gave float32 queries or keys beside
+    bfloat16 values, and ``uptrain --dtype bf16`` of those families failed ("q, k, v must share a dtype")."""
+    device = q.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):  # meta has none
+        return q, k, v
+    dt = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
+
+    return cast(q), cast(k), cast(v)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor | PagedView,
@@ -91,6 +106,7 @@ def attend(
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention for MHA/GQA/MQA shapes; see the module docstring."""
+    q, k, v = _autocast(q, k, v)
     paged = isinstance(k, PagedView)
     if paged:
         _check_paged(q, k, v, attn_mask)
