@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab import AttentionConfig, GroupedQueryAttention, MLAConfig, ModelConfig, MultiHeadLatentAttention
 from attnlab.cost import decode_step_bytes, kv_cache_bytes, model_param_count, param_count, weight_bytes_read
-from attnlab.cost.memory import dtype_bits, expected_experts_touched
+from attnlab.cost.memory import activation_bytes, dtype_bits, expected_experts_touched
 from attnlab.cost.presets import PUBLISHED_PARAMS, get_preset, preset_names
 from attnlab.model import Transformer
 from conftest import seeded
@@ -179,3 +182,47 @@ def test_decode_step_bytes_moe_reads_touched_experts():
     assert weight_bytes_read(v3, 10_000) == pytest.approx(2 * everything, rel=1e-6)
     llama = get_preset("llama-2-7b")
     assert decode_step_bytes(llama, 4, 1000) == weight_bytes_read(llama, 4) + kv_cache_bytes(llama, 4, 1000)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of the tensors that torch's operators made and that are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                storage = t.untyped_storage()
+                ptr, n = storage.data_ptr(), storage.nbytes()
+                self.seen.add(ptr)
+                self.now += n
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._gone, ptr, n)
+        return out
+
+    def _gone(self, ptr: int, n: int) -> None:
+        self.now -= n
+        self.seen.discard(ptr)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_activation_bytes_bound_what_a_vocabulary_dominated_step_holds(training):
+    # the loss's log-softmax is a second (B, T, vocab) tensor: an evaluation of a 49,152-token vocabulary peaked at
+    # twice the estimate, so a batch refused as too large at half its true size got through to the OOM killer
+    cfg = ModelConfig(8192, 2, AttentionConfig(d_model=64, n_heads=4), ffn_dim=128, max_seq_len=256)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    model.train(training)
+    x = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(0))
+    with torch.set_grad_enabled(training), _LiveBytes() as live:
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+        if training:
+            loss.backward()
+        del logits, loss
+    estimate = activation_bytes(cfg, 4, 256, training=training)
+    assert estimate <= live.peak < 1.15 * estimate  # a lower bound, and a close one

@@ -186,8 +186,9 @@ def decode_step_bytes(
 def activation_bytes(model_cfg: ModelConfig, batch: int, seq_len: int, *, training: bool) -> int:
     """A lower bound of the float32 activations of one forward pass over ``batch`` x ``seq_len`` tokens.
 
-    Counted: the logits, (B, T, vocab), which dominate small models with large vocabularies, and in training their
-    gradient; per layer, what autograd must keep for the backward pass at the least: the block's input and the
+    Counted: the logits, (B, T, vocab), which dominate small models with large vocabularies, and the log-softmax
+    the loss takes of them (counted once, an evaluation of a 49,152-token vocabulary peaked at twice the estimate),
+    in training both their gradients; per layer, what autograd must keep for the backward pass at the least: the block's input and the
     attention output (d_model each), the query, key and value rows, and the MLP's hidden activations (two of
     ffn_dim for a gated MLP). A forward without gradients keeps one layer's worth at a time. Softmax scores are
     not counted (SDPA's fused kernels keep only their log-sum-exp), so the true figure is higher, never lower.
@@ -202,7 +203,7 @@ def activation_bytes(model_cfg: ModelConfig, batch: int, seq_len: int, *, traini
     gated = 2 if model_cfg.mlp.endswith("glu") else 1  # SwiGLU, GeGLU: gate and up
     per_layer = 2 * model_cfg.d_model + qkv + gated * model_cfg.ffn_dim
     layers = model_cfg.n_layers if training else 1
-    logits = (2 if training else 1) * model_cfg.vocab_size
+    logits = (4 if training else 2) * model_cfg.vocab_size
     return 4 * batch * seq_len * (layers * per_layer + logits)
 
 
