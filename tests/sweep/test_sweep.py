@@ -197,6 +197,9 @@ def test_pareto_on_a_hand_made_table():
         (["--timing", "apart"], "--timing"),
         (["--warmup", "2"], "--warmup"),
         (["--temperature", "0"], "--temperature"),
+        # inf ran every other job, then failed each uptraining, with exit 0
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
         (["--variants", "gqa:2/median"], "--variants gqa:2/median"),
         (["--variants", "mla:16+x"], "--variants mla:R+"),
         # checked before any job runs, not as every row's error (--seq-len 0 once meant the default)
@@ -484,3 +487,61 @@ def test_text_that_is_not_utf8_is_named(tiny, tmp_path):
         app, ["sweep", str(tiny["src"]), "--data", str(latin), *FAST, "--out", str(tmp_path / "o")]
     )
     assert result.exit_code == 2 and f"--data: {latin} is not UTF-8 text" in result.output, result.output
+
+
+def test_text_no_job_can_use_is_refused_before_out_is_made(tiny, tmp_path):
+    # a held-out text shorter than one window gave every row an empty loss, exit 0, and a message naming the job
+    # cache's folder; a --data that holds no text left a new --out behind
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "x.txt").write_text("To be or not.\n")
+    cases = [
+        (["--eval-data", short], f"--eval-data {short} has about"),
+        (["--data", tmp_path / "none"], f"--data {tmp_path / 'none'} not found"),
+    ]
+    for args, fragment in cases:
+        out = tmp_path / "out"
+        result = runner.invoke(
+            app,
+            [
+                "sweep",
+                str(tiny["src"]),
+                "--data",
+                str(tiny["corpus"]),
+                *FAST,
+                *map(str, args),
+                "--out",
+                str(out),
+            ],
+        )
+        assert result.exit_code == 2 and fragment in result.stderr, result.output
+        assert not out.exists()
+
+
+def test_the_job_counts_include_the_first_pass_when_checkpoints_are_remade(tiny, tmp_path):
+    # the second pass (checkpoints --keep none had deleted) replaced the first's outcomes: "2 run, 7 cached" where 5
+    # ran
+    out = tmp_path / "out"
+    base = ["--methods", "mean", "--uptrain-steps", "0,1", "--out", out, "--json"]
+    assert sweep(tiny, *base, "--variants", "gqa:2", "--keep", "none").exit_code == 0
+    again = sweep(tiny, *base, "--variants", "gqa:2 mla:12", "--keep", "all")  # new jobs, and gqa-2's remade
+    assert again.exit_code == 0, again.output
+    result = json.loads(again.stdout)
+    jobs, m = result["jobs"], next(r["method"] for r in result["rows"] if r["variant"] == "mla-12")
+    remade = {"convert/gqa-2/mean", "uptrain/gqa-2/mean/1"} & set(jobs["computed"])
+    assert remade and {f"convert/mla-12/{m}", f"uptrain/mla-12/{m}/1"} <= set(jobs["computed"]), jobs
+    assert jobs["run"] == len(jobs["computed"]) and jobs["run"] + jobs["cached"] + jobs["skipped"] == len(
+        jobs["seconds"]
+    )
+
+
+def test_source_weights_no_job_can_load_are_refused_before_any_job(tiny, tmp_path):
+    # every row failed on a truncated file and the sweep exited 0, with a report
+    src = tmp_path / "src"
+    shutil.copytree(tiny["src"], src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["sweep", str(src), "--data", str(tiny["corpus"]), *FAST, "--out", str(out)])
+    assert result.exit_code == 2 and "is not a readable safetensors file" in result.stderr, result.output
+    assert not out.exists()

@@ -44,6 +44,8 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
     plan.check_against(opts, cfg)
+    io.check_weights(opts.src)  # the jobs load them: a truncated file failed every row, with exit 0
+    plan.check_data(opts, cfg)  # before --out and the job cache are made
     variants = plan.variants(cfg, opts.variants, opts.quick)
     teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too
     sources = [opts.src, opts.data, opts.eval_data, teacher]
@@ -69,8 +71,12 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
             and outcomes[p["checkpoint_job"]].result is not None
         )  # fmt: skip
         if lost and opts.keep != "none":
+            first = outcomes
             outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
                                 title="sweep (checkpoints to keep)", remake=lost)  # fmt: skip
+            # a job the first pass ran is cached in the second: it counts as run (it counted as cached)
+            ran = {n for n, o in first.items() if not o.cached and not o.skipped}
+            outcomes = {n: first[n] if n in ran and o.cached else o for n, o in outcomes.items()}
             rows = report.build_rows(planned, outcomes, hf, opts)
         if opts.keep != "all":
             kept = {r["checkpoint"] for r in rows if r["pareto"] and opts.keep == "best"}

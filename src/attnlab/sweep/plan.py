@@ -21,6 +21,7 @@ ratios come from one process and the same moments of a shared machine.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 import shutil
@@ -33,7 +34,7 @@ from ..convert.mla import full_rank
 from ..convert.model import DATA_AWARE
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
-from ..data import fingerprint, read_text, split_held_out, text_files
+from ..data import fingerprint, load_tokenizer, read_text, split_held_out, text_files
 from ..jobs import Job, cpu_count
 from ..resources import resolve_device
 from . import work
@@ -116,6 +117,9 @@ def check_options(opts: SweepOptions) -> None:
             )
     for flag, values in (("--variants", opts.variants), ("--methods", opts.methods),
                          ("--uptrain-steps", opts.steps), ("--hardware", opts.hardware)):  # fmt: skip
+        if isinstance(values, (list, str)):  # a list read as "no value"; a str as its characters
+            kind = "a tuple of strings" if flag != "--uptrain-steps" else "a tuple of integers"
+            raise TypeError(f"SweepOptions: {flag} takes {kind}, got {type(values).__name__} {values!r}")
         if (
             not isinstance(values, tuple)
             or not values
@@ -148,16 +152,16 @@ def check_options(opts: SweepOptions) -> None:
                         ("--batch-size", opts.batch_size)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
-    if not opts.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {opts.lr}")
+    if not 0 < opts.lr < math.inf:  # inf ran every other job, then failed each uptraining (exit 0)
+        raise ValueError(f"--lr must be a finite number > 0, got {opts.lr}")
     if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or opts.seed < 0:
         raise ValueError(f"--seed must be an integer >= 0, got {opts.seed!r}")
     if opts.warmup is not None and not 0 <= opts.warmup <= 1:
         raise ValueError(f"--warmup is a fraction of the uptraining steps in [0, 1], got {opts.warmup}")
     if not 0 <= opts.distill_weight <= 1:
         raise ValueError(f"--distill-weight must be in [0, 1], got {opts.distill_weight}")
-    if not opts.temperature > 0:
-        raise ValueError(f"--temperature must be > 0, got {opts.temperature}")
+    if not 0 < opts.temperature < math.inf:
+        raise ValueError(f"--temperature must be a finite number > 0, got {opts.temperature}")
     if opts.timing not in TIMING:
         raise ValueError(f"--timing must be one of {', '.join(TIMING)}; got {opts.timing!r}")
     for flag, value, least in (("timing_steps", opts.timing_steps, 1), ("timing_repeats", opts.timing_repeats, 1),
@@ -321,6 +325,35 @@ def _links_to(folder: Path, group: dict[str, Path | str]) -> bool:
     return True
 
 
+def _calibration_lines(texts: dict[str, dict[str, Path | str]]) -> list[str]:
+    train = (read_text(t) if isinstance(t, Path) else t for t in texts["train"].values())
+    return sorted({ln.strip() for text in train for ln in text.splitlines() if len(ln.split()) >= 7})
+
+
+def check_data(opts: SweepOptions, cfg: ModelConfig) -> None:
+    """The text's faults that every job would meet, before anything is written (the sweep's --out included):
+    paths that hold no text, training text without a line to calibrate on, held-out text shorter than one window
+    (every loss was empty, with exit 0, and the message named the job cache's folder)."""
+    texts, _ = _texts(opts.data, opts.eval_data)
+    if not _calibration_lines(texts):
+        raise ValueError(
+            f"--data {opts.data}: no line of seven words or more to calibrate the fit conversions"
+        )
+    tokenizer = load_tokenizer(opts.src, cfg.vocab_size)
+    held = [read_text(t) if isinstance(t, Path) else t for t in texts["heldout"].values()]
+    tokens = sum(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in held if t) + len(held) - 1
+    seq_len = _seq_len(opts, cfg)
+    if tokens < seq_len + 1:
+        what = (
+            f"--eval-data {opts.eval_data}"
+            if opts.eval_data is not None
+            else f"the held-out part of --data {opts.data}"
+        )
+        raise ValueError(
+            f"{what} has about {tokens} tokens: fewer than one window of --seq-len {seq_len} + 1"
+        )
+
+
 def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
     """The training and held-out text (``_texts``: files linked, a split file's parts written, into ``root``,
     attnlab's own cache), and calibration lines for the data-aware conversions: lines of seven words or more of the
@@ -348,8 +381,7 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
         folders[name] = folder
     calib = root / f"calib-{fp}.txt"
     if not calib.is_file():
-        train = (read_text(t) if isinstance(t, Path) else t for t in texts["train"].values())
-        lines = sorted({ln.strip() for text in train for ln in text.splitlines() if len(ln.split()) >= 7})
+        lines = _calibration_lines(texts)
         random.Random(0).shuffle(lines)
         if not lines:
             raise ValueError(
