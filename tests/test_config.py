@@ -183,3 +183,17 @@ def test_model_config_validation():
 def test_flags_must_be_bool(make, field):
     with pytest.raises(TypeError, match=f"{field} must be True or False"):
         make()
+
+
+@pytest.mark.parametrize("factor", [0, -2.0, float("inf")])
+def test_a_rope_factor_that_is_not_positive_is_refused(factor):
+    # a linear factor of 0 divided every frequency by zero: NaN logits, a null loss and exit 0
+    from attnlab.config import rope_parameter_problem
+
+    assert "needs factor > 0" in rope_parameter_problem("linear", {"factor": factor})
+    assert "needs long_factor > 0" in rope_parameter_problem(
+        "longrope", {"short_factor": (1.0, 2.0), "long_factor": (1.0, factor)}
+    )
+    assert (
+        rope_parameter_problem("yarn", {"factor": 0.5}) is None
+    )  # below 1 is odd, but transformers computes it

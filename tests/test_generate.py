@@ -432,11 +432,11 @@ def test_a_stop_word_the_vocabulary_lacks_is_refused(tmp_path):
 
     tok = Tokenizer(WordLevel({"[UNK]": 0, "good": 1, "night": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
-    assert stop_tokens(tmp_path, tok, ["night"], ignore_eos=True) == {2}
+    assert stop_tokens(tmp_path, tok, ["night"], ignore_eos=True, vocab_size=3) == {2}
     with pytest.raises(
         ValueError, match=r"--stop 'knight' is not in this vocabulary \(it encodes as '\[UNK\]'\)"
     ):
-        stop_tokens(tmp_path, tok, ["knight"], ignore_eos=True)
+        stop_tokens(tmp_path, tok, ["knight"], ignore_eos=True, vocab_size=3)
 
 
 def test_dtype_auto_takes_the_configs_dtype_for_a_checkpoint_of_mixed_dtypes(checkpoint, tmp_path):
@@ -475,12 +475,12 @@ def test_eos_comes_from_generation_config_json_where_there_is_one_as_in_transfor
 
     tok = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 204}))
-    assert stop_tokens(tmp_path, tok, [], ignore_eos=False) == {204}
+    assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == {204}
     for written, stops in (({"eos_token_id": [250, 251]}, {250, 251}), ({}, set()), ([], {204})):
         (tmp_path / "generation_config.json").write_text(json.dumps(written))
-        assert stop_tokens(tmp_path, tok, [], ignore_eos=False) == stops, written
+        assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == stops, written
     (tmp_path / "generation_config.json").write_text("{not json")
-    assert stop_tokens(tmp_path, tok, [], ignore_eos=False) == {204}
+    assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == {204}
 
 
 def test_decode_step_times_round_robin_and_cache_bytes():
@@ -551,3 +551,20 @@ def test_a_static_cache_refuses_a_longrope_model():
     # its keys are computed again, whole, past the switch: fixed shapes cannot hold that
     with pytest.raises(ValueError, match="cache='static' cannot hold a longrope model's keys"):
         generate(_longrope_model(), [[1, 2]], 3, cache="static")
+
+
+def test_an_eos_the_model_cannot_produce_stops_nothing_and_a_fifo_is_not_read(tmp_path):
+    # eos 300 of a 300-token model was refused naming "stop_tokens"; a FIFO as generation_config.json hung, and a
+    # link to /dev/zero grew without limit
+    import os
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from attnlab.bench.generate import stop_tokens
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [300, -1, 7]}))
+    assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == {7}
+    os.mkfifo(tmp_path / "generation_config.json")
+    assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == {7}  # config.json's, at once

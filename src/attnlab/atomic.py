@@ -763,6 +763,22 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+def read_json(path: PathLike, kind: type | None = dict) -> Any:
+    """The JSON value of the regular file ``path`` (of type ``kind`` unless None); anything else a ValueError naming
+    it: not valid JSON or UTF-8, nested past the recursion limit (a RecursionError), an integer of more digits
+    than Python converts (a ValueError naming no file), a FIFO (which hung) or a link to a device."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"malformed {path}: {type(err).__name__}: {str(err)[:200]}") from None
+    if kind is not None and not isinstance(value, kind):
+        raise ValueError(f"malformed {path}: expected a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def json_text(value: Any, *, indent: int | None = 2) -> str:
     """Strict JSON of ``value`` (non-finite floats as null: ``NaN`` is not JSON), ending with a newline."""
     return json.dumps(finite_json(value), indent=indent, allow_nan=False) + "\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,16 @@ ROPE_WITHOUT_PLAIN_PLANES = {
 }
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: unset or empty is ``default``, else "1" or "0". Anything else ("false",
+    "off") once left the switch as it was, silently (or, for ATTNLAB_BACKENDS, turned it on): a ValueError naming
+    the variable."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={os.environ[name]!r}: expected 1 (on) or 0 (off)")
+    return default if not value else value == "1"
+
+
 def check_int(name: str, value: Any, *, minimum: int = 1) -> int:
     """``value`` if it is an int >= ``minimum``; else a TypeError or ValueError naming ``name`` and the value.
 
@@ -85,6 +96,11 @@ def rope_parameter_problem(rope_type: str, params: dict[str, Any], sequence: typ
         if not (isinstance(value, sequence) and all(map(is_number, value)) if listed else is_number(value)):
             need = f"a {sequence.__name__} of numbers" if listed else "a number"
             return f"rope_type {rope_type!r} needs {key}, {need}; got {value!r}"
+        # a factor of 0 divided the frequencies by zero (every logit NaN, exit 0); a negative one reversed them
+        if key.endswith("factor") and not all(
+            v > 0 and math.isfinite(v) for v in (value if listed else [value])
+        ):
+            return f"rope_type {rope_type!r} needs {key} > 0 (finite); got {value!r}"
     return None
 
 

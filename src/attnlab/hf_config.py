@@ -32,8 +32,11 @@ def read_raw(path_or_dict: str | Path | dict[str, Any]) -> tuple[dict[str, Any],
         raise FileNotFoundError(f"no config.json at {path}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except (
+        ValueError,
+        RecursionError,
+    ) as err:  # also a nesting past the recursion limit, an int of 5,000 digits
+        raise ValueError(f"{path} is not valid JSON: {type(err).__name__}: {str(err)[:200]}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw, path.parent.name

@@ -8,7 +8,6 @@ an allocator failure deep inside a forward pass.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import sys
@@ -17,16 +16,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable: unset or empty is ``default``, else "1" or "0". Anything else ("false",
-    "off") once left the switch as it was, silently (or, for ATTNLAB_BACKENDS, turned it on): a ValueError naming
-    the variable."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name}={os.environ[name]!r}: expected 1 (on) or 0 (off)")
-    return default if not value else value == "1"
 
 
 def _meminfo(field: str) -> int | None:

@@ -411,7 +411,7 @@ def test_attnlab_isa_avx2_builds_the_avx2_kernels_and_a_misspelt_one_is_named(tm
 @pytest.mark.parametrize("name", ["ATTNLAB_FUSED", "ATTNLAB_AMX", "ATTNLAB_BACKENDS"])
 def test_an_on_off_variable_takes_1_or_0_and_names_anything_else(name, monkeypatch):
     # "false", "off" or " 0" left the kernels and the bf16 path on without a word; ATTNLAB_BACKENDS=false logged
-    from attnlab.resources import env_switch
+    from attnlab.config import env_switch
 
     built = fused.available()  # before the variable is set below
     for value, default, want in (

@@ -635,3 +635,18 @@ def test_a_conversion_to_the_sources_heads_reports_no_calibration(tmp_path, cali
         load_file(tmp_path / "dst" / "model.safetensors").keys()
         == load_file(src / "model.safetensors").keys()
     )
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_side_file_that_is_no_regular_file_is_refused_before_any_work(tmp_path, kind):
+    # a link to /dev/zero among SRC's files was copied for ever (329 MB in 12 s, filling the disk); a FIFO was met
+    # at the final write, after the work
+    src = make_checkpoint(tmp_path / "src")
+    side = src / "notes.txt"
+    if kind == "fifo":
+        os.mkfifo(side)
+    else:
+        side.symlink_to("/dev/zero")
+    result = run("convert", src, tmp_path / "dst", "--kv-heads", 2)
+    assert result.exit_code == 2 and f"{side}: not a regular file" in result.output, result.output
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst*"))

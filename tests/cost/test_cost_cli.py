@@ -221,3 +221,15 @@ def test_a_split_of_q_k_norms_is_priced_and_said():
     assert "(qk_norm='head')" in head.stderr and "a norm over all heads" not in head.stderr
     assert runner.invoke(app, ["compare", "--model", "qwen3-8b"]).stderr == ""
     assert runner.invoke(app, ["compare", "--model", "llama-3-8b", "--tp", "4"]).stderr == ""
+
+
+def test_a_layer_count_no_model_has_is_refused_at_once(tmp_path):
+    # a million layers hung compare, eval and convert (each builds or costs the model layer by layer)
+    import time
+
+    cfg = HF_CONFIGS["llama-3-8b"] | {"num_hidden_layers": 1_000_000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    start = time.monotonic()
+    result = runner.invoke(app, ["compare", "--model", str(tmp_path)])
+    assert result.exit_code == 2 and time.monotonic() - start < 10
+    assert "field 'num_hidden_layers' must be in [1, 4096], got 1000000" in result.output

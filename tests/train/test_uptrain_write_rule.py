@@ -207,22 +207,30 @@ def test_a_batch_that_cannot_be_allocated_is_refused_at_once(work):
     assert not (work / "up.run").exists()
 
 
-def test_resume_tolerates_a_log_cut_by_the_kill(work, monkeypatch):
-    # Issue 29: --resume after a kill that cut the last line of log.jsonl failed with a JSON error naming no file.
+BASE = ["--data", "corpus", "--steps", 4, "--batch-size", 2, "--seq-len", 32, "--save-every", 2]
+
+
+def interrupted_after_step_3(work: Path, monkeypatch) -> None:
+    """``uptrain gqa2 up`` (``BASE``) stopped after step 3: checkpoint 2 saved, three lines logged."""
     from attnlab.train import progress
 
-    base = ["--data", "corpus", "--steps", 4, "--batch-size", 2, "--seq-len", 32, "--save-every", 2]
     real_step = progress.StepLog.step
 
     def dies_after_step_3(self, record, **kwargs):
         real_step(self, record, **kwargs)
         if record["step"] == 3:
-            raise KeyboardInterrupt  # the run stops here: checkpoint 2 saved, three lines logged
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(progress.StepLog, "step", dies_after_step_3)
-    assert run_cli("uptrain", "gqa2", "up", *base).exit_code != 0
+    with monkeypatch.context() as m:
+        m.setattr(progress.StepLog, "step", dies_after_step_3)
+        assert run_cli("uptrain", "gqa2", "up", *BASE).exit_code != 0
     assert sorted(p.name for p in (work / "up.run").glob("step-*")) == ["step-00000002"]
-    monkeypatch.setattr(progress.StepLog, "step", real_step)
+
+
+def test_resume_tolerates_a_log_cut_by_the_kill(work, monkeypatch):
+    # Issue 29: --resume after a kill that cut the last line of log.jsonl failed with a JSON error naming no file.
+    base = BASE
+    interrupted_after_step_3(work, monkeypatch)
     log = work / "up.run" / "log.jsonl"
     lines = log.read_text().splitlines()
     log.write_text(
@@ -277,3 +285,28 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(
     ):
         one_line_error(run_cli(*args), message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+DAMAGES = [
+    ("model.safetensors", "truncate", "model.safetensors is not a readable safetensors file"),
+    ("optimizer.safetensors", "truncate", "optimizer.safetensors is not a readable safetensors file"),
+    ("state.json", "[1]", "malformed"),  # an AttributeError ('list' object has no attribute 'get')
+    ("optimizer.json", "{nope", "optimizer.json: JSONDecodeError"),  # the JSON error named no file
+    ("rng.json", '[{"torch": [1, 2, 3]}]', "rng.json: expected a list of RNG states"),  # torch's RuntimeError
+]
+
+
+def test_resume_from_a_damaged_checkpoint_names_it_before_any_work(work, monkeypatch):
+    interrupted_after_step_3(work, monkeypatch)
+    step = work / "up.run" / "step-00000002"
+    for file, damage, message in DAMAGES:
+        kept = (step / file).read_bytes()
+        if damage == "truncate":
+            (step / file).write_bytes(kept[:100])
+        else:
+            (step / file).write_text(damage)
+        result = run_cli("uptrain", "gqa2", "up", *BASE, "--resume")
+        one_line_error(result, message)
+        assert "--resume: the newest checkpoint is damaged" in result.output and "delete" in result.output
+        assert not (work / "up").exists()
+        (step / file).write_bytes(kept)

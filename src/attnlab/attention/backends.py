@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..resources import env_switch
+from ..config import env_switch
 
 PHASES = ("prefill", "decode")
 

@@ -63,7 +63,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..resources import env_switch
+from ..config import env_switch
 
 _SOURCE = Path(__file__).with_name("csrc")  # kernels.cpp, ops.cpp and the headers they include
 # -ffp-contract=fast: a * b + c becomes one FMA (GCC leaves it off in ISO C++ modes). -fvisibility=hidden: a second

@@ -70,22 +70,28 @@ def _one_dtype(model: torch.nn.Module, ckpt: Path) -> torch.dtype | None:
     return max(counts, key=counts.__getitem__)
 
 
-def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool) -> set[int]:
+def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool, vocab_size: int) -> set[int]:
     """The checkpoint's ``eos_token_id`` (unless ``ignore_eos``) as transformers' ``generate`` takes it: from
     generation_config.json where there is one, else from config.json; plus every ``--stop`` text, each of which
     must be exactly one token of the vocabulary."""
     stops: set[int] = set()
     if not ignore_eos:
         for name in ("generation_config.json", "config.json"):
+            path = ckpt / name
+            # a regular file of a config's size: a FIFO there hung, a link to /dev/zero grew to 9 GB
+            if not path.is_file() or path.stat().st_size > 2**24:
+                continue
             try:
-                settings = json.loads((ckpt / name).read_text())
-            except (OSError, ValueError):
+                settings = json.loads(path.read_text())
+            except (OSError, ValueError, RecursionError):
                 continue  # absent, or a malformed generation config: its eos is unknown, not fatal
             if not isinstance(settings, dict):
                 continue
             eos = settings.get("eos_token_id")
             for token in eos if isinstance(eos, list) else [eos]:
-                if isinstance(token, int) and not isinstance(token, bool):
+                # an id the model cannot produce never stops it (transformers' generate takes it so); it was
+                # refused as "stop_tokens holds token id ... outside the vocabulary", naming neither file nor field
+                if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size:
                     stops.add(token)
             break
     for text in extra:
@@ -187,7 +193,7 @@ def run_generate(
             f"--cache contiguous needs prompts of one length in tokens; these have {sorted({len(r) for r in ids})} "
             "(use --cache auto, paged or static)"
         )
-    stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos)
+    stops = stop_tokens(ckpt, tokenizer, stop, ignore_eos, model.cfg.vocab_size)
     model = model.to(where)  # generate() puts the caches and token ids where the weights are
     resources.announce_device(where)
     with Progress("generate (tokens)", max_new * len(ids)) as bar:

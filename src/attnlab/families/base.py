@@ -33,6 +33,9 @@ _MISSING = object()
 # No model has a size field past this (2**31: 8x the largest vocabulary or context in use); beyond it a value is a
 # typo, and products of such values would overflow the floats of the roofline.
 MAX_FIELD = 2**31
+# Nor a layer count past this (the deepest published models have about 130): a million layers hung every command,
+# which builds or costs the model layer by layer before it can see that the weights hold two.
+MAX_LAYERS = 4096
 
 
 class Fields:
@@ -47,7 +50,19 @@ class Fields:
             raise ValueError(f"{self.model_type} config.json: missing field {key!r}")
         return value
 
-    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1, null: Any = _MISSING) -> int:
+    def layers(self, key: str) -> int:
+        """A layer count: ``int`` up to ``MAX_LAYERS``."""
+        return self.int(key, maximum=MAX_LAYERS)
+
+    def int(
+        self,
+        key: str,
+        default: Any = _MISSING,
+        *,
+        minimum: int = 1,
+        null: Any = _MISSING,
+        maximum: int = MAX_FIELD,
+    ) -> int:
         """``null``: the value of a field present as null, where transformers' config class reads null so
         (num_key_value_heads: null is MHA), and absence as ``default``."""
         value = self._get(key, default)
@@ -55,9 +70,9 @@ class Fields:
             value = null
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{self.model_type} config.json: field {key!r} must be an int, got {value!r}")
-        if not minimum <= value <= MAX_FIELD:
+        if not minimum <= value <= maximum:
             raise ValueError(
-                f"{self.model_type} config.json: field {key!r} must be in [{minimum}, {MAX_FIELD}], got {value}"
+                f"{self.model_type} config.json: field {key!r} must be in [{minimum}, {maximum}], got {value}"
             )
         return value
 
@@ -291,7 +306,17 @@ class TensorMap:
                 if m is None:
                     continue
                 names = [name.format(**m.groupdict()) for name in rule.ours]
-                parts = [value] if rule.transform is None else rule.transform.split(value, cfg)
+                try:
+                    parts = [value] if rule.transform is None else rule.transform.split(value, cfg)
+                except (
+                    RuntimeError,
+                    ValueError,
+                    IndexError,
+                ) as err:  # a fused tensor of another shape: torch's
+                    raise ValueError(  # reshape or split error, a traceback naming no tensor
+                        f"tensor {key!r} of shape {tuple(value.shape)} does not hold what config.json says its "
+                        f"{', '.join(names)} are ({' '.join(str(err).split())[:160]})"
+                    ) from None
                 state.update(zip(names, parts, strict=True))
                 break
             else:

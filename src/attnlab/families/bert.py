@@ -57,7 +57,7 @@ def read(f: Fields) -> ModelConfig:
     n_positions = f.int("max_position_embeddings")
     return ModelConfig(
         vocab_size=f.int("vocab_size"),
-        n_layers=f.int("num_hidden_layers"),
+        n_layers=f.layers("num_hidden_layers"),
         attention=AttentionConfig(d_model=d, n_heads=n_heads, bias=True, rope=False),
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=n_positions,

@@ -142,7 +142,7 @@ def read(f: Fields) -> ModelConfig:
     )
     return ModelConfig(
         vocab_size=f.int("padded_vocab_size"),
-        n_layers=f.int("num_layers"),
+        n_layers=f.layers("num_layers"),
         attention=attention,
         ffn_dim=f.int("ffn_hidden_size"),
         max_seq_len=f.int("seq_length", DEFAULT_SEQ_LENGTH),

@@ -84,7 +84,7 @@ def read(f: Fields) -> ModelConfig:
         rope_theta=theta,
         bias=f.bool("attention_bias", False),
     )
-    n_layers = f.int("num_hidden_layers")
+    n_layers = f.layers("num_hidden_layers")
     moe: dict[str, int] = {}
     # No routed experts, or first_k_dense_replace covering every layer (what attnlab writes): dense.
     n_experts = f.opt_int("n_routed_experts", minimum=0)

@@ -224,7 +224,7 @@ def read(f: Fields) -> ModelConfig:
         scale=_scale(f),
         softcap=softcap,
     )
-    n_layers = f.int("num_hidden_layers")
+    n_layers = f.layers("num_hidden_layers")
     layer_types, sliding = (), None
     if kind != "gemma" and "sliding_attention" in (types := _layer_types(f, n_layers)):
         window = f.opt_int("sliding_window") if "sliding_window" in f.raw else WINDOW

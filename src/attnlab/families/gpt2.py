@@ -14,7 +14,7 @@ def read(f: Fields) -> ModelConfig:
     inner = f.opt_int("n_inner")
     return ModelConfig(
         vocab_size=f.int("vocab_size"),
-        n_layers=f.int("n_layer"),
+        n_layers=f.layers("n_layer"),
         attention=AttentionConfig(d_model=d, n_heads=n_heads, bias=True, rope=False),
         ffn_dim=inner or 4 * d,
         max_seq_len=n_positions,

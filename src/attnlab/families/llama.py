@@ -115,7 +115,7 @@ def read(f: Fields) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
     )
-    n_layers = f.int("num_hidden_layers")
+    n_layers = f.layers("num_hidden_layers")
     window, layer_types = _windows(f, n_layers)
     return ModelConfig(
         vocab_size=f.int("vocab_size"),

@@ -159,7 +159,7 @@ def read(f: Fields) -> ModelConfig:
     window = f.opt_int("sliding_window")  # absent or null: no layer slides (Phi3Config's default)
     return ModelConfig(
         vocab_size=f.int("vocab_size"),
-        n_layers=f.int("num_hidden_layers"),
+        n_layers=f.layers("num_hidden_layers"),
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=f.int("max_position_embeddings", DEFAULT_POSITIONS),

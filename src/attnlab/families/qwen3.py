@@ -95,7 +95,7 @@ def read(f: Fields) -> ModelConfig:
         qk_norm="head",
         norm_eps=eps,
     )
-    n_layers = f.int("num_hidden_layers")
+    n_layers = f.layers("num_hidden_layers")
     window, layer_types = _windows(f, n_layers)
     return ModelConfig(
         vocab_size=f.int("vocab_size"),

@@ -69,7 +69,10 @@ def load_causal_lm(src: str | Path) -> nn.Module:
     cfg = model_config(src, hf)
     tensors, _ = io.read_tensors(src)
     fam = family(hf["model_type"])
-    state = fam.tensor_map(hf).to_attnlab(tensors, cfg)
+    try:
+        state = fam.tensor_map(hf).to_attnlab(tensors, cfg)
+    except ValueError as err:  # an unexpected or misshapen tensor: named with the checkpoint it is in
+        raise ValueError(f"{src}: {err}") from None
     if fam.gqa == "repeated":  # a GQA model in the MHA layout is loaded as the GQA model it computes
         cfg, state = collapse_repeated_kv_heads(cfg, state)
     model = model_from_state(src, cfg, state)

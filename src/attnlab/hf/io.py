@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_dir as atomic_dir  # the writer of every checkpoint directory (re-exported)
+from ..atomic import read_json
 from ..hf_config import quantization
 
 SINGLE = "model.safetensors"
@@ -62,12 +63,7 @@ def read_config(src: str | Path) -> dict:
     path = src / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {src}")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"malformed {path}: {err}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"malformed {path}: expected a JSON object, got {type(cfg).__name__}")
+    cfg = read_json(path)
     if not isinstance(cfg.get("model_type"), str):
         raise ValueError(f"{path} has no model_type field")
     # a quantized checkpoint's tensors are packed integers or scaled fp8, not the weights themselves
@@ -86,10 +82,12 @@ def shard_map(src: str | Path) -> dict[str, str]:
         with _open(src / SINGLE) as f:
             return dict.fromkeys(f.keys(), SINGLE)
     if (src / INDEX).is_file():
-        try:
-            weight_map = json.loads((src / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"malformed {src / INDEX}: {err}") from None
+        index = read_json(src / INDEX)
+        if not isinstance(index.get("metadata") or {}, dict):  # met at the final write, after the work
+            raise ValueError(f"malformed {src / INDEX}: metadata must be a JSON object")
+        if "weight_map" not in index:
+            raise ValueError(f"malformed {src / INDEX}: no weight_map")
+        weight_map = index["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
@@ -104,6 +102,26 @@ def shard_map(src: str | Path) -> dict[str, str]:
     if pickled:
         raise ValueError(f"only safetensors checkpoints are read; {src} has {', '.join(pickled)}")
     raise ValueError(f"no {SINGLE} or {INDEX} in {src}")
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of WEIGHT_DTYPES
+
+
+def check_weights(src: str | Path) -> None:
+    """The checks a load makes of a checkpoint's weight files, on their headers alone (nothing is read): every
+    shard readable, every tensor of a float dtype (a buffer such as GPT-NeoX's boolean mask aside). For commands
+    that load the weights only in their jobs (``attnlab sweep``, whose rows each failed on a truncated file, with
+    exit 0)."""
+    src = Path(src)
+    for name in sorted(set(shard_map(src).values())):
+        with _open(src / name) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                dtype = f.get_slice(key).get_dtype()
+                if dtype not in _FLOAT_DTYPES and dtype != "BOOL":
+                    raise ValueError(
+                        f"{src / name}: tensor {key} has dtype {dtype}; attnlab reads float16, bfloat16, float32 "
+                        "and float64 weights"
+                    )
 
 
 def read_tensors(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -181,6 +199,9 @@ def write_checkpoint(
 M = TypeVar("M", bound=torch.nn.Module)
 
 
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def assign(src: str | Path, build: Callable[[], M], state: dict[str, torch.Tensor]) -> M:
     """The module ``build()`` makes (on the meta device, so nothing is allocated twice) holding the tensors of
     ``state`` read from ``src``: its key set must be exactly the module's and each shape its parameter's, else a
@@ -193,6 +214,15 @@ def assign(src: str | Path, build: Callable[[], M], state: dict[str, torch.Tenso
         raise ValueError(
             f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
         )
+    for (
+        name,
+        _,
+    ) in model.named_parameters():  # float8 failed in check_finite; complex64 loaded, and failed later
+        if state[name].dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"{src}: weight {name} has dtype {state[name].dtype}; attnlab reads float16, bfloat16, float32 and "
+                "float64 weights (an fp8 or other quantized checkpoint: dequantize it first)"
+            )
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as err:  # a tensor whose shape contradicts config.json
@@ -236,6 +266,14 @@ def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) 
                 walk(path, None if dst_dir is None else dst_dir / path.name, name + "/")
             elif is_weight_file(path.name) or (not rel and path.name in RUN_RECORDS):
                 left_out.append(name)
+            elif (
+                not path.is_file()
+            ):  # a FIFO, a socket, a device (or a link to one): /dev/zero filled the disk
+                raise ValueError(
+                    f"{path}: not a regular file (a pipe, socket or device) among the source's files"
+                )
+            elif not os.access(path, os.R_OK):  # met at the final write, after the work, naming DST
+                raise ValueError(f"{path}: the source's file cannot be read (permission denied)")
             elif dst_dir is not None:
                 shutil.copyfile(path, dst_dir / path.name)
 

@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..atomic import atomic_dir, remove_owned
-from ..hf.io import save_safetensors
+from ..atomic import atomic_dir, read_json, remove_owned
+from ..hf.io import _open, save_safetensors
 from .distributed import Env, barrier, broadcast_object, gather_objects
 
 MODEL = "model.safetensors"
@@ -158,7 +158,33 @@ def remove_partial(run: Path) -> None:
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((path / "state.json").read_text())
+    state = read_json(path / "state.json")
+    if not (isinstance(state.get("options"), dict) and isinstance(state.get("step"), int)
+            and isinstance(state.get("global_batch"), int)):  # fmt: skip
+        raise ValueError(f"malformed {path / 'state.json'}: no step and options of a run")
+    return state
+
+
+def verify(path: Path) -> dict:
+    """Checkpoint ``path``'s state.json, after checking that every file a resume reads is what it should be: a
+    truncated safetensors or a damaged JSON was a traceback (or an AttributeError) after the setup. A ValueError
+    names the file and what to do."""
+    try:
+        state = read_state(path)
+        for name in (MODEL, OPTIMIZER):
+            with _open(path / name):
+                pass
+        read_json(path / "optimizer.json")
+        rngs = read_json(path / "rng.json", list)
+        size = torch.get_rng_state().numel()  # a state of another size: torch's RuntimeError at the restore
+        if not rngs or not all(isinstance(r, dict) and len(r.get("torch") or ()) == size for r in rngs):
+            raise ValueError(f"malformed {path / 'rng.json'}: expected a list of RNG states")
+    except ValueError as err:
+        raise ValueError(
+            f"--resume: the newest checkpoint is damaged ({err}); delete {path} to resume from the one before, "
+            "or pass --overwrite to start over"
+        ) from None
+    return state
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: Env) -> dict:
@@ -170,13 +196,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if env.is_main:
         model_state = load_file(str(path / MODEL))
         optim_state = _unflatten_optimizer(
-            load_file(str(path / OPTIMIZER)), json.loads((path / "optimizer.json").read_text())
+            load_file(str(path / OPTIMIZER)), read_json(path / "optimizer.json")
         )
     options = _options(env, loading=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     state, rngs = broadcast_object(
-        (read_state(path), json.loads((path / "rng.json").read_text())) if env.is_main else None, env
+        (read_state(path), read_json(path / "rng.json", list)) if env.is_main else None, env
     )
     set_rng_state(rngs[env.rank % len(rngs)])
     return state

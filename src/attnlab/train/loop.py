@@ -235,7 +235,7 @@ def _claim(
         _check_paths(opts)  # again, under the locks
         found = checkpoint.checkpoints(opts.run_path)
         if found and opts.resume:
-            saved = checkpoint.read_state(found[-1])
+            saved = checkpoint.verify(found[-1])
             _same_inputs(saved.get("inputs"), inputs)
             for name in SAME_ON_RESUME:
                 if name in PATH_OPTIONS and saved.get("inputs") is not None:
@@ -381,7 +381,8 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
     prep = prepare(opts, env, held)
     if env.is_main:
         announce(env, opts)
-        if opts.resume and prep.resume_from is None:  # a script that always passes --resume: say what it got
+        # a script that always passes --resume: say what it got (the sweep's jobs, which ask for no progress, do)
+        if opts.resume and prep.resume_from is None and progress:
             print(f"--resume: {opts.run_path} holds no checkpoint; starting at step 0", file=sys.stderr)
     model, cfg = prep.model.to(env.device), prep.model.cfg
     teacher = None
