@@ -4,6 +4,8 @@ parsed by the same reader as every other family."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -76,3 +78,14 @@ def test_the_cost_model_measures_nothing():
     r = roofline(get_preset("llama-2-7b"), h100, dtype="bf16")
     assert step_seconds(h100, r.decode.flops, r.decode.bytes, torch.bfloat16) == r.decode.seconds
     assert step_seconds(h100, 1e12, 0, "fp32") == 1e12 / h100.peak_flops["fp32"]
+
+
+@pytest.mark.parametrize("given", [[1, 2], 5, {"a": 1}, ""])
+def test_a_name_that_is_no_string_gives_the_folders(tmp_path, given):
+    # [1, 2] became compare's title "[1, 2]:" and its JSON "model"
+    from attnlab.cost.presets import HF_CONFIGS
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HF_CONFIGS["gpt2"] | {"_name_or_path": given}))
+    assert from_hf_config(folder).name == "my-model"

@@ -56,7 +56,12 @@ def from_hf_config(path_or_dict: str | Path | dict[str, Any], *, name: str | Non
     raw, default_name = read_raw(path_or_dict)
     model_type = raw.get("model_type")
     cfg = family(model_type).read(Fields(raw, str(model_type)))
-    return cfg.replace(name=name if name is not None else (raw.get("_name_or_path") or default_name))
+    given = raw.get(
+        "_name_or_path"
+    )  # a string, or (a list, a number: it reached compare's title) the folder's
+    return cfg.replace(
+        name=name if name is not None else (given if isinstance(given, str) and given else default_name)
+    )
 
 
 def to_hf_config(

@@ -289,3 +289,12 @@ def test_the_environment_variable_logs_each_distinct_choice_once():
         f"attnlab backend: {decode}",
     ]
     assert "cpu float32 decode (asked: auto)" in lines[1]
+
+
+def test_a_call_of_no_phase_is_named():
+    # a KeyError ('*', 'decoding') from the order table
+    from attnlab.attention.backends import choose, explain
+
+    for ask in (choose, explain):
+        with pytest.raises(ValueError, match="Call.phase must be one of prefill, decode; got 'decoding'"):
+            ask(Call("cpu", torch.float32, "decoding"))

@@ -166,6 +166,8 @@ def order(call: Call, backend: str = "auto") -> tuple[str, ...]:
 
 def choose(call: Call, backend: str = "auto") -> Choice:
     """The backend that runs ``call`` (see the module docstring); logged when ``log_choices`` is on."""
+    if call.phase not in PHASES:  # a KeyError ('*', 'decoding') in the order table
+        raise ValueError(f"Call.phase must be one of {', '.join(PHASES)}; got {call.phase!r}")
     names = order(call, backend)
     skipped = []
     chosen = None
