@@ -296,5 +296,5 @@ def test_a_call_of_no_phase_is_named():
     from attnlab.attention.backends import choose, explain
 
     for ask in (choose, explain):
-        with pytest.raises(ValueError, match="Call.phase must be one of prefill, decode; got 'decoding'"):
+        with pytest.raises(ValueError, match=r"Call\.phase must be one of prefill, decode; got 'decoding'"):
             ask(Call("cpu", torch.float32, "decoding"))
