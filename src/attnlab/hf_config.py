@@ -30,12 +30,11 @@ def read_raw(path_or_dict: str | Path | dict[str, Any]) -> tuple[dict[str, Any],
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
+    # atomic.read_json's rule, which this layer may not import: a nesting past the recursion limit or an int of
+    # 5,000 digits is named with the file too
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (
-        ValueError,
-        RecursionError,
-    ) as err:  # also a nesting past the recursion limit, an int of 5,000 digits
+    except (ValueError, RecursionError) as err:
         raise ValueError(f"{path} is not valid JSON: {type(err).__name__}: {str(err)[:200]}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
@@ -56,12 +55,11 @@ def from_hf_config(path_or_dict: str | Path | dict[str, Any], *, name: str | Non
     raw, default_name = read_raw(path_or_dict)
     model_type = raw.get("model_type")
     cfg = family(model_type).read(Fields(raw, str(model_type)))
-    given = raw.get(
-        "_name_or_path"
-    )  # a string, or (a list, a number: it reached compare's title) the folder's
-    return cfg.replace(
-        name=name if name is not None else (given if isinstance(given, str) and given else default_name)
-    )
+    # the folder's name unless a non-empty string is given (a list or a number reached compare's title)
+    given = raw.get("_name_or_path")
+    if name is None:
+        name = given if isinstance(given, str) and given else default_name
+    return cfg.replace(name=name)
 
 
 def to_hf_config(

@@ -9,11 +9,12 @@ linear layers (``linear``) and a decoder block's whole decode step (``BlockStep`
 ``attnlab.model.Block``).
 
 Operators. Each kernel is a PyTorch operator, ``torch.ops.attnlab.<name>``: ``decode``, ``mla_decode``,
-``static_decode``, ``paged_decode``, ``linear``, ``block_step`` (and ``amx``, the AMX switch). Their schemas, fake implementations
-(shapes and dtypes, for ``torch.compile`` and meta tensors) and FLOP formulas (``torch.utils.flop_counter``) are
-defined below when this module is imported, whether or not the kernels can be built, so that a ``FlopCounterMode``
-opened before the first call counts them too; the build adds their CPU implementations (``csrc/ops.cpp``), which
-read each argument by its name (their list of names is checked against these schemas when the library loads). So
+``static_decode``, ``paged_decode``, ``linear``, ``block_step`` (and ``amx``, the AMX switch). Their schemas, fake
+implementations (shapes and dtypes, for ``torch.compile`` and meta tensors) and FLOP formulas
+(``torch.utils.flop_counter``) are defined below when this module is imported, whether or not the kernels can be
+built, so that a ``FlopCounterMode`` opened before the first call counts them too; the build adds their CPU
+implementations (``csrc/ops.cpp``), which read each argument by its name (their list of names is checked against
+these schemas when the library loads). So
 the flop counter, ``torch.profiler`` (each op by name) and ``torch.compile`` (the ops in the graph) see them as
 any PyTorch op. They are registered in C++, through LibTorch's stable ABI (its headers compile in about a second,
 ``torch/library.h``'s in five), and called through their ``OpOverload``s: a call costs one pass through the

@@ -4,9 +4,10 @@ A decode step multiplies one token per sequence by every weight of the model, so
 weights stream from memory. BLAS matrix products are built for many rows; for one row, ``fused.linear`` reads
 the weight at 1.4-2.1x their rate on this project's machines (benchmarks/linear.py). ``Linear`` takes that
 path for inputs of at most ``fused.LINEAR_MAX_ROWS`` rows when ``fused.linear_supports`` them (CPU, float32 or
-bfloat16, no gradient, the kernel built; a compiled step keeps the operator in its graph), ``nn.Linear``'s otherwise, so training, prefill,
-tensor-parallel (DTensor) weights and other devices are unchanged. ``project`` applies several linear layers to
-one input in one pass (a layer's query, key and value projections; the MLP's gate and up projections).
+bfloat16, no gradient, the kernel built; a compiled step keeps the operator in its graph), ``nn.Linear``'s
+otherwise, so training, prefill, tensor-parallel (DTensor) weights and other devices are unchanged. ``project``
+applies several linear layers to one input in one pass (a layer's query, key and value projections; the MLP's gate
+and up projections).
 
 Results equal ``nn.Linear``'s to float32 rounding (the sums run in another order), and a row's result does not
 depend on the other rows of the batch.

@@ -9,14 +9,13 @@ roofline" is that time over the measured decode time (1.0 = at the limit).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..atomic import json_text
+from ..atomic import json_text, read_json
 from ..console import Grid, print_grid
 from ..cost import weight_bytes_read
 from ..generate import CACHES, generate
@@ -78,15 +77,12 @@ def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool, vocab
     if not ignore_eos:
         for name in ("generation_config.json", "config.json"):
             path = ckpt / name
-            # a regular file of a config's size: a FIFO there hung, a link to /dev/zero grew to 9 GB
-            if not path.is_file() or path.stat().st_size > 2**24:
+            if path.is_file() and path.stat().st_size > 2**24:  # a link to /dev/zero grew to 9 GB
                 continue
-            try:
-                settings = json.loads(path.read_text())
-            except (OSError, ValueError, RecursionError):
+            try:  # read_json takes regular files only: a FIFO there hung
+                settings = read_json(path)
+            except (OSError, ValueError):
                 continue  # absent, or a malformed generation config: its eos is unknown, not fatal
-            if not isinstance(settings, dict):
-                continue
             eos = settings.get("eos_token_id")
             for token in eos if isinstance(eos, list) else [eos]:
                 # an id the model cannot produce never stops it (transformers' generate takes it so); it was

@@ -188,10 +188,11 @@ def activation_bytes(model_cfg: ModelConfig, batch: int, seq_len: int, *, traini
 
     Counted: the logits, (B, T, vocab), which dominate small models with large vocabularies, and the log-softmax
     the loss takes of them (counted once, an evaluation of a 49,152-token vocabulary peaked at twice the estimate),
-    in training both their gradients; per layer, what autograd must keep for the backward pass at the least: the block's input and the
-    attention output (d_model each), the query, key and value rows, and the MLP's hidden activations (two of
-    ffn_dim for a gated MLP). A forward without gradients keeps one layer's worth at a time. Softmax scores are
-    not counted (SDPA's fused kernels keep only their log-sum-exp), so the true figure is higher, never lower.
+    in training both their gradients; per layer, what autograd must keep for the backward pass at the least: the
+    block's input and the attention output (d_model each), the query, key and value rows, and the MLP's hidden
+    activations (two of ffn_dim for a gated MLP). A forward without gradients keeps one layer's worth at a time.
+    Softmax scores are not counted (SDPA's fused kernels keep only their log-sum-exp), so the true figure is
+    higher, never lower.
     """
     check_int("batch", batch)
     check_int("seq_len", seq_len)

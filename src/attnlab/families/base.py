@@ -306,14 +306,11 @@ class TensorMap:
                 if m is None:
                     continue
                 names = [name.format(**m.groupdict()) for name in rule.ours]
+                # a fused tensor of another shape: torch's reshape or split error was a traceback naming no tensor
                 try:
                     parts = [value] if rule.transform is None else rule.transform.split(value, cfg)
-                except (
-                    RuntimeError,
-                    ValueError,
-                    IndexError,
-                ) as err:  # a fused tensor of another shape: torch's
-                    raise ValueError(  # reshape or split error, a traceback naming no tensor
+                except (RuntimeError, ValueError, IndexError) as err:
+                    raise ValueError(
                         f"tensor {key!r} of shape {tuple(value.shape)} does not hold what config.json says its "
                         f"{', '.join(names)} are ({' '.join(str(err).split())[:160]})"
                     ) from None

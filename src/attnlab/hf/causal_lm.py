@@ -28,13 +28,6 @@ from ..families.base import Fields
 from ..model import Transformer
 from . import io
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
-
 
 def family_of(src: str | Path) -> str:
     """The ``model_type`` of a checkpoint directory, checked to be a causal-LM family attnlab loads."""
@@ -109,9 +102,9 @@ def _tensor_meta(
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 piece = f.get_slice(key)
                 dtype = piece.get_dtype()
-                if dtype not in _DTYPES and key in written:
+                if dtype not in io.FLOAT_DTYPES and key in written:
                     raise ValueError(f"{src / name}: tensor {key} has dtype {dtype}, not a float type")
-                meta[key] = (_DTYPES.get(dtype), tuple(piece.get_shape()))
+                meta[key] = (io.FLOAT_DTYPES.get(dtype), tuple(piece.get_shape()))
     return meta
 
 

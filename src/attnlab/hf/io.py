@@ -104,7 +104,8 @@ def shard_map(src: str | Path) -> dict[str, str]:
     raise ValueError(f"no {SINGLE} or {INDEX} in {src}")
 
 
-_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of WEIGHT_DTYPES
+# The weight dtypes attnlab reads, by safetensors' names (a fp8 or other quantized tensor is not a weight to it).
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 def check_weights(src: str | Path) -> None:
@@ -117,7 +118,7 @@ def check_weights(src: str | Path) -> None:
         with _open(src / name) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 dtype = f.get_slice(key).get_dtype()
-                if dtype not in _FLOAT_DTYPES and dtype != "BOOL":
+                if dtype not in FLOAT_DTYPES and dtype != "BOOL":
                     raise ValueError(
                         f"{src / name}: tensor {key} has dtype {dtype}; attnlab reads float16, bfloat16, float32 "
                         "and float64 weights"
@@ -199,9 +200,6 @@ def write_checkpoint(
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def assign(src: str | Path, build: Callable[[], M], state: dict[str, torch.Tensor]) -> M:
     """The module ``build()`` makes (on the meta device, so nothing is allocated twice) holding the tensors of
     ``state`` read from ``src``: its key set must be exactly the module's and each shape its parameter's, else a
@@ -214,11 +212,9 @@ def assign(src: str | Path, build: Callable[[], M], state: dict[str, torch.Tenso
         raise ValueError(
             f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
         )
-    for (
-        name,
-        _,
-    ) in model.named_parameters():  # float8 failed in check_finite; complex64 loaded, and failed later
-        if state[name].dtype not in WEIGHT_DTYPES:
+    # float8 failed in check_finite; complex64 loaded, and failed later
+    for name, _ in model.named_parameters():
+        if state[name].dtype not in FLOAT_DTYPES.values():
             raise ValueError(
                 f"{src}: weight {name} has dtype {state[name].dtype}; attnlab reads float16, bfloat16, float32 and "
                 "float64 weights (an fp8 or other quantized checkpoint: dequantize it first)"
@@ -266,9 +262,8 @@ def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) 
                 walk(path, None if dst_dir is None else dst_dir / path.name, name + "/")
             elif is_weight_file(path.name) or (not rel and path.name in RUN_RECORDS):
                 left_out.append(name)
-            elif (
-                not path.is_file()
-            ):  # a FIFO, a socket, a device (or a link to one): /dev/zero filled the disk
+            # a FIFO, a socket, a device (or a link to one): a link to /dev/zero was copied until the disk filled
+            elif not path.is_file():
                 raise ValueError(
                     f"{path}: not a regular file (a pipe, socket or device) among the source's files"
                 )

@@ -45,7 +45,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     cfg = model_config(opts.src, hf)
     plan.check_against(opts, cfg)
     io.check_weights(opts.src)  # the jobs load them: a truncated file failed every row, with exit 0
-    plan.check_data(opts, cfg)  # before --out and the job cache are made
+    read = plan.check_data(opts, cfg)  # before --out and the job cache are made
     variants = plan.variants(cfg, opts.variants, opts.quick)
     teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too
     sources = [opts.src, opts.data, opts.eval_data, teacher]
@@ -56,7 +56,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
         if opts.out is None:  # attnlab's own cache of this source: one sweep at a time, as an --out
             held.enter_context(lock(root, "the job cache of this source"))
-        data = plan.prepare_data(opts.data, opts.eval_data, root)
+        data = plan.prepare_data(opts.data, opts.eval_data, root, read)
         jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
         announce_device(
             where, f"every job that runs a model, {opts.jobs} worker{'s' if opts.jobs > 1 else ''}"

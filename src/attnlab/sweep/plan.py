@@ -25,6 +25,7 @@ import math
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,17 +326,24 @@ def _links_to(folder: Path, group: dict[str, Path | str]) -> bool:
     return True
 
 
-def _calibration_lines(texts: dict[str, dict[str, Path | str]]) -> list[str]:
-    train = (read_text(t) if isinstance(t, Path) else t for t in texts["train"].values())
-    return sorted({ln.strip() for text in train for ln in text.splitlines() if len(ln.split()) >= 7})
+def _calibration_lines(texts: dict[str, dict[str, Path | str]]) -> Iterator[str]:
+    """The training text's lines of seven words or more (stripped), file by file."""
+    for text in texts["train"].values():
+        for line in (read_text(text) if isinstance(text, Path) else text).splitlines():
+            if len(line.split()) >= 7:
+                yield line.strip()
 
 
-def check_data(opts: SweepOptions, cfg: ModelConfig) -> None:
+Texts = tuple[dict[str, dict[str, Path | str]], str]  # what ``_texts`` returns: the text, and its fingerprint
+
+
+def check_data(opts: SweepOptions, cfg: ModelConfig) -> Texts:
     """The text's faults that every job would meet, before anything is written (the sweep's --out included):
     paths that hold no text, training text without a line to calibrate on, held-out text shorter than one window
-    (every loss was empty, with exit 0, and the message named the job cache's folder)."""
-    texts, _ = _texts(opts.data, opts.eval_data)
-    if not _calibration_lines(texts):
+    (every loss was empty, with exit 0, and the message named the job cache's folder). Returns ``_texts``' answer,
+    for ``prepare_data``: the files are listed and fingerprinted once."""
+    texts, fp = _texts(opts.data, opts.eval_data)
+    if next(_calibration_lines(texts), None) is None:  # the first such line is enough: reading stops there
         raise ValueError(
             f"--data {opts.data}: no line of seven words or more to calibrate the fit conversions"
         )
@@ -352,15 +360,16 @@ def check_data(opts: SweepOptions, cfg: ModelConfig) -> None:
         raise ValueError(
             f"{what} has about {tokens} tokens: fewer than one window of --seq-len {seq_len} + 1"
         )
+    return texts, fp
 
 
-def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
+def prepare_data(data: Path, eval_data: Path | None, root: Path, read: Texts | None = None) -> dict:
     """The training and held-out text (``_texts``: files linked, a split file's parts written, into ``root``,
     attnlab's own cache), and calibration lines for the data-aware conversions: lines of seven words or more of the
-    training text, shuffled with seed 0, 256 of them."""
+    training text, shuffled with seed 0, 256 of them. ``read``: ``check_data``'s answer, not read again."""
     from ..atomic import write_atomic
 
-    texts, fp = _texts(data, eval_data)
+    texts, fp = _texts(data, eval_data) if read is None else read
     folders = {}
     for name, group in texts.items():
         folder = root / f"{name}-{fp}"
@@ -381,7 +390,7 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path) -> dict:
         folders[name] = folder
     calib = root / f"calib-{fp}.txt"
     if not calib.is_file():
-        lines = _calibration_lines(texts)
+        lines = sorted(set(_calibration_lines(texts)))
         random.Random(0).shuffle(lines)
         if not lines:
             raise ValueError(

@@ -333,7 +333,8 @@ void block_step(StableIValue* stack, uint64_t, uint64_t) {
                     "attnlab: block_step's x must be contiguous (B, 1, D), got ", shape(x));
   const int64_t M = x.size(0), D = x.size(2), hd = cache_k.dim() == 4 ? cache_k.size(3) : 0;
   TORCH_CHECK_VALUE(hd > 0 && hd % 2 == 0 && wq.dim() == 2 && wk.dim() == 2 && wq.size(0) > 0 &&
-                        wq.size(0) % hd == 0 && wk.size(0) % hd == 0 && wk.size(0) > 0 && (wq.size(0) / hd) % (wk.size(0) / hd) == 0,
+                        wq.size(0) % hd == 0 && wk.size(0) % hd == 0 && wk.size(0) > 0 &&
+                        (wq.size(0) / hd) % (wk.size(0) / hd) == 0,
                     "attnlab: block_step: wq ", shape(wq), " and wk ", shape(wk), " are not heads of the cache's ",
                     hd, " dims (an even number)");
   const int64_t H = wq.size(0) / hd, n_kv = wk.size(0) / hd, F = w1.dim() == 2 ? w1.size(0) : 0;
