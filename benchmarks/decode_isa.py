@@ -340,7 +340,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--isa", default=None, help="comma list of native, avx2 (default: every one this CPU runs)"
     )
     parser.add_argument("--quick", action="store_true", help="batch 4 at 4096 tokens only (a few minutes)")
-    parser.add_argument("--repeats", type=int, default=5, help="round-robin rounds per shape (median kept)")
+    # 15, not 5: on the 2-core AMD EPYC of the page, one kernel's 5-round median was up to 1.67x its 15-round one
+    # (bf16 B4 n_kv 2: 0.61 of the roofline read 0.38); two 15-round runs timed every row within 0.86-1.16x.
+    parser.add_argument("--repeats", type=int, default=15, help="round-robin rounds per shape (median kept)")
     parser.add_argument("--cached-hardware", action="store_true", help="reuse this boot's bandwidth/peak")
     parser.add_argument("--from-json", action="store_true", help="only rewrite the page from the saved JSON")
     parser.add_argument(

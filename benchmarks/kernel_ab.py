@@ -81,6 +81,14 @@ def _version_files(spec: str, role: str) -> dict[str, str]:
     return files
 
 
+def _wrapper(text: str, role: str) -> str:
+    """A version's ``fused.py`` as a module of its own: its operator namespace renamed for ``role``, and its
+    relative imports (``from ..config import env_switch``) made absolute, since the copy lives outside the package."""
+    text = re.sub(r'^_NAMESPACE = "attnlab"', f'_NAMESPACE = "attnlab_{role}"', text, flags=re.M)
+    text = re.sub(r"^from \.\.(\w)", r"from attnlab.\1", text, flags=re.M)
+    return re.sub(r"^from \.(\w)", r"from attnlab.attention.\1", text, flags=re.M)
+
+
 def load_version(spec: str, role: str):
     """The version's ``fused`` module, imported from its copy and built: its C++ namespace and operator namespace
     renamed for ``role``, so that two builds loaded into one process share no symbol (a template's static
@@ -90,7 +98,7 @@ def load_version(spec: str, role: str):
     files = {
         name: text.replace("attnlab_fused", f"attnlab_fused_{role}")
         if name != "fused.py"
-        else re.sub(r'^_NAMESPACE = "attnlab"', f'_NAMESPACE = "attnlab_{role}"', text, flags=re.M)
+        else _wrapper(text, role)
         for name, text in files.items()
     }
     key = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]

@@ -158,3 +158,16 @@ def test_from_json_without_a_saved_result_is_one_line(scripts, monkeypatch, caps
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--from-json", "--json", str(tmp_path / "none.json")])
     assert module.main() == 2
     assert f"--from-json: no saved result at {tmp_path / 'none.json'}" in capsys.readouterr().err
+
+
+def test_kernel_ab_imports_a_copy_of_the_checkouts_wrapper(scripts, tmp_path):
+    # The copy lives outside the package: fused.py's `from ..config import env_switch` failed there ("attempted
+    # relative import with no known parent package"), so no A/B could run at all.
+    module = scripts("kernel_ab")
+    text = module._wrapper((module.ATTENTION / "fused.py").read_text(), "probe")
+    assert "\nfrom ." not in text
+    (tmp_path / "fused.py").write_text(text)
+    spec = importlib.util.spec_from_file_location("attnlab_kernel_probe", tmp_path / "fused.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)  # imports, without building anything
+    assert copy._NAMESPACE == "attnlab_probe"
