@@ -208,11 +208,14 @@ def convert_model(
     seed: int = 0,
     carry: str = "converted",
     progress: Progress | None = None,
+    share: bool = False,
 ) -> nn.Module:
     """A converted copy of ``model`` with ``n_kv_heads`` KV heads in every layer; ``model`` is not modified.
 
     ``carry``: which inputs "fit" and "grouped-fit" calibrate each layer on (module docstring).
-    ``progress(done, total)`` is called after each layer.
+    ``progress(done, total)`` is called after each layer. ``share``: the copy's tensors outside the attention
+    modules it replaces are ``model``'s own (not a second copy of the weights in memory): for a caller that
+    neither trains nor edits the copy in place, as ``attnlab convert`` (which writes it and lets it go).
     """
     if method in DATA_AWARE and calib is None:
         raise ValueError(f"method={method!r} needs calib: a non-empty list of token batches (B, T)")
@@ -224,7 +227,8 @@ def convert_model(
         check_batches(calib, "calib", model)
     if carry not in CARRY:
         raise ValueError(f"carry must be one of {', '.join(CARRY)}; got {carry!r}")
-    out = copy.deepcopy(model).eval()
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())} if share else {}
+    out = copy.deepcopy(model, memo).eval()
     for i, layer in enumerate(out.layers):
         if not isinstance(layer.attention, GroupedQueryAttention):
             raise TypeError(f"layers.{i}.attention is a {type(layer.attention).__name__}, not GQA")

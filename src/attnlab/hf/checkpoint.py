@@ -178,7 +178,6 @@ def convert_checkpoint(
                 f"--calib {calib} gives {tokens} tokens; --method {method} needs at least head_dim="
                 f"{attn.head_dim} (with fewer, each head's error weight is singular and the fit blows up)"
             )
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # conversions run in float32 (the fit in float64), a float64 source in float64; cast back on write
     wide = any(p.dtype == torch.float64 for p in model.parameters())
     model = (model.double() if wide else model.float()).to(where)
@@ -192,7 +191,15 @@ def convert_checkpoint(
             calib=on_device(batches or [], where) or None,
             seed=seed,
             progress=progress,
+            share=True,  # one copy of the weights the conversion leaves as they are (the peak was ~8.7x SRC)
         )
+    # the tensors the conversion changed, against the source in the conversion's dtype (an exact cast)
+    source, state = model.state_dict(), converted.state_dict()
+    moved = {
+        k for k, v in state.items() if k not in source or not (v is source[k] or torch.equal(source[k], v))
+    }
+    n_layers = model.cfg.n_layers
+    del model, source, state
     converted = converted.cpu()
 
     tensors, files = io.read_tensors(src)
@@ -210,10 +217,10 @@ def convert_checkpoint(
     # the layout of the config.json written beside the tensors: a fused tensor's may follow a field the writer
     # changed (ChatGLM's query_key_value is per head without multi_query_attention, [q; k; v] with it)
     tensor_map = fam.tensor_map(new_hf)
-    new = tensor_map.to_checkpoint(state, cfg_out)
-    moved = {k for k, v in state.items() if k not in before or not torch.equal(before[k].float(), v.float())}
-    # the checkpoint tensors made from a tensor the conversion changed, by the names the source gives them
+    # the checkpoint tensors made from a tensor the conversion changed, by the names the source gives them, made
+    # from their sources alone (not a second copy of every weight)
     changed = {key for key in tensors if set(tensor_map.sources(key)) & moved}
+    new = tensor_map.to_checkpoint({n: state[n] for key in changed for n in tensor_map.sources(key)}, cfg_out)
     rewritten = []
     for key, value in tensors.items():
         if key in changed:
@@ -230,12 +237,12 @@ def convert_checkpoint(
         "dst": str(dst),
         "model_type": model_type,
         "method": method,
-        "n_layers": model.cfg.n_layers,
+        "n_layers": n_layers,
         "n_heads": attn.n_heads,
         "n_kv_heads_before": attn.n_kv_heads,
         "n_kv_heads_after": n_kv_heads,
-        "kv_values_per_token_before": 2 * model.cfg.n_layers * attn.n_kv_heads * head_dim,
-        "kv_values_per_token_after": 2 * model.cfg.n_layers * n_kv_heads * head_dim,
+        "kv_values_per_token_before": 2 * n_layers * attn.n_kv_heads * head_dim,
+        "kv_values_per_token_after": 2 * n_layers * n_kv_heads * head_dim,
         "layout": "gqa" if fam.gqa == "native" else "mha (repeated K/V heads)",
         "tensors_rewritten": len(rewritten),
         "tensors_copied": len(tensors) - len(rewritten),
