@@ -8,11 +8,13 @@ written. And docs/families.md is what ``attnlab families --markdown`` prints.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from attnlab.bench.families import COLUMNS, example_config, loads, markdown, support
@@ -21,7 +23,7 @@ from attnlab.data import shakespeare, train_byte_bpe
 from attnlab.families import REGISTERED, Family
 from attnlab.hf import load_causal_lm
 from attnlab.hf.bert import load_bert
-from attnlab.hf.causal_lm import save_model
+from attnlab.hf.causal_lm import check_causal_lm, save_model
 from attnlab.model import Transformer
 from attnlab.parallel import check_shardable
 
@@ -142,6 +144,33 @@ def test_import(family, tmp_path):
         refused(run("generate", src, "--prompt", "To be", "--max-new", "2"))
     else:
         refused(run("generate", src, "--prompt", "To be", "--max-new", "2"))
+
+
+def test_the_header_check_finds_what_the_load_finds(family, tmp_path):
+    # `attnlab sweep` checks SRC before its jobs load it: a checkpoint missing one tensor failed every row, exit 0
+    fam, src = family
+    if support(fam)["import"].text != "yes":
+        return
+    check_causal_lm(src)  # a checkpoint the load takes passes
+    weights = sorted(src.glob("*.safetensors"))
+    assert len(weights) == 1
+    tensors = load_file(weights[0])
+    for cut in ("missing", "misshapen"):
+        broken = tmp_path / cut
+        shutil.copytree(src, broken)
+        changed = dict(tensors)
+        key = next(k for k in sorted(changed) if ("attn" in k or "attention" in k) and changed[k].ndim == 2)
+        if cut == "missing":
+            del changed[key]
+        else:
+            changed[key] = changed[key][:-1]
+        save_file(changed, broken / weights[0].name, metadata={"format": "pt"})
+        with pytest.raises(ValueError) as loaded:
+            load_causal_lm(broken)
+        with pytest.raises(ValueError) as checked:
+            check_causal_lm(broken)
+        # the same message, but for torch's own words inside a transform's error (meta tensors word it their way)
+        assert str(checked.value).split(" (")[0] == str(loaded.value).split(" (")[0], cut
 
 
 def test_convert_gqa(family, tmp_path):

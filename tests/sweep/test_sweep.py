@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from attnlab.cli import app
@@ -545,3 +546,21 @@ def test_source_weights_no_job_can_load_are_refused_before_any_job(tiny, tmp_pat
     result = runner.invoke(app, ["sweep", str(src), "--data", str(tiny["corpus"]), *FAST, "--out", str(out)])
     assert result.exit_code == 2 and "is not a readable safetensors file" in result.stderr, result.output
     assert not out.exists()
+    # a tensor missing: the same, found on the headers (the rows failed one by one, exit 0)
+    shutil.rmtree(src)
+    shutil.copytree(tiny["src"], src)
+    tensors = load_file(weights)
+    del tensors[next(k for k in sorted(tensors) if k.endswith("v_proj.weight"))]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    result = runner.invoke(app, ["sweep", str(src), "--data", str(tiny["corpus"]), *FAST, "--out", str(out)])
+    assert result.exit_code == 2 and "checkpoint does not match its config; missing" in result.stderr
+    assert not out.exists()
+
+
+def test_the_title_says_when_no_speed_was_measured():
+    # a sweep whose timing jobs all failed titled its table "tok/s measured here at None tokens"
+    from attnlab.sweep.report import title
+
+    results = {"options": {"src": "m", "batch": 1, "context": 256}, "measured_context": None}
+    assert "tok/s not measured (no timing job succeeded)" in title(results) and "None" not in title(results)
+    assert "tok/s measured here at 128 tokens" in title(results | {"measured_context": 128})

@@ -73,6 +73,21 @@ def load_causal_lm(src: str | Path) -> nn.Module:
     return model
 
 
+def check_causal_lm(src: str | Path) -> None:
+    """What ``load_causal_lm`` checks of the tensors' names, shapes and dtypes against config.json, on the weight
+    files' headers alone (meta tensors: nothing is read or allocated): for a command whose jobs load the weights
+    (``attnlab sweep``, each of whose rows failed on a checkpoint missing one tensor, with exit 0). Values are not
+    read: finiteness, and equal repeated KV heads, are the load's to check."""
+    hf = io.read_config(src)
+    cfg = model_config(src, hf)
+    meta = io.check_weights(src)
+    try:
+        state = family(hf["model_type"]).tensor_map(hf).to_attnlab(meta, cfg)
+    except ValueError as err:
+        raise ValueError(f"{src}: {err}") from None
+    io.assign(src, lambda: Transformer(cfg), state)
+
+
 def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
     """A ``Transformer`` holding ``state`` (read from ``src``), whose key set must be exactly the model's."""
     head, table = state.get("output.weight"), state.get("tok_embeddings.weight")

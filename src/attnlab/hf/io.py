@@ -108,21 +108,27 @@ def shard_map(src: str | Path) -> dict[str, str]:
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
-def check_weights(src: str | Path) -> None:
+def check_weights(src: str | Path) -> dict[str, torch.Tensor]:
     """The checks a load makes of a checkpoint's weight files, on their headers alone (nothing is read): every
     shard readable, every tensor of a float dtype (a buffer such as GPT-NeoX's boolean mask aside). For commands
     that load the weights only in their jobs (``attnlab sweep``, whose rows each failed on a truncated file, with
-    exit 0)."""
+    exit 0). Returns the tensors as the headers describe them, on the meta device (no memory)."""
     src = Path(src)
+    meta = {}
     for name in sorted(set(shard_map(src).values())):
         with _open(src / name) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                dtype = f.get_slice(key).get_dtype()
+                piece = f.get_slice(key)
+                dtype = piece.get_dtype()
                 if dtype not in FLOAT_DTYPES and dtype != "BOOL":
                     raise ValueError(
                         f"{src / name}: tensor {key} has dtype {dtype}; attnlab reads float16, bfloat16, float32 "
                         "and float64 weights"
                     )
+                meta[key] = torch.empty(
+                    piece.get_shape(), dtype=FLOAT_DTYPES.get(dtype, torch.bool), device="meta"
+                )
+    return meta
 
 
 def read_tensors(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

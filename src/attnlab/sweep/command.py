@@ -22,7 +22,7 @@ from pathlib import Path
 from ..atomic import claim_dir, json_text, lock, remove_owned, write_atomic, write_json
 from ..data import _cache_home
 from ..hf import io
-from ..hf.causal_lm import model_config
+from ..hf.causal_lm import check_causal_lm, model_config
 from ..jobs import cpu_count, run_jobs
 from ..resources import announce_device, resolve_device
 from . import plan, report
@@ -44,7 +44,9 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
     plan.check_against(opts, cfg)
-    io.check_weights(opts.src)  # the jobs load them: a truncated file failed every row, with exit 0
+    check_causal_lm(
+        opts.src
+    )  # the jobs load it: a truncated file or a missing tensor failed every row, exit 0
     read = plan.check_data(opts, cfg)  # before --out and the job cache are made
     variants = plan.variants(cfg, opts.variants, opts.quick)
     teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too

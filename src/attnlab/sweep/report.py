@@ -143,11 +143,17 @@ def header(results: dict) -> list[str]:
     return [*COLUMNS, *(f"ms/step {h}" for h in results["options"]["hardware"]), "note"]
 
 
+def _measured(results: dict) -> str:
+    """Where tok/s were measured ("None tokens" when no timing job succeeded)."""
+    n = results["measured_context"]
+    return "not measured (no timing job succeeded)" if n is None else f"measured here at {n} tokens"
+
+
 def title(results: dict) -> str:
     o = results["options"]
     return (
         f"attnlab sweep: {o['src']} (* = Pareto-optimal in loss, KV bytes and tokens/s; KV in bf16 at batch "
-        f"{o['batch']} x {o['context']} tokens; tok/s measured here at {results['measured_context']} tokens)"
+        f"{o['batch']} x {o['context']} tokens; tok/s {_measured(results)})"
     )
 
 
@@ -177,8 +183,14 @@ def markdown(results: dict, plots: list[str]) -> str:
         "",
         f"Held-out text: {o['eval_data'] or _held_out(o['data'])}; uptraining distils from "
         f"{o['teacher']}. Loss in nats per token; KV bytes in bf16, per request = batch {o['batch']} x "
-        f"{o['context']} tokens; tok/s: decode with a filled cache of {results['measured_context']} tokens on "
-        f"this machine ({results['machine']['threads']} threads); ms/step: the roofline's decode step. "
+        f"{o['context']} tokens; tok/s: "
+        + (
+            f"decode with a filled cache of {results['measured_context']} tokens on this machine "
+            f"({results['machine']['threads']} threads)"
+            if results["measured_context"] is not None
+            else "not measured (no timing job succeeded)"
+        )
+        + "; ms/step: the roofline's decode step. "
         "`*`: Pareto-optimal (no other row is at least as good in loss, KV bytes and tok/s).",
         "",
         "| " + " | ".join(header(results)) + " |",
