@@ -33,11 +33,17 @@ def one_line_error(result, *fragments: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "attnlab")
+@pytest.mark.parametrize(
+    "command",
+    [*COMMANDS, ["sweep"], ["uptrain"], ["eval"], ["generate"]],
+    ids=lambda c: " ".join(c) or "attnlab",
+)
 def test_flags_show_no_bool_metavar(command):
     result = runner.invoke(app, [*command, "--help"])
     assert result.exit_code == 0 and "--help" in result.stdout
     assert "<bool>" not in result.stdout
+    usage = next(line for line in result.stdout.splitlines() if "Usage:" in line)
+    assert "[]" not in usage  # sweep's extra variants read "[]..."
     if command == ["convert"]:
         assert "--overwrite" in result.stdout and "<int>" in result.stdout  # values keep their type
 

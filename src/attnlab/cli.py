@@ -397,7 +397,7 @@ def sweep(
     src: Path = typer.Argument(..., help="Source causal-LM checkpoint (MHA or GQA); never modified."),
     more_variants: list[str] | None = typer.Argument(
         None,
-        metavar="",
+        metavar="variants",  # typer's usage line: "[variants]..." (with "" it was "[]...")
         show_default=False,
         help="More --variants: --variants gqa:4,2 mla:256,128 reads both.",
     ),

@@ -123,6 +123,27 @@ def test_convert_checkpoint_on_bert(minilm, tmp_path):
     assert (tmp_path / "out" / "1_Pooling").is_dir()  # sentence-transformers files are carried along
 
 
+def test_a_bert_export_is_read_back_as_gqa_and_converts_again(minilm, tmp_path):
+    # MiniLM converted to 4 KV heads was read back as 12 (its heads repeated in the MHA layout), so `--kv-heads 6`
+    # was accepted and wrote a different model; and `--method fit` on BERT died on a missing config field.
+    model, _, _ = minilm
+    convert_checkpoint(MODEL, tmp_path / "g4", 4, "mean")
+    back, _ = load_bert(tmp_path / "g4")
+    assert back.cfg.attention.n_kv_heads == 4
+    with pytest.raises(ValueError, match="divisor of the checkpoint's 4 KV heads"):
+        convert_checkpoint(tmp_path / "g4", tmp_path / "g6", 6, "mean")
+    summary = convert_checkpoint(tmp_path / "g4", tmp_path / "g2", 2, "mean")
+    assert summary["n_kv_heads_before"] == 4
+    twice, direct = load_bert(tmp_path / "g2")[0], convert_model(model, 2, "mean")
+    assert twice.cfg.attention.n_kv_heads == 2
+    for (name, a), b in zip(twice.state_dict().items(), direct.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)  # a mean of equal groups' means
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(shakespeare_lines(40, 200)) + "\n")
+    fitted = convert_checkpoint(MODEL, tmp_path / "fit", 4, "fit", calib=calib)
+    assert fitted["n_kv_heads_after"] == 4 and fitted["calibration_sequences"] == 40
+
+
 def test_padded_calibration_rows_equal_unpadded(minilm):
     from attnlab.convert import attention_inputs
 

@@ -26,7 +26,7 @@ from ..config import AttentionConfig, ModelConfig
 from ..families.bert import TENSORS
 from ..hf_config import from_hf_config
 from . import io
-from .causal_lm import repeat_kv_heads
+from .causal_lm import collapse_repeated_kv_heads, repeat_kv_heads
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ class EncoderConfig:
 
     def with_attention(self, attention: AttentionConfig) -> EncoderConfig:
         return dataclasses.replace(self, attention=attention)
+
+    def replace(self, **changes) -> EncoderConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest input, by the decoder's name (calibration text is cut to it)."""
+        return self.max_position_embeddings
 
 
 class EncoderLayer(nn.Module):
@@ -134,14 +142,18 @@ def _take_one_head_per_group(w: torch.Tensor, cfg: AttentionConfig) -> torch.Ten
 def load_bert(src: str | Path, n_kv_heads: int | None = None) -> tuple[BertEncoder, dict[str, torch.Tensor]]:
     """The encoder of a BERT checkpoint and the tensors it does not use (pooler), to carry through an export.
 
-    ``n_kv_heads``: load an MHA-layout export of a GQA encoder back as GQA (its K/V heads must be repeated).
+    ``n_kv_heads``: load an MHA-layout export of a GQA encoder back as GQA (its K/V heads must be repeated);
+    by default, the fewest KV heads whose repetition the checkpoint is, bit for bit (``collapse_repeated_kv_heads``,
+    as causal LMs are read): an export of ``attnlab convert`` is read as the GQA encoder it computes.
     """
     hf = io.read_config(src)
     cfg = encoder_config_from_hf(hf, n_kv_heads)
     tensors, _ = io.read_tensors(src)
     state = TENSORS.to_attnlab(tensors, from_hf_config(hf))  # names by the family's tensor map
     extra = {TENSORS.bare(k): v for k, v in tensors.items() if TENSORS.bare(k).startswith("pooler.")}
-    if cfg.attention.n_kv_heads != cfg.attention.n_heads:
+    if n_kv_heads is None:
+        cfg, state = collapse_repeated_kv_heads(cfg, state)
+    elif cfg.attention.n_kv_heads != cfg.attention.n_heads:
         for name in [n for n in state if re.search(r"attention\.w[kv]\.", n)]:
             state[name] = _take_one_head_per_group(state[name], cfg.attention)
     return io.assign(src, lambda: BertEncoder(cfg), state).eval(), extra
