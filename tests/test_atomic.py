@@ -415,3 +415,17 @@ def test_sigkill_mid_write_then_a_successful_run_leaves_no_temporary(tmp_path):
     with atomic_dir(dst) as tmp:
         (tmp / "v").write_text("1")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_lock_taken_for_a_command_line_in_another_encoding(tmp_path, monkeypatch):
+    # a path with byte 0xff reaches sys.argv as a surrogate: writing it into the lock file raised, and left the lock
+    # file behind (one more each retry)
+    monkeypatch.setattr(sys, "argv", ["attnlab", "convert", "src", "cv_\udcff"])
+    with atomic.lock(tmp_path / "cv_\udcff"):
+        text = (tmp_path / ".cv_\udcff.lock").read_bytes()
+        assert b"cv_\\udcff" in text
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(os, "write", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space"), atomic.lock(tmp_path / "dst"):
+        pass
+    assert not list(tmp_path.iterdir())  # the lock file it could not fill is removed

@@ -168,6 +168,7 @@ def test_compare_local_measures_the_machine_once(monkeypatch):
     native = next(r for r in doc["rows"] if r["native"])
     assert native["decode_step_bytes"] / native["decode_step_seconds"] == pytest.approx(7e9)
     assert doc["local_hardware"].startswith("bandwidth 7.00 GB/s")
+    assert result.stderr == ""  # the timing bar left a blank line on a pipe
 
 
 def test_bench_sizes_that_cannot_be_allocated_are_one_line():

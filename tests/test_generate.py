@@ -406,6 +406,10 @@ def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
         (["--top-k", "5", "--top-p", "0.5"], "--top-k and --top-p choose among"),
         (["--stop", "To be or not to be"], "give a single token"),
         (["--dtype", "fp8"], "--dtype"),
+        # every command's seed range: generate took -5, and 10**23 failed in torch after the load
+        (["--seed", "-5", "--temperature", "1"], "--seed must be in [0, 2**64), got -5"),
+        (["--seed", str(10**23)], "--seed must be in [0, 2**64)"),
+        (["--prompt", "ab\udcffcd"], "is not valid UTF-8 text"),  # a shell argument in another encoding
         (["--bandwidth", "0"], "--bandwidth"),
         (["--cache", "ring"], "--cache must be one of auto, contiguous, paged, static; got 'ring'"),
         (["--cache", "paged", "--compile"], "--compile compiles the decode step over the static cache"),

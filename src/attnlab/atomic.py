@@ -296,7 +296,7 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
         return
     made = _make_parents(dst.parent)
     path = _lock_path(dst)
-    fd = -1
+    fd, ours = -1, False  # ours: locked, and checked to be an attnlab lock file
     try:
         while True:
             fd = _open_lock_file(path)
@@ -316,14 +316,20 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
                 same = False
             if same:
                 _check_lock_text(fd, path)
+                ours = True
                 break
             os.close(fd)
             fd = -1
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}: {' '.join(['attnlab', *sys.argv[1:]])[:300]}".encode())
+        # an argument in another encoding (a path with byte 0xff) reaches sys.argv as a surrogate: written escaped
+        command = " ".join(["attnlab", *sys.argv[1:]])[:300]
+        os.write(fd, f"pid {os.getpid()}: {command}".encode("utf-8", "backslashreplace"))
         _held[key] = 1
     except BaseException:
         if fd >= 0:
+            if ours:  # not left behind (a failure here left one per retry)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             os.close(fd)
         _remove_empty(made)
         raise

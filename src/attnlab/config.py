@@ -57,6 +57,19 @@ ROPE_WITHOUT_PLAIN_PLANES = {
 }
 
 
+SEED_LIMIT = 2**64  # torch.manual_seed takes 0 .. 2**64 - 1 (a negative seed is wrapped to one of those)
+
+
+def check_seed(seed: object, flag: str = "--seed") -> int:
+    """``seed`` checked: an int in [0, 2**64), the range torch seeds a generator with. One rule for every command
+    (``generate`` took -5, and 10**23 met the user as "Overflow when unpacking long long", after the load)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{flag} must be an int, got {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{flag} must be in [0, 2**64), got {seed}")
+    return seed
+
+
 def env_switch(name: str, default: bool) -> bool:
     """An on/off environment variable: unset or empty is ``default``, else "1" or "0". Anything else ("false",
     "off") once left the switch as it was, silently (or, for ATTNLAB_BACKENDS, turned it on): a ValueError naming

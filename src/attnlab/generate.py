@@ -54,7 +54,7 @@ import torch
 
 from .attention import fused
 from .attention.rope import switch_length
-from .config import AttentionConfig, MLAConfig
+from .config import AttentionConfig, MLAConfig, check_seed
 from .cost import kv_cache_bytes, weight_bytes_read
 from .model import Transformer
 
@@ -244,8 +244,8 @@ def generate(
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     rows = _prompt_lists(prompts, model.cfg.vocab_size)
     stops = _stop_set(stop_tokens, model.cfg.vocab_size)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be None or an int, got {seed!r}")
+    if seed is not None:
+        check_seed(seed, "seed")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
     if seed is not None and generator is not None:

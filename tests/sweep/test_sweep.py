@@ -201,6 +201,9 @@ def test_pareto_on_a_hand_made_table():
         # inf ran every other job, then failed each uptraining, with exit 0
         (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
         (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
+        # uptrain's own ranges, before any job (each row failed on them, exit 0)
+        (["--temperature", "0.005"], "--temperature must be in [0.01, 100.0], got 0.005"),
+        (["--seed", str(10**23)], "--seed must be in [0, 2**64)"),
         (["--variants", "gqa:2/median"], "--variants gqa:2/median"),
         (["--variants", "mla:16+x"], "--variants mla:R+"),
         # checked before any job runs, not as every row's error (--seq-len 0 once meant the default)

@@ -310,3 +310,22 @@ def test_resume_from_a_damaged_checkpoint_names_it_before_any_work(work, monkeyp
         assert "--resume: the newest checkpoint is damaged" in result.output and "delete" in result.output
         assert not (work / "up").exists()
         (step / file).write_bytes(kept)
+
+
+def test_a_checkpoint_under_a_path_that_is_no_utf8_is_named_for_its_path(tiny_llama, corpus, tmp_path):
+    # the weights were called "not a readable safetensors file ... re-download or re-export it": the file was fine
+    src = tmp_path / "ck_\udcfa"  # a directory named with byte 0xfa, as the shell hands it over
+    os.symlink(tiny_llama, src)
+    for args in (["eval", src, "--data", corpus], ["generate", src, "--prompt", "To be", "--max-new", 2]):
+        one_line_error(
+            run_cli(*args), "the path is not valid UTF-8 text, which the safetensors library cannot"
+        )
+
+
+def test_a_file_given_as_the_checkpoint_is_named_a_file(corpus):
+    # "checkpoint directory not found" for a path that was there
+    for args in (
+        ["eval", corpus / "hamlet.txt", "--data", corpus],
+        ["convert", corpus / "hamlet.txt", "x", "--kv-heads", 1],
+    ):
+        one_line_error(run_cli(*args), "hamlet.txt is a file, not a checkpoint directory")

@@ -195,7 +195,7 @@ def run_compare(
         chosen = variants(model_cfg)
         with Progress(
             TextColumn("timing one layer: {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), console=err, transient=True,
+            TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal,  # a pipe got a blank line
         ) as bar:  # fmt: skip
             task = bar.add_task("measuring this machine", total=len(chosen))
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..atomic import json_text, read_json
+from ..config import check_seed
 from ..console import Grid, print_grid
 from ..cost import weight_bytes_read
 from ..generate import CACHES, generate
@@ -160,6 +161,12 @@ def run_generate(
     if compile_step and cache not in ("auto", "static"):
         raise ValueError(f"--compile compiles the decode step over the static cache; got --cache {cache}")
     check_sampling(temperature, top_k, top_p)
+    check_seed(seed)
+    for text in prompts:  # a shell argument in another encoding arrives with surrogate escapes
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--prompt {text!r} is not valid UTF-8 text") from None
     if bandwidth_gbs is not None and not 0 < bandwidth_gbs < float("inf"):
         raise ValueError(f"--bandwidth must be a number of GB/s > 0, got {bandwidth_gbs}")
     model = load_causal_lm(ckpt)

@@ -48,6 +48,13 @@ RUN_RECORDS = ("uptrain.json", "uptrain_log.jsonl")
 def _open(path: Path) -> Any:
     """``safe_open`` with a ValueError naming the file when it is not a readable safetensors file."""
     try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # the file is fine: its path is what the library cannot take
+        raise ValueError(
+            f"{str(path)!r}: the path is not valid UTF-8 text, which the safetensors library cannot open; rename "
+            "the directory"
+        ) from None
+    try:
         return safe_open(path, framework="pt")
     except SafetensorError as err:
         raise ValueError(
@@ -59,6 +66,8 @@ def read_config(src: str | Path) -> dict:
     """config.json of a checkpoint directory, checked to be a JSON object with a ``model_type``."""
     src = Path(src)
     if not src.is_dir():
+        if src.exists():  # "not found" sent users looking for a path that was there
+            raise ValueError(f"{src} is a file, not a checkpoint directory (config.json + safetensors)")
         raise FileNotFoundError(f"checkpoint directory not found: {src}")
     path = src / "config.json"
     if not path.is_file():

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import AttentionConfig, ModelConfig
+from ..config import AttentionConfig, ModelConfig, check_seed
 from ..convert.gqa import METHODS
 from ..convert.mla import full_rank
 from ..convert.model import DATA_AWARE
@@ -106,6 +106,16 @@ def parse_ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _uptrain_takes(opts: SweepOptions) -> None:
+    """The uptraining recipe refused here, as ``attnlab uptrain`` refuses it (UptrainOptions' own checks): one
+    that only the jobs refused (``--temperature 0.005``, a seed past 2**64) failed each row, with exit 0."""
+    from ..train import UptrainOptions
+
+    here = Path(".")
+    UptrainOptions(src=here, dst=here, data=here, steps=1, batch_size=opts.batch_size, lr=opts.lr, seed=opts.seed,
+                   distill_weight=opts.distill_weight, temperature=opts.temperature)  # fmt: skip
+
+
 def check_options(opts: SweepOptions) -> None:
     """Refuse bad options before anything is loaded, naming the flag."""
     for field in ("src", "data"):
@@ -155,14 +165,14 @@ def check_options(opts: SweepOptions) -> None:
             raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
     if not 0 < opts.lr < math.inf:  # inf ran every other job, then failed each uptraining (exit 0)
         raise ValueError(f"--lr must be a finite number > 0, got {opts.lr}")
-    if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or opts.seed < 0:
-        raise ValueError(f"--seed must be an integer >= 0, got {opts.seed!r}")
+    check_seed(opts.seed)
     if opts.warmup is not None and not 0 <= opts.warmup <= 1:
         raise ValueError(f"--warmup is a fraction of the uptraining steps in [0, 1], got {opts.warmup}")
     if not 0 <= opts.distill_weight <= 1:
         raise ValueError(f"--distill-weight must be in [0, 1], got {opts.distill_weight}")
     if not 0 < opts.temperature < math.inf:
         raise ValueError(f"--temperature must be a finite number > 0, got {opts.temperature}")
+    _uptrain_takes(opts)
     if opts.timing not in TIMING:
         raise ValueError(f"--timing must be one of {', '.join(TIMING)}; got {opts.timing!r}")
     for flag, value, least in (("timing_steps", opts.timing_steps, 1), ("timing_repeats", opts.timing_repeats, 1),

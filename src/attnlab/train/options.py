@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import check_seed
+
 TRAINABLE = ("all", "attention")
 DTYPES = ("fp32", "bf16")
 
@@ -84,7 +86,6 @@ class UptrainOptions:
             ("seq_len", 1),
             ("grad_accum", 1),
             ("keep", 1),
-            ("seed", 0),
             ("save_every", 0),
             ("eval_every", 0),
             ("eval_windows", 0),
@@ -95,6 +96,7 @@ class UptrainOptions:
                 raise TypeError(f"{_flag(name)} must be an int, got {value!r}")
             if value < minimum:
                 raise ValueError(f"{_flag(name)} must be >= {minimum}, got {value}")
+        check_seed(self.seed)
         if self.warmup is not None:
             if isinstance(self.warmup, bool) or not isinstance(self.warmup, int):
                 raise TypeError(f"--warmup must be an int, got {self.warmup!r}")
