@@ -82,7 +82,10 @@ def test_progress_reports_every_stage_layer_by_layer(tmp_path, source):
     convert_checkpoint_to_mla(
         source, tmp_path / "dst", 8, 4, progress=lambda stage, done, total: seen.append((stage, done, total))
     )
-    assert seen == [(stage, i, 2) for stage in STAGES for i in (1, 2)]
+    # each stage layer by layer (2), then the logits batch by batch (4 batches of random tokens)
+    assert seen == [(stage, i, 2) for stage in STAGES[:4] for i in (1, 2)] + [
+        (STAGES[4], i, 4) for i in range(1, 5)
+    ]
 
 
 @pytest.mark.parametrize(

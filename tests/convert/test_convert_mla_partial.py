@@ -220,3 +220,50 @@ def test_yarn_factor_is_folded_into_the_turned_dims_only(interleaved):
         nope = mla.wq.weight.view(4, -1, 48)[:, : mla.cfg.qk_nope_head_dim]
         nope.mul_(factor**2)
     assert (mla(x) - y).norm() > 1e-2 * y.norm()
+
+
+def test_logit_distances_of_several_pairs_equal_each_pair_in_float64(monkeypatch):
+    # The MLA summary compared three models pairwise: six forward passes, whole batches of logits in float64
+    # (7.9 GB at a 65,536-token vocabulary). Now each model runs once, a few rows at a time, compared 64 tokens at a
+    # time: the same figures as the whole-batch formula, row splitting forced here (1 row per pass).
+    from attnlab.convert import mla_model
+
+    def model(seed: int) -> Transformer:
+        attn = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2)
+        m = Transformer(ModelConfig(vocab_size=300, n_layers=1, attention=attn, ffn_dim=48, max_seq_len=128))
+        m.init_weights(std=0.3, seed=seed)
+        return m.eval()
+
+    models = {"a": model(1), "b": model(2), "c": model(3)}
+    ids = torch.randint(0, 300, (3, 100), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 70:] = 0
+    batches = [(ids, mask), ids[:2, :40]]
+
+    def whole(x, y):  # the formula on whole batches in float64
+        diffs, kls, dens = [], [], []
+        for batch in batches:
+            i, m = batch if isinstance(batch, tuple) else (batch, torch.ones_like(batch))
+            la, lb = models[x](i)[m.bool()].double(), models[y](i)[m.bool()].double()
+            diffs.append(lb - la)
+            dens.append((la - la.mean(-1, keepdim=True)).square().sum())
+            kls.append(la.log_softmax(-1).exp() * (la.log_softmax(-1) - lb.log_softmax(-1)))
+        d = torch.cat(diffs)
+        kl = torch.cat(kls).sum() / len(d)
+        return d.abs().max().item(), (d.square().sum() / sum(dens)).sqrt().item(), kl.item()
+
+    monkeypatch.setattr(mla_model, "LOGIT_BYTES", 4 * 100 * 300)  # one row of logits per forward pass
+    calls = []
+    for m in models.values():
+        m.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    pairs = [("a", "b"), ("b", "c"), ("a", "c")]
+    with torch.no_grad():
+        got = mla_model.logit_distances(models, pairs, batches)
+        for pair in pairs:
+            m, rel, kl = whole(*pair)
+            assert got[pair]["max_abs"] == m
+            assert got[pair]["rel_rms"] == pytest.approx(rel, rel=1e-12)
+            assert got[pair]["kl"] == pytest.approx(kl, rel=1e-12)
+            assert logit_distance(models[pair[0]], models[pair[1]], batches) == got[pair]
+    # each model once a pass: the first batch a row at a time (100 tokens), the second two rows of 40 at once
+    assert calls[:12] == [1] * 9 + [2] * 3

@@ -41,7 +41,7 @@ from ..convert.mla_model import (
     convert_model_to_mla,
     fold_latent_norms,
     layer_errors,
-    logit_distance,
+    logit_distances,
     with_nope_dim,
 )
 from ..families import family
@@ -52,7 +52,8 @@ from .checkpoint import calibration_batches, computing_on, conversion_device, on
 
 # (stage, layers done, layers in all): called after each layer of each pass over the model
 StageProgress = Callable[[str, int, int], None]
-STAGES = ("choosing planes", "converting", "latent norm", "measuring errors")
+STAGES = ("choosing planes", "converting", "latent norm", "measuring errors", "comparing logits")
+UNITS = ("layers", "layers", "layers", "layers", "batches")  # what each stage's progress counts
 
 
 def random_batches(
@@ -220,9 +221,15 @@ def convert_checkpoint_to_mla(
             "latent_norm_error": [round(s["latent_error"], 6) for s in norm_stats],
             "latent_norm_balance": [s["balance"] for s in norm_stats],
             # Logit distances on the calibration batches: conversion alone, the latent norm alone, both.
-            "logits_source_vs_mla": logit_distance(model, mla, batches),
-            "logits_mla_vs_native": logit_distance(mla, native, batches),
-            "logits_source_vs_native": logit_distance(model, native, batches),
+            **{
+                f"logits_{x}_vs_{y}": d
+                for (x, y), d in logit_distances(
+                    {"source": model, "mla": mla, "native": native},
+                    [("source", "mla"), ("mla", "native"), ("source", "native")],
+                    batches,
+                    progress=_stage(progress, STAGES[4]),
+                ).items()
+            },
         }
         # llama.cpp loads no DeepSeek model without a no-RoPE dim: a one-KV-head source keeping every dim rotary gets a
         # zero one (the same model; its distances above are those of the model without it)
