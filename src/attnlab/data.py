@@ -67,7 +67,16 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
         raise FileNotFoundError(f"{flag} {path} not found")
     if not path.is_dir():  # a device, a FIFO, a socket (/dev/null read as "a directory without .txt files")
         raise ValueError(f"{flag} {path} is neither a text file nor a directory")
-    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+
+    def unreadable(err: OSError) -> None:  # rglob skipped such a directory without a word
+        raise ValueError(
+            f"{flag} {path}: cannot read {err.filename} ({err.strerror}); fix its permissions or move it"
+        )
+
+    found = []
+    for root, _, names in os.walk(path, onerror=unreadable):  # symlinked directories not followed, as rglob
+        found += [Path(root) / n for n in names if n.endswith(".txt")]
+    files = sorted(p for p in found if p.is_file())
     if not files:
         raise ValueError(f"{flag} {path} is a directory without .txt files")
     return files

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -169,3 +170,22 @@ def test_tokenising_holds_the_tokenizer_to_a_batch_of_pieces(monkeypatch, tiny_l
     pieces = data.tokenize_files(tiny_llama, files)
     assert torch.equal(pieces.tokens, whole.tokens) and torch.equal(pieces.nbytes, whole.nbytes)
     assert len(sizes) > 10 and max(sizes) <= 2000 + 200  # a piece ends at the first good newline past 500
+
+
+def test_a_corpus_directory_that_cannot_be_read_is_named(tmp_path, monkeypatch):
+    # rglob skipped a subdirectory it could not list, so a corpus lost files without a word (root reads any
+    # directory, so the refusal is simulated)
+    (tmp_path / "plays" / "locked").mkdir(parents=True)
+    (tmp_path / "plays" / "a.txt").write_text("To be.\n")
+    (tmp_path / "plays" / "locked" / "b.txt").write_text("Or not.\n")
+    assert [f.name for f in data.text_files(tmp_path / "plays")] == ["a.txt", "b.txt"]
+    real = os.scandir
+
+    def scandir(path):
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ValueError, match=r"--data .*plays: cannot read .*locked \(Permission denied\)"):
+        data.text_files(tmp_path / "plays")
