@@ -41,6 +41,14 @@ def read_raw(path_or_dict: str | Path | dict[str, Any]) -> tuple[dict[str, Any],
     return raw, path.parent.name
 
 
+def _config_path(path_or_dict: str | Path | dict[str, Any]) -> str | None:
+    """The config.json file ``read_raw`` read, for the errors to name (None for a dict)."""
+    if isinstance(path_or_dict, dict):
+        return None
+    path = Path(path_or_dict)
+    return str(path / "config.json" if path.is_dir() else path)
+
+
 def quantization(raw: dict[str, Any]) -> str | None:
     """A config.json's quantization method (its ``quantization_config``'s ``quant_method``, "?" when unnamed), or
     None for an unquantized checkpoint: its tensors are then the weights themselves."""
@@ -54,7 +62,7 @@ def from_hf_config(path_or_dict: str | Path | dict[str, Any], *, name: str | Non
     """Read a ``config.json`` (a path to it, to its directory, or the parsed dict) into a ``ModelConfig``."""
     raw, default_name = read_raw(path_or_dict)
     model_type = raw.get("model_type")
-    cfg = family(model_type).read(Fields(raw, str(model_type)))
+    cfg = family(model_type).read(Fields(raw, str(model_type), _config_path(path_or_dict)))
     # the folder's name unless a non-empty string is given (a list or a number reached compare's title)
     given = raw.get("_name_or_path")
     if name is None:

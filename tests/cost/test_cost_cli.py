@@ -176,7 +176,7 @@ def test_bad_config_json_exit_2(tmp_path, change, message):
     path.write_text(json.dumps(dict(HF_CONFIGS["llama-2-7b"], **change)))
     result = runner.invoke(app, ["compare", "--model", str(path)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == f"attnlab: error: llama config.json: {message}"
+    assert result.stderr.strip() == f"attnlab: error: {path}: {message}"  # the file, not "llama config.json"
 
 
 def test_a_quantized_config_is_costed_at_the_dtype_and_says_so_and_its_weights_are_refused(tmp_path):

@@ -152,12 +152,12 @@ def test_num_key_value_heads_null_is_read_as_transformers_reads_it(config_class)
 @pytest.mark.parametrize(
     ("model_type", "change", "named"),
     [
-        ("llama", {"hidden_act": "gelu"}, "llama config.json: hidden_act='gelu' is not supported"),
-        ("llama", {"pretraining_tp": 2}, "llama config.json: pretraining_tp=2 is not supported"),
+        ("llama", {"hidden_act": "gelu"}, "src/config.json: hidden_act='gelu' is not supported"),
+        ("llama", {"pretraining_tp": 2}, "src/config.json: pretraining_tp=2 is not supported"),
         (  # Llama 4's chunked attention: another model, refused by the field's name
             "qwen2",
             {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
-            "qwen2 config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
+            "src/config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
         ),
     ],
 )

@@ -188,7 +188,7 @@ def test_fields_left_out_mean_what_qwen3config_says():
         ),
         (  # Llama 4's chunked attention: another model, refused by the field's name
             {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
-            "qwen3 config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
+            "src/config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
         ),
     ],
 )

@@ -41,13 +41,15 @@ MAX_LAYERS = 4096
 class Fields:
     """Typed access to a config.json dict; every error names the field."""
 
-    def __init__(self, raw: dict[str, Any], model_type: str) -> None:
+    def __init__(self, raw: dict[str, Any], model_type: str, where: str | None = None) -> None:
         self.raw, self.model_type = raw, model_type
+        # what the errors name: the file where there is one ("llama config.json" named no checkpoint)
+        self.label = where or f"{model_type} config.json"
 
     def _get(self, key: str, default: Any) -> Any:
         value = self.raw.get(key, default)
         if value is _MISSING:
-            raise ValueError(f"{self.model_type} config.json: missing field {key!r}")
+            raise ValueError(f"{self.label}: missing field {key!r}")
         return value
 
     def layers(self, key: str) -> int:
@@ -69,11 +71,9 @@ class Fields:
         if value is None and null is not _MISSING:
             value = null
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{self.model_type} config.json: field {key!r} must be an int, got {value!r}")
+            raise ValueError(f"{self.label}: field {key!r} must be an int, got {value!r}")
         if not minimum <= value <= maximum:
-            raise ValueError(
-                f"{self.model_type} config.json: field {key!r} must be in [{minimum}, {maximum}], got {value}"
-            )
+            raise ValueError(f"{self.label}: field {key!r} must be in [{minimum}, {maximum}], got {value}")
         return value
 
     def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
@@ -82,13 +82,13 @@ class Fields:
     def float(self, key: str, default: Any = _MISSING) -> float:
         value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{self.model_type} config.json: field {key!r} must be a number, got {value!r}")
+            raise ValueError(f"{self.label}: field {key!r} must be a number, got {value!r}")
         try:
             number = float(value)
         except OverflowError:  # an int past the float range
             number = math.inf
         if not math.isfinite(number):
-            raise ValueError(f"{self.model_type} config.json: field {key!r} must be finite, got {value!r}")
+            raise ValueError(f"{self.label}: field {key!r} must be finite, got {value!r}")
         return number
 
     def opt_float(self, key: str) -> float | None:
@@ -97,26 +97,22 @@ class Fields:
     def bool(self, key: str, default: Any = _MISSING) -> bool:
         value = self._get(key, default)
         if not isinstance(value, bool):
-            raise ValueError(
-                f"{self.model_type} config.json: field {key!r} must be true or false, got {value!r}"
-            )
+            raise ValueError(f"{self.label}: field {key!r} must be true or false, got {value!r}")
         return value
 
     def str(self, key: str, default: Any = _MISSING, choices: tuple[str, ...] | None = None) -> str:
         value = self._get(key, default)
         if not isinstance(value, str) or (choices is not None and value not in choices):
             allowed = f"one of {', '.join(map(repr, choices))}" if choices else "a string"
-            raise ValueError(f"{self.model_type} config.json: field {key!r} must be {allowed}, got {value!r}")
+            raise ValueError(f"{self.label}: field {key!r} must be {allowed}, got {value!r}")
         return value
 
     def fail(self, message: str) -> None:
-        raise ValueError(f"{self.model_type} config.json: {message}")
+        raise ValueError(f"{self.label}: {message}")
 
     def unsupported(self, key: str, why: str) -> None:
         """A field attnlab does not model: refused, naming it, rather than read as a different model."""
-        raise ValueError(
-            f"{self.model_type} config.json: {key}={self.raw.get(key)!r} is not supported ({why})"
-        )
+        raise ValueError(f"{self.label}: {key}={self.raw.get(key)!r} is not supported ({why})")
 
     def rope(self, default_theta: float = 10000.0) -> tuple[float, tuple[tuple[str, Any], ...]]:
         """(rope_theta, rope_scaling) for ``AttentionConfig``, read with transformers' precedence

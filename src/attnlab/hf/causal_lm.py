@@ -49,7 +49,7 @@ def model_config(src: str | Path, hf: dict | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a causal-LM checkpoint, after the family's checks for loading."""
     hf = io.read_config(src) if hf is None else hf
     model_type, fam = _family(hf, src)
-    fields = Fields(hf, model_type)
+    fields = Fields(hf, model_type, str(Path(src) / "config.json"))
     if fam.check_load is not None:
         fam.check_load(fields)
     return fam.read(fields)
