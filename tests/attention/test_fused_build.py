@@ -111,6 +111,36 @@ def test_a_build_is_announced_once_on_stderr_and_a_cached_one_not_at_all(tmp_pat
     assert float((tmp_path / fused._BUILD_SECONDS).read_text()) > 0
 
 
+def test_a_process_that_waited_for_another_build_does_not_announce_one(tmp_path, monkeypatch, capsys):
+    # the build was announced before the lock: a process that waited for another's build said "building" too
+    import contextlib
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(fused, "_compiler_version", lambda compiler: "13")  # a part of the build's name
+    name = fused.extension_name(flags=())
+    library = tmp_path / name / f"{name}.so"
+
+    def fake_load(**kwargs):
+        library.touch()
+        return str(library)
+
+    @contextlib.contextmanager
+    def other_builder_first(directory):  # the lock comes free once another process has built the library
+        library.touch()
+        yield
+
+    monkeypatch.setattr(cpp, "load", fake_load)
+    monkeypatch.setattr(fused, "_build_lock", other_builder_first)
+    assert fused._build(fused._SOURCE) == str(library)
+    assert "building" not in capsys.readouterr().err
+    library.unlink()
+    monkeypatch.setattr(fused, "_build_lock", lambda directory: contextlib.nullcontext())
+    fused._build(fused._SOURCE)  # nobody built it: this process does, and says so
+    assert capsys.readouterr().err.startswith(LINE)
+
+
 def test_the_estimate_is_the_last_build_recorded_in_the_cache(tmp_path, capsys):
     (tmp_path / fused._BUILD_SECONDS).write_text("23.4\n")
     fused._announce_build(tmp_path)

@@ -213,12 +213,14 @@ def _build(source: Path, flags: tuple[str, ...] = ()) -> str:
     directory = root / name
     library = directory / f"{name}.so"
     newest = max(p.stat().st_mtime for p in _source_files(source))
-    compiles = not library.is_file() or library.stat().st_mtime < newest
-    if compiles and _compiler_version(_compiler()) is not None:
-        _announce_build(root)
     directory.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
     with _build_lock(directory):
+        # asked once the lock is ours: a process that waited for another's build finds it done (it announced a
+        # build it never made)
+        compiles = not library.is_file() or library.stat().st_mtime < newest
+        if compiles and _compiler_version(_compiler()) is not None:
+            _announce_build(root)
+        start = time.perf_counter()
         path = load(
             name=name,
             sources=[str(source / "kernels.cpp"), str(source / "ops.cpp")],
