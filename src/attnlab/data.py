@@ -122,8 +122,11 @@ def load_tokenizer(checkpoint: str | Path, vocab_size: int | None = None):
         raise ValueError(
             f"{path} is not a readable tokenizer ({reason}); re-download or re-export it"
         ) from None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if not vocab:  # every text would be no tokens at all, and the data was blamed ("fewer than one window")
+        raise ValueError(f"{path} has an empty vocabulary: it tokenises nothing; re-download or re-export it")
     if vocab_size is not None:
-        top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        top = max(vocab.values())
         if top >= vocab_size:
             raise ValueError(
                 f"{path} has token ids up to {top}, but the model's embedding has {vocab_size} rows (config.json): "

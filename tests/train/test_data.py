@@ -189,3 +189,16 @@ def test_a_corpus_directory_that_cannot_be_read_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "scandir", scandir)
     with pytest.raises(ValueError, match=r"--data .*plays: cannot read .*locked \(Permission denied\)"):
         data.text_files(tmp_path / "plays")
+
+
+def test_a_tokenizer_with_an_empty_vocabulary_is_named(tmp_path, tiny_llama):
+    # every text came out as no tokens, and the data was blamed: "has 0 tokens: fewer than one window"
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    empty = Tokenizer(models.WordLevel({}, unk_token="[UNK]"))
+    empty.pre_tokenizer = pre_tokenizers.Whitespace()
+    empty.save(str(src / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"tokenizer\.json has an empty vocabulary"):
+        data.load_tokenizer(src)
