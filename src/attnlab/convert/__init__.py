@@ -11,6 +11,7 @@ from .mla_model import (
     fold_latent_norms,
     layer_errors,
     logit_distance,
+    logit_distances,
 )
 from .model import attention_inputs, convert_model
 
@@ -26,6 +27,7 @@ __all__ = [
     "gqa_to_mla",
     "layer_errors",
     "logit_distance",
+    "logit_distances",
     "mha_to_gqa",
     "permute_heads",
 ]
