@@ -26,6 +26,7 @@ import os
 import re
 import tarfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -252,9 +253,12 @@ def _pieces(tok, text: str, size: int) -> list[int]:
     return starts
 
 
-def _encode(tok, texts: list[str], piece_chars: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def _encode(
+    tok, texts: list[str], piece_chars: int | None = None, progress: Callable[[int, int], None] | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each text's token ids and end offsets (characters), the same as encoding it whole (checked at each cut,
-    ``_same_across``), encoded ~BATCH_CHARS of pieces at a time and kept as int64 arrays."""
+    ``_same_across``), encoded ~BATCH_CHARS of pieces at a time and kept as int64 arrays; ``progress(characters
+    done, characters in all)`` after each batch."""
     work = []  # (text index, piece start, piece end)
     for i, text in enumerate(texts):
         starts = _pieces(tok, text, piece_chars or PIECE_CHARS)
@@ -274,6 +278,8 @@ def _encode(tok, texts: list[str], piece_chars: int | None = None) -> list[tuple
             ends[i].append(np.asarray([e for _, e in enc.offsets], dtype=np.int64).reshape(-1) + a)
         del encodings
         j = k
+        if progress is not None:
+            progress(sum(b - a for _, a, b in work[:k]), sum(b - a for _, a, b in work))
     empty = np.zeros(0, dtype=np.int64)
     return [
         (np.concatenate(i) if i else empty, np.concatenate(e) if e else empty)
@@ -285,11 +291,16 @@ _CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
 
 
 def tokenize_files(
-    checkpoint: str | Path, files: list[Path], vocab_size: int | None = None, flag: str = "--data"
+    checkpoint: str | Path,
+    files: list[Path],
+    vocab_size: int | None = None,
+    flag: str = "--data",
+    progress: Callable[[int, int], None] | None = None,
 ) -> TokenStream:
     """Tokenise ``files`` with ``checkpoint``'s tokenizer into one stream (memoised on the tokenizer's and the
     files' contents, so that a study running many trainings on one corpus tokenises it once). ``vocab_size``:
-    the model's, which the tokenizer is checked against (``load_tokenizer``)."""
+    the model's, which the tokenizer is checked against (``load_tokenizer``). ``progress(characters done,
+    characters in all)`` as the text is encoded."""
     checkpoint = Path(checkpoint)
     tok = load_tokenizer(checkpoint, vocab_size)
     sep = separator_id(checkpoint)
@@ -306,7 +317,7 @@ def tokenize_files(
     tok.no_truncation()
     ids, nbytes = [], []
     try:
-        encoded = _encode(tok, texts)
+        encoded = _encode(tok, texts, progress=progress)
     # the tokenizers library raises a bare Exception (e.g. a WordLevel unk not in its vocab)
     except Exception as err:
         raise ValueError(f"{flag}: {checkpoint / 'tokenizer.json'} cannot tokenise the text: {err}") from None
@@ -336,9 +347,10 @@ def load_stream(
     seq_len: int,
     flag: str = "--data",
     vocab_size: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TokenStream:
     """The stream of every text file at ``path``, checked to hold at least one window of ``seq_len``."""
-    stream = tokenize_files(checkpoint, text_files(path, flag), vocab_size, flag)
+    stream = tokenize_files(checkpoint, text_files(path, flag), vocab_size, flag, progress)
     return checked_stream(stream, seq_len, f"{flag} {path}")
 
 

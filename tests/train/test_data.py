@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -167,8 +168,12 @@ def test_tokenising_holds_the_tokenizer_to_a_batch_of_pieces(monkeypatch, tiny_l
     monkeypatch.setattr(data, "_CACHE", OrderedDict())
     monkeypatch.setattr(data, "PIECE_CHARS", 500)
     monkeypatch.setattr(data, "BATCH_CHARS", 2000)
-    pieces = data.tokenize_files(tiny_llama, files)
+    seen = []
+    pieces = data.tokenize_files(tiny_llama, files, progress=lambda done, total: seen.append((done, total)))
     assert torch.equal(pieces.tokens, whole.tokens) and torch.equal(pieces.nbytes, whole.nbytes)
+    chars = sum(len(f.read_text()) for f in files)  # progress in characters, after each batch, to the end
+    assert len(seen) == len(sizes) and seen[-1] == (chars, chars)
+    assert all(a[0] < b[0] and a[1] == chars for a, b in itertools.pairwise(seen))
     assert len(sizes) > 10 and max(sizes) <= 2000 + 200  # a piece ends at the first good newline past 500
 
 

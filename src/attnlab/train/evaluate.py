@@ -117,7 +117,11 @@ def evaluate_checkpoint(
         )
     check_int("--batch-size", batch_size)
     check_int("--max-windows", max_windows, minimum=0)
-    stream = load_stream(ckpt, data, seq_len, vocab_size=model.cfg.vocab_size)
+    with Progress("tokenising (kB of text)", enabled=show_progress, transient=True) as bar:  # ~1 s a MB
+        stream = load_stream(
+            ckpt, data, seq_len, vocab_size=model.cfg.vocab_size,
+            progress=lambda done, total: bar.update(done // 1000, total=total // 1000),
+        )  # fmt: skip
     windows = len(eval_windows(stream, seq_len, max_windows))
     if (
         env.device.type == "cpu"
