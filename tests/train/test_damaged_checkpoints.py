@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from train_helpers import make_llama, run_cli
 
+from attnlab import data
 from attnlab.hf import load_causal_lm
 
 
@@ -99,3 +101,29 @@ def test_rope_scaling_takes_precedence_over_rope_parameters_as_in_transformers(t
     assert (
         rope_parameters({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})["rope_theta"] == 7.0
     )
+
+
+@pytest.mark.parametrize("command", ["eval", "uptrain"])
+def test_tokenising_shows_progress_on_stderr(tiny_llama, corpus, tmp_path, monkeypatch, command):
+    # a large corpus tokenised for ~1 s a MB before the first line (40 MB: ~55 s of nothing)
+    monkeypatch.setenv("ATTNLAB_PROGRESS_SECONDS", "0")  # a plain line at every update
+    monkeypatch.setattr(data, "_CACHE", OrderedDict())  # tokenised here, not found memoised
+    if command == "eval":
+        args = ["eval", tiny_llama, "--data", corpus, "--max-windows", 3, "--json"]
+    else:
+        args = [
+            "uptrain",
+            tiny_llama,
+            tmp_path / "up",
+            "--data",
+            corpus,
+            "--steps",
+            1,
+            "--seq-len",
+            16,
+            "--json",
+        ]
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("attnlab: tokenising (kB of text): ")]
+    assert lines and "(100%)" in lines[-1], result.stderr

@@ -147,14 +147,29 @@ def _check_sizes(opts: UptrainOptions, env: distributed.Env) -> None:
         )
 
 
-def _streams(opts: UptrainOptions, vocab_size: int) -> tuple[data.TokenStream, data.TokenStream | None]:
+def _streams(
+    opts: UptrainOptions, vocab_size: int, show: bool = False
+) -> tuple[data.TokenStream, data.TokenStream | None]:
+    """The training and held-out streams; ``show``: the tokenising as progress on stderr (a large corpus took
+    ~1 s a MB before the first line)."""
+    from ..console import Progress
+
+    with Progress("tokenising (kB of text)", enabled=show, transient=True) as bar:
+        return _tokenised(opts, vocab_size, lambda done, total: bar.update(done // 1000, total=total // 1000))
+
+
+def _tokenised(
+    opts: UptrainOptions, vocab_size: int, tell
+) -> tuple[data.TokenStream, data.TokenStream | None]:
     files = data.text_files(opts.data, "--data")
     if opts.eval_data is not None:
         train_files, eval_files = files, data.text_files(opts.eval_data, "--eval-data")
     else:
         train_files, eval_files = data.split_held_out(files, opts.held_out)
     train = data.checked_stream(
-        data.tokenize_files(opts.src, train_files, vocab_size), opts.seq_len, f"--data {opts.data}"
+        data.tokenize_files(opts.src, train_files, vocab_size, progress=tell),
+        opts.seq_len,
+        f"--data {opts.data}",
     )
     held = None
     if eval_files:
@@ -164,7 +179,7 @@ def _streams(opts: UptrainOptions, vocab_size: int) -> tuple[data.TokenStream, d
             f"--eval-data {opts.eval_data}" if opts.eval_data is not None else f"the held-out text ({names})"
         )
         held = data.checked_stream(
-            data.tokenize_files(opts.src, eval_files, vocab_size, flag), opts.seq_len, what
+            data.tokenize_files(opts.src, eval_files, vocab_size, flag, progress=tell), opts.seq_len, what
         )
     return train, held
 
@@ -261,7 +276,9 @@ def _claim(
     return Path(value) if value else None
 
 
-def prepare(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStack) -> Prepared:
+def prepare(
+    opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitStack, progress: bool = False
+) -> Prepared:
     """Every check that can fail, before anything is written; loads the model (float32) and the teacher.
 
     Checks that need no collective come first, on every rank (a bad tensor-parallel size stops every rank before
@@ -278,7 +295,7 @@ def prepare(opts: UptrainOptions, env: distributed.Env, held: contextlib.ExitSta
     if opts.teacher is not None:
         teacher = load_causal_lm(opts.teacher).float().requires_grad_(False)
         _check_teacher(teacher, model, opts)
-    train, held_out = _streams(opts, model.cfg.vocab_size)
+    train, held_out = _streams(opts, model.cfg.vocab_size, show=progress and env.is_main)
     return Prepared(model_type, model, teacher, train, held_out, resume_from, inputs, dtypes)
 
 
@@ -378,7 +395,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
 
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
-    prep = prepare(opts, env, held)
+    prep = prepare(opts, env, held, progress)
     if env.is_main:
         announce(env, opts)
         # a script that always passes --resume: say what it got (the sweep's jobs, which ask for no progress, do)
