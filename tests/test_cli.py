@@ -286,3 +286,9 @@ def test_an_error_of_one_rank_alone_is_still_said_by_that_rank(rank, monkeypatch
     assert done.value.exit_code == 2
     said = "attnlab: error: " if rank == "0" else "attnlab: error (rank 1): "
     assert capsys.readouterr().err == f"{said}--data corpus/ not found\n"
+
+
+@pytest.mark.parametrize("command", [["compare"], ["bench", "decode"], ["eval"]], ids=" ".join)
+def test_a_flag_given_a_value_points_at_its_commands_help(command):
+    # the parser's own error carries no context: it pointed at "attnlab --help"
+    one_line_error(runner.invoke(app, [*command, "--json=1"]), f"(see 'attnlab {' '.join(command)} --help')")

@@ -41,7 +41,7 @@ class _Group(typer.core.TyperGroup):
             err.show()  # the help text itself
             sys.exit(err.exit_code)
         except _usage.ClickException as err:
-            where = getattr(getattr(err, "ctx", None), "command_path", "attnlab")
+            where = getattr(getattr(err, "ctx", None), "command_path", None) or self._named(args, kwargs)
             message = " ".join(err.format_message().split())
             print(f"attnlab: error: {message} (see '{where} --help')", file=sys.stderr)
             sys.exit(err.exit_code)
@@ -49,6 +49,19 @@ class _Group(typer.core.TyperGroup):
             print("attnlab: aborted", file=sys.stderr)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _named(self, args: tuple, kwargs: dict) -> str:
+        """The command a usage error without a context belongs to (``compare --json=1``: the parser's own error),
+        from the words before the first option: "attnlab compare", "attnlab bench decode"."""
+        argv = list(kwargs.get("args") or (args[0] if args else None) or sys.argv[1:])
+        path, group = ["attnlab"], self
+        for word in argv:
+            command = group.commands.get(word) if isinstance(group, typer.core.TyperGroup) else None
+            if command is None:
+                break
+            path.append(word)
+            group = command
+        return " ".join(path)
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _without_flag_metavars(super().get_params(ctx))
