@@ -299,11 +299,11 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(
 
     real_save, calls = ckpt_mod.save_safetensors, []
 
-    def crashing_save(tensors, path):
+    def crashing_save(tensors, path, *metadata):
         calls.append(path)
         if len(calls) == 4:  # checkpoint 2 (step 4): its model is written, then the optimizer write dies
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(tensors, path)
+        return real_save(tensors, path, *metadata)
 
     monkeypatch.setattr(ckpt_mod, "save_safetensors", crashing_save)
     opts = UptrainOptions(dst=tmp_path / "dst", **common)
@@ -366,3 +366,24 @@ def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path, tiny_llama
     assert result.exit_code == 0, result.output
     assert f"--resume: {tmp_path / 'dst.run'} holds no checkpoint; starting at step 0" in result.stderr
     assert json.loads((dst / "uptrain.json").read_text())["resumed_from_step"] is None
+
+
+def test_a_checkpoint_stores_tied_embeddings_once_and_resumes_them_tied(tmp_path, tokenizer):
+    # safetensors refuses shared tensors, so the LM head was stored as a copy of the embedding table: twice the
+    # bytes of the largest tensor of a vocabulary-heavy model, in every checkpoint
+    src = make_llama(tmp_path / "src", tokenizer, tie_word_embeddings=True)
+    model = load_causal_lm(src).float()
+    assert model.output.weight is model.tok_embeddings.weight
+    opts = UptrainOptions(src=src, dst=tmp_path / "dst", data=src, steps=1)
+    optimizer = build_optimizer(model, opts)
+    meta = {"options": {}, "global_batch": 1}
+    path = ckpt_mod.save_checkpoint(tmp_path / "run", 1, model, optimizer, ONE_PROCESS, meta, keep=1)
+    stored = load_file(path / "model.safetensors")
+    assert "output.weight" not in stored and "tok_embeddings.weight" in stored
+    fresh = load_causal_lm(src).float()
+    with torch.no_grad():
+        fresh.tok_embeddings.weight.zero_()
+    ckpt_mod.load_checkpoint(path, fresh, build_optimizer(fresh, opts), ONE_PROCESS)
+    assert fresh.output.weight is fresh.tok_embeddings.weight  # still one tensor
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
