@@ -265,7 +265,7 @@ def _encode(
         work += [(i, a, b) for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
     ids: list[list[np.ndarray]] = [[] for _ in texts]
     ends: list[list[np.ndarray]] = [[] for _ in texts]
-    j = 0
+    j, done, total = 0, 0, sum(b - a for _, a, b in work)
     while j < len(work):
         k, chars = j, 0
         while k < len(work) and (k == j or chars + work[k][2] - work[k][1] <= BATCH_CHARS):
@@ -277,9 +277,9 @@ def _encode(
             ids[i].append(np.asarray(enc.ids, dtype=np.int64))
             ends[i].append(np.asarray([e for _, e in enc.offsets], dtype=np.int64).reshape(-1) + a)
         del encodings
-        j = k
+        j, done = k, done + chars
         if progress is not None:
-            progress(sum(b - a for _, a, b in work[:k]), sum(b - a for _, a, b in work))
+            progress(done, total)
     empty = np.zeros(0, dtype=np.int64)
     return [
         (np.concatenate(i) if i else empty, np.concatenate(e) if e else empty)

@@ -62,10 +62,7 @@ def load_causal_lm(src: str | Path) -> nn.Module:
     cfg = model_config(src, hf)
     tensors, _ = io.read_tensors(src)
     fam = family(hf["model_type"])
-    try:
-        state = fam.tensor_map(hf).to_attnlab(tensors, cfg)
-    except ValueError as err:  # an unexpected or misshapen tensor: named with the checkpoint it is in
-        raise ValueError(f"{src}: {err}") from None
+    state = _attnlab_state(src, hf, cfg, tensors)
     if fam.gqa == "repeated":  # a GQA model in the MHA layout is loaded as the GQA model it computes
         cfg, state = collapse_repeated_kv_heads(cfg, state)
     model = model_from_state(src, cfg, state)
@@ -73,18 +70,25 @@ def load_causal_lm(src: str | Path) -> nn.Module:
     return model
 
 
-def check_causal_lm(src: str | Path) -> None:
-    """What ``load_causal_lm`` checks of the tensors' names, shapes and dtypes against config.json, on the weight
-    files' headers alone (meta tensors: nothing is read or allocated): for a command whose jobs load the weights
-    (``attnlab sweep``, each of whose rows failed on a checkpoint missing one tensor, with exit 0). Values are not
-    read: finiteness, and equal repeated KV heads, are the load's to check."""
-    hf = io.read_config(src)
-    cfg = model_config(src, hf)
-    meta = io.check_weights(src)
+def _attnlab_state(
+    src: str | Path, hf: dict, cfg: ModelConfig, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The attnlab state dict of checkpoint ``tensors`` (the family's tensor map of config.json ``hf``)."""
     try:
-        state = family(hf["model_type"]).tensor_map(hf).to_attnlab(meta, cfg)
-    except ValueError as err:
+        return family(hf["model_type"]).tensor_map(hf).to_attnlab(tensors, cfg)
+    except ValueError as err:  # an unexpected or misshapen tensor: named with the checkpoint it is in
         raise ValueError(f"{src}: {err}") from None
+
+
+def check_causal_lm(src: str | Path, hf: dict | None = None) -> None:
+    """What ``load_causal_lm`` checks of the tensors' names, shapes and dtypes against config.json (``hf``, read
+    from ``src`` when not given), on the weight files' headers alone (meta tensors: nothing is read or allocated):
+    for a command whose jobs load the weights (``attnlab sweep``, each of whose rows failed on a checkpoint missing
+    one tensor, with exit 0). Values are not read: finiteness, and equal repeated KV heads, are the load's to
+    check."""
+    hf = io.read_config(src) if hf is None else hf
+    cfg = model_config(src, hf)
+    state = _attnlab_state(src, hf, cfg, io.check_weights(src))
     io.assign(src, lambda: Transformer(cfg), state)
 
 

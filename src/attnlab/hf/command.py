@@ -98,12 +98,11 @@ def run_convert(
             )  # fmt: skip
             title = f"attnlab convert: {summary['model_type']} -> {kv_heads} KV heads ({method})"
         else:
-            from .mla_checkpoint import STAGES, UNITS, convert_checkpoint_to_mla
+            from .mla_checkpoint import UNITS, convert_checkpoint_to_mla
 
-            unit = dict(zip(STAGES, UNITS, strict=True))
             summary = convert_checkpoint_to_mla(
                 src, dst, kv_lora_rank, rope_dim, calib=calib, planes=stride, overwrite=overwrite, device=device,
-                progress=lambda stage, done, total: bar.update(done, total=total, description=f"{stage} ({unit[stage]})"),
+                progress=lambda stage, done, total: bar.update(done, total=total, description=f"{stage} ({UNITS[stage]})"),
             )  # fmt: skip
             title = (
                 f"attnlab convert: {summary['model_type']} -> MLA (DeepSeek-V3), kv_lora_rank "

@@ -53,7 +53,7 @@ from .checkpoint import calibration_batches, computing_on, conversion_device, on
 # (stage, layers done, layers in all): called after each layer of each pass over the model
 StageProgress = Callable[[str, int, int], None]
 STAGES = ("choosing planes", "converting", "latent norm", "measuring errors", "comparing logits")
-UNITS = ("layers", "layers", "layers", "layers", "batches")  # what each stage's progress counts
+UNITS = dict(zip(STAGES, ("layers",) * 4 + ("batches",), strict=True))  # what each stage's progress counts
 
 
 def random_batches(

@@ -44,9 +44,8 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
     plan.check_against(opts, cfg)
-    check_causal_lm(
-        opts.src
-    )  # the jobs load it: a truncated file or a missing tensor failed every row, exit 0
+    # the jobs load it: a truncated file or a missing tensor failed every row, exit 0
+    check_causal_lm(opts.src, hf)
     read = plan.check_data(opts, cfg)  # before --out and the job cache are made
     variants = plan.variants(cfg, opts.variants, opts.quick)
     teacher = None if opts.teacher in ("src", "none") else opts.teacher  # a checkpoint: an input too

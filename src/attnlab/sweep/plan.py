@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import AttentionConfig, ModelConfig, check_seed
+from ..config import AttentionConfig, ModelConfig
 from ..convert.gqa import METHODS
 from ..convert.mla import full_rank
 from ..convert.model import DATA_AWARE
@@ -107,8 +107,9 @@ def parse_ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _uptrain_takes(opts: SweepOptions) -> None:
-    """The uptraining recipe refused here, as ``attnlab uptrain`` refuses it (UptrainOptions' own checks): one
-    that only the jobs refused (``--temperature 0.005``, a seed past 2**64) failed each row, with exit 0."""
+    """The uptraining recipe refused here, as ``attnlab uptrain`` refuses it (UptrainOptions' own checks, the seed's
+    range among them): one that only the jobs refused (``--temperature 0.005``, a seed past 2**64) failed each row,
+    with exit 0."""
     from ..train import UptrainOptions
 
     here = Path(".")
@@ -165,7 +166,6 @@ def check_options(opts: SweepOptions) -> None:
             raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
     if not 0 < opts.lr < math.inf:  # inf ran every other job, then failed each uptraining (exit 0)
         raise ValueError(f"--lr must be a finite number > 0, got {opts.lr}")
-    check_seed(opts.seed)
     if opts.warmup is not None and not 0 <= opts.warmup <= 1:
         raise ValueError(f"--warmup is a fraction of the uptraining steps in [0, 1], got {opts.warmup}")
     if not 0 <= opts.distill_weight <= 1:

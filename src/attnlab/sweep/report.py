@@ -143,10 +143,13 @@ def header(results: dict) -> list[str]:
     return [*COLUMNS, *(f"ms/step {h}" for h in results["options"]["hardware"]), "note"]
 
 
+_NOT_MEASURED = "not measured (no timing job succeeded)"  # (it said "at None tokens")
+
+
 def _measured(results: dict) -> str:
-    """Where tok/s were measured ("None tokens" when no timing job succeeded)."""
+    """Where tok/s were measured, for the table's title."""
     n = results["measured_context"]
-    return "not measured (no timing job succeeded)" if n is None else f"measured here at {n} tokens"
+    return _NOT_MEASURED if n is None else f"measured here at {n} tokens"
 
 
 def title(results: dict) -> str:
@@ -188,7 +191,7 @@ def markdown(results: dict, plots: list[str]) -> str:
             f"decode with a filled cache of {results['measured_context']} tokens on this machine "
             f"({results['machine']['threads']} threads)"
             if results["measured_context"] is not None
-            else "not measured (no timing job succeeded)"
+            else _NOT_MEASURED
         )
         + "; ms/step: the roofline's decode step. "
         "`*`: Pareto-optimal (no other row is at least as good in loss, KV bytes and tok/s).",

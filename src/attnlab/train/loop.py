@@ -37,7 +37,7 @@ from ..hf.causal_lm import family_of, load_causal_lm, save_causal_lm
 from ..hf.io import copy_other_files
 from ..hf_config import from_hf_config
 from . import checkpoint, distributed
-from .evaluate import evaluate
+from .evaluate import evaluate, tokenising
 from .options import SAME_ON_RESUME, UptrainOptions
 
 
@@ -150,37 +150,30 @@ def _check_sizes(opts: UptrainOptions, env: distributed.Env) -> None:
 def _streams(
     opts: UptrainOptions, vocab_size: int, show: bool = False
 ) -> tuple[data.TokenStream, data.TokenStream | None]:
-    """The training and held-out streams; ``show``: the tokenising as progress on stderr (a large corpus took
-    ~1 s a MB before the first line)."""
-    from ..console import Progress
-
-    with Progress("tokenising (kB of text)", enabled=show, transient=True) as bar:
-        return _tokenised(opts, vocab_size, lambda done, total: bar.update(done // 1000, total=total // 1000))
-
-
-def _tokenised(
-    opts: UptrainOptions, vocab_size: int, tell
-) -> tuple[data.TokenStream, data.TokenStream | None]:
+    """The training and held-out streams; ``show``: the tokenising as progress on stderr (``tokenising``)."""
     files = data.text_files(opts.data, "--data")
     if opts.eval_data is not None:
         train_files, eval_files = files, data.text_files(opts.eval_data, "--eval-data")
     else:
         train_files, eval_files = data.split_held_out(files, opts.held_out)
-    train = data.checked_stream(
-        data.tokenize_files(opts.src, train_files, vocab_size, progress=tell),
-        opts.seq_len,
-        f"--data {opts.data}",
-    )
-    held = None
-    if eval_files:
-        flag = "--eval-data" if opts.eval_data is not None else "--data"
-        names = ", ".join(str(f) for f in eval_files[:3]) + (", ..." if len(eval_files) > 3 else "")
-        what = (
-            f"--eval-data {opts.eval_data}" if opts.eval_data is not None else f"the held-out text ({names})"
+    with tokenising(show) as tell:
+        train = data.checked_stream(
+            data.tokenize_files(opts.src, train_files, vocab_size, progress=tell),
+            opts.seq_len,
+            f"--data {opts.data}",
         )
-        held = data.checked_stream(
-            data.tokenize_files(opts.src, eval_files, vocab_size, flag, progress=tell), opts.seq_len, what
-        )
+        held = None
+        if eval_files:
+            flag = "--eval-data" if opts.eval_data is not None else "--data"
+            names = ", ".join(str(f) for f in eval_files[:3]) + (", ..." if len(eval_files) > 3 else "")
+            what = (
+                f"--eval-data {opts.eval_data}"
+                if opts.eval_data is not None
+                else f"the held-out text ({names})"
+            )
+            held = data.checked_stream(
+                data.tokenize_files(opts.src, eval_files, vocab_size, flag, progress=tell), opts.seq_len, what
+            )
     return train, held
 
 
