@@ -90,8 +90,19 @@ def test_kv_bytes_equal_the_caches_nbytes(first):
     for r in results["rows"][:5]:
         model = load_causal_lm(r["checkpoint"])
         caches = model.new_caches(batch, ctx, dtype=torch.bfloat16)
-        assert r["kv_bytes_per_request"] == sum(c.nbytes for c in caches)
+        assert r["kv_bytes_per_request"] * batch == sum(c.nbytes for c in caches)
         assert r["cache_nbytes"] > 0  # the timed caches, checked against the cost model in the job
+
+
+def test_kv_bytes_per_request_are_one_requests_at_any_batch(tiny):
+    from attnlab.sweep.report import costs
+
+    hf = json.loads((tiny["src"] / "config.json").read_text())
+    one, four = costs(hf, 256, 1, ()), costs(hf, 256, 4, ())
+    model = load_causal_lm(tiny["src"])
+    request = sum(c.nbytes for c in model.new_caches(1, 256, dtype=torch.bfloat16))
+    assert one["kv_bytes_per_request"] == four["kv_bytes_per_request"] == request
+    assert one["kv_bytes_per_token"] == four["kv_bytes_per_token"] == request / 256
 
 
 def test_out_holds_everything_and_nothing_is_written_outside(first, tiny):

@@ -46,7 +46,8 @@ def pareto(rows: list[dict]) -> list[bool]:
 def costs(
     hf: dict, context: int, batch: int, hardware: tuple[str, ...], n_kv_heads: int | None = None
 ) -> dict:
-    """KV bytes (bf16) per token and per request of ``batch`` x ``context`` tokens, and the roofline's decode step
+    """KV bytes (bf16) per token and per request (``context`` tokens; ``batch`` requests share a decode step), and
+    the roofline's decode step of ``batch`` requests
     on each ``hardware`` (``local``: this machine, measured once per boot), for the checkpoint whose config.json is
     ``hf``, with ``n_kv_heads`` KV heads where given (a GQA model written in the MHA layout, whose config.json
     counts the repeated heads: GPT-NeoX's; attnlab loads and caches it with its own)."""
@@ -55,10 +56,10 @@ def costs(
     cfg = model_config("config.json", hf)
     if n_kv_heads is not None and isinstance(cfg.attention, AttentionConfig):
         cfg = cfg.replace(attention=cfg.attention.replace(n_kv_heads=n_kv_heads))
-    per_request = kv_cache_bytes(cfg, batch, context, "bf16")
+    per_batch = kv_cache_bytes(cfg, batch, context, "bf16")
     return {
-        "kv_bytes_per_token": per_request / (batch * context),
-        "kv_bytes_per_request": per_request,
+        "kv_bytes_per_token": per_batch / (batch * context),
+        "kv_bytes_per_request": per_batch / batch,
         "predicted_decode_s": {
             hw: roofline(cfg, get_hardware(hw), batch=batch, seq_len=context).decode.seconds
             for hw in hardware
@@ -185,8 +186,8 @@ def markdown(results: dict, plots: list[str]) -> str:
         f"# Sweep of {o['src']}",
         "",
         f"Held-out text: {o['eval_data'] or _held_out(o['data'])}; uptraining distils from "
-        f"{o['teacher']}. Loss in nats per token; KV bytes in bf16, per request = batch {o['batch']} x "
-        f"{o['context']} tokens; tok/s: "
+        f"{o['teacher']}. Loss in nats per token; KV bytes in bf16, per request of "
+        f"{o['context']} tokens (batch {o['batch']}); tok/s: "
         + (
             f"decode with a filled cache of {results['measured_context']} tokens on this machine "
             f"({results['machine']['threads']} threads)"
