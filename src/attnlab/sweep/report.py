@@ -156,8 +156,8 @@ def _measured(results: dict) -> str:
 def title(results: dict) -> str:
     o = results["options"]
     return (
-        f"attnlab sweep: {o['src']} (* = Pareto-optimal in loss, KV bytes and tokens/s; KV in bf16 at batch "
-        f"{o['batch']} x {o['context']} tokens; tok/s {_measured(results)})"
+        f"attnlab sweep: {o['src']} (* = Pareto-optimal in loss, KV bytes and tokens/s; KV in bf16, a request of "
+        f"{o['context']} tokens, batch {o['batch']}; tok/s {_measured(results)})"
     )
 
 
