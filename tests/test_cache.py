@@ -273,3 +273,63 @@ def test_a_left_padded_batch_decodes_past_a_window_as_each_row_alone(window):
             )
             for i, r in enumerate(rows):
                 torch.testing.assert_close(logits[i], model(torch.tensor([r]))[0, -n:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_whose_window_is_not_the_layers_is_refused_before_it_is_written():
+    """A cache keeping fewer tokens than the layer reads lost keys silently (0.34 off a full-attention layer); one
+    keeping more hands a single query its ring out of order, which the layer's window then cuts by slot."""
+    from attnlab import PagedKVCache
+
+    layer = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2)).eval()
+    sliding = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, window=4)).eval()
+    x = torch.randn(1, 3, 64)
+    for attn, cache, says in [
+        (layer, KVCache(1, 2, 16, 16, window=4), r"keeps the last 4 tokens \(window=4\) but the layer attends to "
+         r"every token; make the cache with window=None"),
+        (layer, PagedKVCache(8, 2, 2, 16, batch_size=1, window=4), r"attends to every token"),
+        (sliding, KVCache(1, 2, 16, 16, window=8), r"keeps the last 8 tokens .* attends to the last 4; make the "
+         r"cache with window=4"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            attn(x, cache=cache)
+        assert len(cache) == 0 if not cache.paged else cache.lengths == [0]
+    sliding(x, cache=KVCache(1, 2, 16, 16))  # a cache of every token: the layer applies its window itself
+    sliding(x, cache=KVCache(1, 2, 16, 16, window=4))
+
+
+def test_rows_on_another_device_are_refused_before_they_are_written():
+    from attnlab import PagedKVCache
+
+    # the copy into a cache on another device succeeded and attention refused after it: the cache had advanced
+    gqa = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2)).eval()
+    mla = MultiHeadLatentAttention(
+        MLAConfig(
+            d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
+        )
+    ).eval()
+    for attn, owner in [(gqa, "KVCache: k"), (mla, "LatentCache: kv")]:
+        cache = attn.new_cache(1, 8, device="meta")  # a stand-in for a GPU's: the copy into it works the same
+        with pytest.raises(ValueError, match=rf"{owner} is on cpu, the cache on meta"):
+            attn(torch.randn(1, 3, 64), cache=cache)
+        assert len(cache) == 0
+    static = gqa.new_cache(1, 8, device="meta", static=True)
+    with pytest.raises(ValueError, match=r"StaticKVCache: k is on cpu, the cache on meta"):
+        static.append(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))
+    paged = PagedKVCache(4, 4, 2, 16, batch_size=1, device="meta")
+    with pytest.raises(ValueError, match=r"PagedKVCache: k is on cpu, the cache on meta"):
+        gqa(torch.randn(1, 3, 64), cache=paged)
+    assert paged.lengths == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, "bfloat16", None])
+def test_a_cache_of_a_dtype_that_holds_no_keys_is_refused_when_made(dtype):
+    from attnlab import PagedKVCache, StaticKVCache
+
+    with pytest.raises(TypeError, match=r"KVCache.dtype must be a floating-point torch.dtype, got"):
+        KVCache(1, 2, 8, 16, dtype=dtype)
+    with pytest.raises(TypeError, match=r"LatentCache.dtype must be a floating-point"):
+        LatentCache(1, 8, 16, 8, dtype=dtype)
+    with pytest.raises(TypeError, match=r"StaticKVCache.dtype must be a floating-point"):
+        StaticKVCache(1, 2, 8, 16, dtype=dtype)
+    with pytest.raises(TypeError, match=r"PagedKVCache.dtype must be a floating-point"):
+        PagedKVCache(4, 4, 2, 16, batch_size=1, dtype=dtype)

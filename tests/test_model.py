@@ -123,6 +123,44 @@ def test_bad_input():
         Transformer(moe)
 
 
+def test_token_ids_outside_the_vocabulary_and_a_missing_cache_are_named():
+    model = _model("gqa")
+    for bad in (97, -2):  # an IndexError from the embedding before
+        with pytest.raises(ValueError, match=rf"tokens hold id {bad}, outside the vocabulary \[0, 97\)"):
+            model(torch.tensor([[1, bad, 3]]))
+    caches = model.new_caches(1, 8)
+    with pytest.raises(
+        ValueError, match=r"caches\[1\] is None: give every layer a cache, or pass caches=None"
+    ):
+        model(torch.tensor([[1, 2]]), caches=[caches[0], None])  # layer 1 would see the new tokens alone
+    assert len(caches[0]) == 0
+
+
+@torch.no_grad()
+def test_a_sliding_model_decodes_its_window_over_a_cache_of_every_token():
+    """The fused block step attended to every held token when a sliding layer's cache was not its ring (7.6 off
+    the full forward): it now runs only while every held token lies in the window."""
+    from attnlab import KVCache
+
+    window = 4
+    cfg = ModelConfig(
+        vocab_size=97,
+        n_layers=2,
+        ffn_dim=192,
+        max_seq_len=64,
+        attention=AttentionConfig(d_model=128, n_heads=8, n_kv_heads=2, window=window),
+    )
+    sliding = Transformer(cfg).eval()
+    sliding.init_weights(std=0.15, seed=seeded(0))
+    tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+    full = sliding(tokens)
+    caches = [KVCache(2, cfg.attention.n_kv_heads, 32, cfg.attention.head_dim) for _ in sliding.layers]
+    steps = [sliding(tokens[:, :3], caches=caches)] + [
+        sliding(tokens[:, t : t + 1], caches=caches) for t in range(3, 20)
+    ]
+    assert _err(torch.cat(steps, 1), full) < 1e-4
+
+
 def test_norm_gain_float32_rounds_as_a_gain_applied_before_the_cast():
     """Llama's RMSNorm casts the normalised x back, then scales it: ``w * n(x).to(dtype)``; OLMo 2's scales it in
     float32, then casts: ``(w * n(x)).to(dtype)``. Equal in float32, not in bfloat16; ``norm_gain_float32`` picks the

@@ -166,6 +166,22 @@ def _check_sizes(owner: str, **sizes: int) -> None:
         check_int(f"{owner}.{name}", value)
 
 
+def _check_dtype(owner: str, dtype: object) -> None:
+    """A cache holds floating-point keys and values: an integer dtype would fail only at the first write."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{owner}.dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+def _check_device(owner: str, held: torch.Tensor, **new: torch.Tensor | None) -> None:
+    """New rows on another device than the cache's buffer ``held``: refused before anything is written (a copy
+    across devices would succeed and attention refuse after it)."""
+    for name, x in new.items():
+        if x is not None and x.device != held.device:
+            raise ValueError(
+                f"{owner}: {name} is on {x.device}, the cache on {held.device}; move one of them"
+            )
+
+
 def _values(owner: str, k: torch.Tensor, values_in_keys: bool, value_dim: int | None) -> torch.Tensor:
     """The value buffer beside the key buffer ``k``: with ``values_in_keys`` (MLA's latent rows) a view of the keys'
     first ``value_dim`` columns (default: all of them), else zeros of the keys' shape."""
@@ -213,6 +229,7 @@ class KVCache(_Cache):
             max_seq_len=max_seq_len,
             head_dim=head_dim,
         )
+        _check_dtype("KVCache", dtype)
         if window is not None:
             _check_sizes("KVCache", window=window)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
@@ -253,6 +270,7 @@ class KVCache(_Cache):
         if v.dtype != k.dtype:  # the write below would cast v silently
             raise TypeError(f"KVCache: k has dtype {k.dtype} but v has {v.dtype}")
         held = min(self.pos, self.capacity)  # before this update
+        _check_device("KVCache", self.k, k=k, v=v)
         start, end = self._reserve(b, t, k.dtype, "k")
         if end <= self.capacity:  # no token dropped yet: slot = position
             self.k[:, :, start:end] = k
@@ -315,6 +333,7 @@ class LatentCache(_Cache):
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
         )
+        _check_dtype("LatentCache", dtype)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.dtype = dtype
@@ -335,6 +354,7 @@ class LatentCache(_Cache):
             raise ValueError(
                 f"LatentCache holds rows of kv_lora_rank + qk_rope_head_dim = {self.kv.shape[-1]}; got {d}"
             )
+        _check_device("LatentCache", self.kv, kv=kv)
         start, end = self._reserve(b, t, kv.dtype, "kv")
         self.kv[:, start:end] = kv
         return self.kv[:, :end]
@@ -397,6 +417,7 @@ class StaticKVCache:
             max_seq_len=max_seq_len,
             head_dim=head_dim,
         )
+        _check_dtype("StaticKVCache", dtype)
         if value_dim is not None and not values_in_keys:
             raise ValueError("StaticKVCache: value_dim is for values_in_keys=True only")
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
@@ -486,6 +507,7 @@ class StaticKVCache:
         for name, x in (("k", k), ("v", v)):
             if x is not None:
                 _check_rows("StaticKVCache", self.batch_size, self.dtype, b, x.dtype, name)
+        _check_device("StaticKVCache", self.k, k=k, v=v)
         # the overflow check reads the lengths back: free on a CPU outside a compiled graph, else left to the device
         if self.k.device.type == "cpu" and not torch.compiler.is_compiling():
             held = len(self)
@@ -562,6 +584,7 @@ class PagedKVCache:
             head_dim=head_dim,
             batch_size=batch_size,
         )
+        _check_dtype("PagedKVCache", dtype)
         if placement not in PLACEMENTS:
             raise ValueError(
                 f"PagedKVCache.placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
@@ -651,6 +674,7 @@ class PagedKVCache:
             )
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"PagedKVCache: k, v dtypes {k.dtype}, {v.dtype}; the cache holds {self.dtype}")
+        _check_device("PagedKVCache", self.k, k=k, v=v)
         bs = self.block_size
         # a window's rows give up the blocks before the first new token's window, which no query reads again;
         # counted first and given up only once the new tokens fit (a refused update changes nothing)

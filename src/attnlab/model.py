@@ -198,6 +198,7 @@ class _FusedPlan:
             or cache.k.device != x.device
             or (cache.n_kv_heads, cache.head_dim) != (step.n_kv, step.head_dim)
             or cache.pos + 1 > cache.capacity  # a window's ring is full: the kernel attends to slots 0 .. pos
+            or cache.window != block.attention.cfg.window  # not the layer's ring: the module's own step
         ):
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in plan.modules) or _global_hooks():
@@ -379,6 +380,17 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
         if caches is not None and len(caches) != len(self.layers):
             raise ValueError(f"caches has {len(caches)} entries for {len(self.layers)} layers")
+        if caches is not None and None in caches:  # that layer would attend to the new tokens alone
+            raise ValueError(
+                f"caches[{list(caches).index(None)}] is None: give every layer a cache, or pass caches=None"
+            )
+        # an id outside the table is an IndexError deep in the embedding (on a GPU a device-side assert); checked
+        # where reading two numbers back costs nothing: on a CPU, outside a compiled graph
+        if tokens.numel() and tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+            lo, hi = torch.aminmax(tokens)
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                bad = int(lo) if lo < 0 else int(hi)
+                raise ValueError(f"tokens hold id {bad}, outside the vocabulary [0, {self.cfg.vocab_size})")
         b, t = tokens.shape
         rope = RopeAngles(token_positions(position_ids, caches[0] if caches else None, b, t, tokens.device))
         x = self.tok_embeddings(tokens)

@@ -31,9 +31,26 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
         raise TypeError(f"{owner}: x has dtype {x.dtype} but the weights are {weight.dtype}")
 
 
-def check_step(owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cache: Cache | None) -> None:
-    """The checks made before anything is written to the cache, so that a bad call leaves it as it was."""
+def check_step(
+    owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cache: Cache | None, window: int | None
+) -> None:
+    """The checks made before anything is written to the cache, so that a bad call leaves it as it was;
+    ``window``: the layer's sliding window (None: it attends to every token)."""
     b, n_heads, t, _ = q.shape  # the heads this module holds
+    kept = getattr(cache, "window", None)  # a cache that drops tokens older than its window
+    # a cache keeping fewer tokens drops keys the layer reads; one keeping more hands a decode step its ring out of
+    # order, which the layer's window would cut by slot
+    if kept is not None and kept != window:
+        raise ValueError(
+            f"{owner}: the cache keeps the last {kept} tokens (window={kept}) but the layer attends to "
+            + ("every token" if window is None else f"the last {window}")
+            + "; make the cache with "
+            + (
+                "window=None"
+                if window is None
+                else f"window={window} (as the layer's new_cache does) or None"
+            )
+        )
     if attn_mask is None:  # nothing to check, and no length to read (a StaticKVCache's is on its device)
         return
     if cache is not None and cache.paged:
@@ -205,7 +222,7 @@ class GroupedQueryAttention(nn.Module):
         q = split_heads(q, self.head_dim)  # (B, n_heads, T, head_dim)
         k = split_heads(k, self.head_dim)  # (B, n_kv_heads, T, head_dim)
         v = split_heads(v, self.head_dim)
-        check_step("GroupedQueryAttention", attn_mask, q, cache)
+        check_step("GroupedQueryAttention", attn_mask, q, cache, self.cfg.window)
         if self.cfg.qk_norm == "head":  # each head on its own (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope:
