@@ -263,3 +263,36 @@ def test_compiled_flex_on_cuda_equals_float64():
     got = attend(q.cuda(), kc.cuda(), vc.cuda(), attn_mask=mask.cuda(), backend="flex").cpu()
     want = attend(q.double(), kc.double(), vc.double(), attn_mask=mask, backend="reference")
     assert _err(got, want) < TOL[torch.bfloat16]
+
+
+@torch.no_grad()
+def test_a_flex_layer_is_counted_by_the_backend_after_it():
+    """Eager FlexAttention raises a TypeError under torch's FlopCounterMode (torch 2.13); a layer configured for
+    flex (as "auto" orders it first for CUDA decode) failed under count_flops, after its cache had taken the token.
+    Under a counter flex declines, and the next backend in the order runs and is counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from attnlab import GroupedQueryAttention
+    from attnlab.bench import count_flops
+
+    torch.manual_seed(0)
+    cfg = AttentionConfig(d_model=128, n_heads=8, n_kv_heads=2, backend="flex")
+    layer = GroupedQueryAttention(cfg).eval()
+    other = GroupedQueryAttention(cfg.replace(backend="grouped")).eval()
+    other.load_state_dict(layer.state_dict())
+    caches = [layer.new_cache(2, 32), other.new_cache(2, 32)]
+    x = torch.randn(2, 9, 128)
+    for attn, cache in zip((layer, other), caches, strict=True):
+        attn(x, cache=cache)
+    step = torch.randn(2, 1, 128)
+    with count_flops() as counted:
+        got = layer(step, cache=caches[0])
+    with count_flops() as want:
+        ref = other(step, cache=caches[1])
+    assert counted.total == want.total > 0 and len(caches[0]) == 10
+    assert _err(got, ref) < 1e-5
+    with FlopCounterMode(display=False):
+        layer(step, cache=caches[0])
+    call = Call(device="cpu", dtype=torch.float32, phase="decode", counting=True)
+    assert "flex: takes no FLOP counting (FlopCounterMode)" in explain(call, "flex")
+    assert choose(call._replace(counting=False), "flex").backend.name == "flex"

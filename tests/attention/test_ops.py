@@ -85,6 +85,23 @@ def test_flops_are_the_same_with_and_without_gradients_and_equal_the_cost_model(
     assert totals[False] == totals[True] == attention_flops(cfg, 2, 1, 6).total, totals
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_static_cache_step_counts_the_keys_each_row_reads(window):
+    """The kernel reads each row of a static cache's buffers to its length (its window's last keys); the count was
+    every slot of the buffers: 25x the keys read at 10 tokens of a 4096-slot cache."""
+    cfg = LAYERS["gqa"].replace(window=window)
+    module = _module(cfg)
+    for slots in (16, 256):
+        cache = module.new_cache(2, slots, static=True)
+        with torch.no_grad():
+            module(torch.randn(2, 5, cfg.d_model), cache=cache)
+            total, by_op = _flops(lambda c=cache: module(torch.randn(2, 1, cfg.d_model), cache=c), False)
+        assert "attnlab.static_decode" in by_op and total == attention_flops(cfg, 2, 1, 6).total, (
+            slots,
+            by_op,
+        )
+
+
 def test_a_model_decode_step_counts_as_the_cost_model_with_and_without_gradients():
     """Without gradients through the decode and linear operators, with them through PyTorch's kernels; torch's own
     FlopCounterMode, no extra formulas. (A counter hooks every module, so the blocks run module by module under it:

@@ -52,22 +52,25 @@ class Call(NamedTuple):
     # cache's decode step): a backend that reads lengths takes them, one that takes masks gets them as a mask
     lengths: bool = False
     wide: bool = False  # values wider than the keys (D_v > D_k)
+    counting: bool = False  # under torch's FlopCounterMode (``attnlab.bench.count_flops``)
 
     def __str__(self) -> str:
         what = f"{self.block}-row block step" if self.block else ("paged " if self.paged else "") + self.phase
         what = ("latent " if self.latent else "") + what
         extras = [
             n
-            for n in ("mask", "lengths", "dropout", "grad", "softcap", "subclass", "wide")
+            for n in ("mask", "lengths", "dropout", "grad", "softcap", "subclass", "wide", "counting")
             if getattr(self, n)
         ]
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.device} {dtype} {what}" + (f" with {', '.join(extras)}" if extras else "")
 
 
-_LIMITS = ("mask", "dropout", "grad", "softcap", "subclass", "wide")  # Call flags a backend may refuse
+# Call flags a backend may refuse
+_LIMITS = ("mask", "dropout", "grad", "softcap", "subclass", "wide", "counting")
 _WORDS = {"mask": "masks", "dropout": "dropout", "grad": "gradients", "softcap": "soft-capping",
-          "subclass": "tensor subclasses", "wide": "values wider than the keys"}  # fmt: skip
+          "subclass": "tensor subclasses", "wide": "values wider than the keys",
+          "counting": "FLOP counting (FlopCounterMode)"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Backend:
     softcap: bool = True
     subclass: bool = True
     wide: bool = True  # values wider than the keys
+    counting: bool = True  # runs under FlopCounterMode
     block_rows: int = 0  # whole decoder-block decode steps of up to this many rows; 0: none
     latent_only: bool = False  # takes only MLA's latent rows (``Call.latent``)
     latent: bool = True  # takes MLA's latent rows (values the first columns of the keys, narrower than them)

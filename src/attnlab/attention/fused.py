@@ -358,10 +358,14 @@ def _register(namespace: str, library: torch.library.Library) -> None:
     def _(q, rows, value_dim, scale, out_shape=None, **kwargs) -> int:
         return _attention_flops(q, q[0] * rows[2], value_dim)
 
-    @flops("static_decode")
+    @register_flop_formula(ops.static_decode, get_raw=True)
     def _(q, k, v, lengths, window, scale, out_shape=None, **kwargs) -> int:
-        # the formula sees shapes, not the lengths: every slot of the buffers, as the masked path over them computes
-        return _attention_flops(q, q[0] * k[2], v[-1])
+        # the keys each row reads: its length (its last `window` with one), where the lengths can be read (a CPU
+        # tensor, as the kernel takes); traced (fake) lengths have none: every slot, as the masked path computes
+        if type(lengths) is torch.Tensor and lengths.device.type == "cpu":
+            read = lengths.clamp(max=window) if window > 0 else lengths
+            return _attention_flops(q.shape, int(read.sum()), v.shape[-1])
+        return _attention_flops(q.shape, q.shape[0] * k.shape[2], v.shape[-1])
 
     @flops("paged_decode")
     def _(q, k_pool, v_pool, table, block, first, lengths, scale, out_shape=None, **kwargs) -> int:

@@ -162,7 +162,20 @@ def call_of(
         # GQA call pays no more than it)
         latent=kt.shape[-3] == 1 and vt.shape[-1] <= kt.shape[-1] and fused._first_columns(vt, kt),
         wide=vt.shape[-1] > kt.shape[-1],
+        counting=_flop_counting(),
     )
+
+
+def _flop_counting() -> bool:
+    """Whether torch's FlopCounterMode is on (a dispatch mode on the stack, read only when there is one)."""
+    if torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack():
+        return False
+    from torch.utils import flop_counter
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    # the mode on the stack: FlopCounterMode's inner _FlopCounterMode, or FlopCounterMode itself in older torch
+    mode = getattr(flop_counter, "_FlopCounterMode", flop_counter.FlopCounterMode)
+    return any(isinstance(m, mode) for m in _get_current_dispatch_mode_stack())
 
 
 def _dense(kernel):
@@ -312,6 +325,7 @@ register(
         dropout=False,
         grad=False,  # FlexAttention has no backward on a CPU (torch 2.13), and none was tested on CUDA
         subclass=False,
+        counting=False,  # eager FlexAttention under FlopCounterMode raises a TypeError in torch (2.13, CPU)
         available=flex.available,
     )
 )
