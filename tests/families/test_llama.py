@@ -153,7 +153,11 @@ def test_num_key_value_heads_null_is_read_as_transformers_reads_it(config_class)
     ("model_type", "change", "named"),
     [
         ("llama", {"hidden_act": "gelu"}, "src/config.json: hidden_act='gelu' is not supported"),
-        ("llama", {"pretraining_tp": 2}, "src/config.json: pretraining_tp=2 is not supported"),
+        (  # transformers cannot build a sliding layer's mask without a window; Qwen3 was refused, Qwen2 read as full
+            "qwen2",
+            {"use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention"]},
+            "src/config.json: layer_types names sliding_attention layers but no window is set",
+        ),
         (  # Llama 4's chunked attention: another model, refused by the field's name
             "qwen2",
             {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
@@ -168,6 +172,18 @@ def test_a_field_attnlab_does_not_model_is_refused_naming_it(tmp_path, model_typ
     result = CliRunner().invoke(app, ["eval", str(src), "--data", str(src / "config.json")])
     assert result.exit_code == 2 and named in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_pretraining_tp_is_read_as_the_model_it_sliced(tmp_path):
+    """Llama 2's configs say pretraining_tp 2 (or 1): transformers 4.x summed sliced products back to the same model
+    and transformers 5 ignores it; attnlab refused such checkpoints. Its logits now equal transformers', and a
+    conversion keeps the field."""
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"pretraining_tp": 2}))
+    check_logits(src)
+    check_convert(src, tmp_path / "dst", 1)
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["pretraining_tp"] == 2
 
 
 def _tokenizer(path):

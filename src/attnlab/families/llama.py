@@ -78,16 +78,29 @@ def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
     if f.model_type == "mistral":
         window = f.opt_int("sliding_window") if "sliding_window" in f.raw else 4096  # MistralConfig's default
         return window, ()
-    if f.model_type == "qwen2" and f.bool("use_sliding_window", False):
-        window = f.opt_int("sliding_window") if "sliding_window" in f.raw else 4096
-        if window is None:
-            return None, ()
-        types = f.raw.get("layer_types")
-        if types is None:
-            first = f.int("max_window_layers", 28, minimum=0)
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-        return window, tuple(check_layer_types(f, types, n_layers))
+    if f.model_type == "qwen2":
+        return qwen_windows(f, n_layers)
     return None, ()
+
+
+def qwen_windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, layer types) as ``Qwen2Config`` and ``Qwen3Config`` decide them: ``sliding_window`` (default
+    4096) counts only with ``use_sliding_window``; ``layer_types``, when absent, slides the layers from
+    ``max_window_layers`` (default 28) on; sliding layers without a window are refused, as transformers cannot
+    build their mask."""
+    use = f.bool("use_sliding_window", False)
+    window = (f.opt_int("sliding_window") if "sliding_window" in f.raw else 4096) if use else None
+    types = f.raw.get("layer_types")
+    if types is None:
+        first = f.int("max_window_layers", 28, minimum=0)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    check_layer_types(f, types, n_layers)
+    if "sliding_attention" in types and window is None:
+        f.fail(
+            "layer_types names sliding_attention layers but no window is set (use_sliding_window, sliding_window)"
+        )
+    return window, tuple(types) if window is not None else ()
 
 
 def read(f: Fields) -> ModelConfig:
@@ -98,8 +111,8 @@ def read(f: Fields) -> ModelConfig:
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":
         f.unsupported("hidden_act", "the MLP is SwiGLU: only 'silu'")
-    if f.raw.get("pretraining_tp", 1) not in (1, None):
-        f.unsupported("pretraining_tp", "slices of the projections computed apart: only 1")
+    # pretraining_tp (Llama 2's configs: 1 or 2) only sliced the projections' products in transformers 4.x, summed
+    # back to the same model; transformers 5 ignores it, and so does attnlab (it stays in a written config.json)
     if f.model_type == "qwen2":
         bias, out_bias = True, False  # Qwen2 puts biases on q/k/v only (modeling_qwen2.py)
     else:

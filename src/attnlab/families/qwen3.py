@@ -35,42 +35,20 @@ from .base import (
     MLASupport,
     TensorMap,
     check_heads,
-    check_layer_types,
     put,
     rope_fields,
     sliding_layer_types,
 )
-from .llama import LAYER_RULES, decoder_rules
+from .llama import LAYER_RULES, decoder_rules, qwen_windows
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 # Qwen3Config's defaults for fields a config.json may leave out (transformers/models/qwen3/configuration_qwen3.py)
 HEAD_DIM = 128
 KV_HEADS = 32
 MAX_POSITIONS = 32768
-WINDOW = 4096
-MAX_WINDOW_LAYERS = 28
 
 QK_NORM_RULES = (("self_attn.q_norm", "attention.q_norm"), ("self_attn.k_norm", "attention.k_norm"))
 TENSORS = TensorMap(decoder_rules(LAYER_RULES + QK_NORM_RULES), "Qwen3")
-
-
-def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding window, layer types) as ``Qwen3Config`` decides them: ``sliding_window`` counts only with
-    ``use_sliding_window``; ``layer_types``, when absent, slides the layers from ``max_window_layers`` on."""
-    use = f.bool("use_sliding_window", False)
-    window = (f.opt_int("sliding_window") if "sliding_window" in f.raw else WINDOW) if use else None
-    types = f.raw.get("layer_types")
-    if types is None:
-        first = f.int("max_window_layers", MAX_WINDOW_LAYERS, minimum=0)
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(n_layers)]  # fmt: skip
-    check_layer_types(f, types, n_layers)
-    if "sliding_attention" in types and window is None:
-        # transformers builds no sliding mask without a window: the model would not run
-        f.fail(
-            "layer_types names sliding_attention layers but no window is set (use_sliding_window, sliding_window)"
-        )
-    return window, tuple(types) if window is not None else ()
 
 
 def read(f: Fields) -> ModelConfig:
@@ -96,7 +74,7 @@ def read(f: Fields) -> ModelConfig:
         norm_eps=eps,
     )
     n_layers = f.layers("num_hidden_layers")
-    window, layer_types = _windows(f, n_layers)
+    window, layer_types = qwen_windows(f, n_layers)
     return ModelConfig(
         vocab_size=f.int("vocab_size"),
         n_layers=n_layers,
