@@ -287,7 +287,11 @@ def test_a_lock_file_that_is_not_attnlabs_is_refused_and_left_as_it_is(tmp_path)
     assert not (tmp_path / ".dst.lock").exists()
 
 
-def test_a_deletion_cut_short_leaves_directories_attnlab_still_owns(tmp_path, monkeypatch):
+def test_a_deletion_cut_short_leaves_nothing_in_place_and_the_next_write_removes_the_rest(
+    tmp_path, monkeypatch
+):
+    """A deletion killed after its first file left a checkpoint missing a shard where readers look for it (a sweep
+    then reported it as kept, and cached the failure of the jobs that read it)."""
     run = tmp_path / "run"
     claim_dir(run, "run")
     for step in ("step-1", "step-2"):
@@ -307,10 +311,14 @@ def test_a_deletion_cut_short_leaves_directories_attnlab_still_owns(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         atomic.remove_owned(run, "run")
     monkeypatch.setattr(Path, "unlink", real)
-    assert marker_kind(run) == "run"
-    assert all(marker_kind(d) == "checkpoint" for d in run.iterdir() if d.is_dir())
-    atomic.remove_owned(run, "run")  # the next run deletes what is left
     assert not run.exists()
+    (left,) = tmp_path.glob(f".run.del-{os.getpid()}-*")
+    assert marker_kind(left) == "run"  # what is left is still attnlab's
+    dead = left.with_name(".run.del-999999999-0123abcd")  # as if the process had been killed
+    left.rename(dead)
+    with atomic_dir(run, kind="run") as tmp:
+        (tmp / "log").write_text("new")
+    assert not dead.exists() and (run / "log").read_text() == "new"
 
 
 def test_a_failed_lock_or_write_removes_the_directories_it_made(tmp_path):
@@ -429,3 +437,60 @@ def test_a_lock_taken_for_a_command_line_in_another_encoding(tmp_path, monkeypat
     with pytest.raises(OSError, match="No space"), atomic.lock(tmp_path / "dst"):
         pass
     assert not list(tmp_path.iterdir())  # the lock file it could not fill is removed
+
+
+def test_what_a_user_added_to_an_attnlab_directory_is_neither_replaced_nor_deleted(tmp_path):
+    """convert/uptrain --overwrite and sweep --keep none deleted notes a user had put into an earlier output."""
+    dst = tmp_path / "dst"
+    with atomic_dir(dst) as tmp:
+        (tmp / "model.safetensors").write_text("w")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a.json").write_text("{}")
+    assert atomic.foreign(dst) == []
+    (dst / "NOTES.md").write_text("ask Bob")
+    (dst / "my_evals").mkdir()
+    (dst / "my_evals" / "run1.json").write_text("{}")
+    (dst / "sub" / "b.txt").write_text("mine")
+    says = r"dst holds what attnlab did not write there \(NOTES.md, my_evals, sub/b.txt\)"
+    with pytest.raises(FileExistsError, match=says), atomic_dir(dst, overwrite=True):
+        raise AssertionError("refused before the work")
+    with pytest.raises(FileExistsError, match=r"holds what attnlab did not write there"):
+        atomic.remove_owned(dst, "checkpoint")
+    assert (dst / "NOTES.md").read_text() == "ask Bob" and (dst / "my_evals" / "run1.json").exists()
+    for added in ("NOTES.md", "my_evals/run1.json", "my_evals", "sub/b.txt"):
+        _remove_any(dst / added)
+    with atomic_dir(dst, overwrite=True) as tmp:  # as attnlab wrote it: replaced
+        (tmp / "model.safetensors").write_text("w2")
+    assert (dst / "model.safetensors").read_text() == "w2"
+    atomic.remove_owned(dst, "checkpoint")
+    assert not dst.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_user_file_added_while_attnlab_writes_is_kept(tmp_path):
+    dst = tmp_path / "dst"
+    with atomic_dir(dst) as tmp:
+        (tmp / "w").write_text("1")
+    late = r"holds what attnlab did not write there \(late.txt\)"
+    with pytest.raises(OSError, match=late), atomic_dir(dst, overwrite=True) as tmp:
+        (tmp / "w").write_text("2")
+        (dst / "late.txt").write_text("mine")
+    assert (dst / "late.txt").read_text() == "mine" and (dst / "w").read_text() == "1"
+
+
+def test_a_directory_whose_marker_lists_nothing_is_replaced_as_before(tmp_path):
+    # written over a run (claim_dir), or by attnlab before markers listed files
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".attnlab").write_text('{"generated_by": "attnlab", "kind": "checkpoint"}\n')
+    (old / "x").write_text("1")
+    assert atomic.foreign(old) == []
+    with atomic_dir(old, overwrite=True) as tmp:
+        (tmp / "y").write_text("2")
+    assert sorted(p.name for p in old.iterdir()) == [".attnlab", "y"]
+
+
+def _remove_any(path: Path) -> None:
+    if path.is_dir():
+        path.rmdir()
+    elif path.exists():
+        path.unlink()

@@ -24,8 +24,11 @@
   ``flock`` on the directory itself (nothing is written, and a read-only checkpoint works); ``lock`` on an
   existing directory takes it exclusively, so a second command cannot replace or delete a checkpoint that one in
   flight still reads (it gets ``Busy``), nor can a checkpoint being replaced be read.
-- **Deleting** an attnlab directory removes each directory's marker last, so a deletion cut short leaves
-  directories attnlab still owns.
+- **What a user adds is theirs.** A directory written whole (a checkpoint) lists what it holds in its marker;
+  one that holds anything more (notes, evaluations added later) is neither replaced nor deleted, and the error
+  names what was added.
+- **Deleting** an attnlab directory first renames it out of sight (``.{name}.del-{pid}-{random}``, removed as a
+  leftover by the next write of that name), so a deletion cut short leaves no half-deleted directory in place.
 - **Leftovers are cleaned.** A process killed while writing (SIGKILL, power loss) cannot remove its temporary;
   the next write to the same destination removes every temporary whose process (the pid in its name) no longer
   runs. Temporaries of live processes are left alone.
@@ -97,12 +100,55 @@ def marker_kind(path: PathLike) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def mark(directory: PathLike, kind: str) -> None:
-    """Write the marker that makes ``directory`` an attnlab output of ``kind``."""
+def mark(directory: PathLike, kind: str, files: list[str] | None = None) -> None:
+    """Write the marker that makes ``directory`` an attnlab output of ``kind``; ``files``: everything it holds
+    (``listing``), for a directory written whole, so that what a user adds later can be told apart."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    text = json.dumps({"generated_by": SIGNATURE, "kind": kind}) + "\n"
-    (Path(directory) / MARKER).write_text(text, encoding="utf-8")
+    info: dict[str, Any] = {"generated_by": SIGNATURE, "kind": kind}
+    if files is not None:
+        info["files"] = files
+    (Path(directory) / MARKER).write_text(json.dumps(info) + "\n", encoding="utf-8")
+
+
+def listing(directory: PathLike) -> list[str]:
+    """The paths under ``directory`` (files, links and directories, not followed into linked directories),
+    relative, sorted; its own marker left out."""
+    root = Path(directory)
+    found = []
+    for top, dirs, files in os.walk(root):
+        here = Path(top).relative_to(root)
+        found += [(here / name).as_posix() for name in (*dirs, *files)]
+    return sorted(name for name in found if name != MARKER)
+
+
+def foreign(directory: PathLike) -> list[str]:
+    """What an attnlab directory written whole holds that attnlab did not write there (a user's notes added
+    later), by its marker's list; [] for a directory whose marker lists nothing (written over a run, or before
+    the list was kept)."""
+    try:
+        info = json.loads((Path(directory) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    files = info.get("files") if isinstance(info, dict) else None
+    if not isinstance(files, list):
+        return []
+    written = set(files)
+    return [name for name in listing(directory) if name not in written]
+
+
+def _check_foreign(path: Path, shown: str, what: str) -> None:
+    """An attnlab directory about to be replaced or deleted may hold only what attnlab wrote there."""
+    found = foreign(path)
+    extra = [
+        name for name in found if name.rpartition("/")[0] not in found
+    ]  # a new folder once, not its files
+    if extra:
+        named = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise FileExistsError(
+            f"{what} {shown} holds what attnlab did not write there ({named}): it is not replaced or deleted; "
+            "move those away yourself or choose another path"
+        )
 
 
 def _png_software(path: Path) -> str | None:
@@ -211,6 +257,8 @@ def check_destination(
         found = marker_kind(dst)
         if found != kind and not ours:
             raise FileExistsError(_not_ours(shown, what, kind, found, dst))
+        if found is not None and not ours:
+            _check_foreign(dst, shown, what)
     return dst
 
 
@@ -423,7 +471,9 @@ def _remove_empty(directories: list[Path]) -> None:
 # ---- temporaries ---------------------------------------------------------------------------------------------
 
 
-def _temp_path(dst: Path, kind: str) -> Path:
+def temp_path(dst: Path, kind: str) -> Path:
+    """A hidden name beside ``dst`` for work on it (``kind``: tmp, old, del), which ``remove_stale`` removes once the
+    process in its name is gone."""
     return dst.parent / f".{dst.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -454,7 +504,7 @@ def remove_stale(dst: PathLike) -> list[Path]:
     in) is put back when ``dst`` is missing, so nothing is lost.
     """
     dst = _absolute(dst)
-    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(tmp|old)-(\d+)-[0-9a-f]+(\..*)?")
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(tmp|old|del)-(\d+)-[0-9a-f]+(\..*)?")
     removed = []
     try:
         entries = sorted(dst.parent.iterdir())
@@ -559,7 +609,7 @@ def _replace(new: Path, dst: Path) -> None:
     if _exchange(new, dst):
         _remove(new)  # now holds the old destination
     else:
-        old = _temp_path(dst, "old")
+        old = temp_path(dst, "old")
         os.rename(dst, old)
         try:
             os.rename(new, dst)
@@ -606,17 +656,19 @@ def atomic_dir(
         existed = dst.exists() or dst.is_symlink()
         try:
             remove_stale(dst)
-            tmp = _temp_path(dst, "tmp")
+            tmp = temp_path(dst, "tmp")
             tmp.mkdir(mode=0o700)  # private while it is being written
         except OSError as err:
             raise _write_error(err, shown) from err
         try:
             yield tmp
-            mark(tmp, kind)
+            mark(tmp, kind, listing(tmp))
             _finish_tree(tmp)
             if existed:
                 if marker_kind(dst) != kind and not ours:  # replaced by something else while we wrote
                     raise FileExistsError(errno.EEXIST, "it changed while this was being written", str(dst))
+                if not ours:
+                    _check_foreign(dst, str(shown), what)  # a user's file added while we wrote
                 _replace(tmp, dst)
             else:
                 _rename_new(tmp, dst)
@@ -682,13 +734,18 @@ def remove_owned(path: PathLike, kind: str, what: str = "directory") -> None:
     if found != kind:
         raise FileExistsError(_not_ours(str(path), what, kind, found, path))
     _check_replaceable(path, str(path), what)
+    _check_foreign(path, str(path), what)
     with _no_readers(path, str(path), what):
-        _delete_marker_last(path)
+        # out of sight first, under a name the next write of this path removes (``remove_stale``): a deletion cut
+        # short (Ctrl-C, a kill, while gigabytes go) leaves no half-deleted checkpoint where readers look for one
+        doomed = temp_path(path, "del")
+        os.rename(path, doomed)
+    _delete_marker_last(doomed)
 
 
 def _delete_marker_last(directory: Path) -> None:
     """Delete ``directory`` and what it holds, each directory's marker after everything beside it: a deletion cut
-    short (Ctrl-C, a kill, while gigabytes go) leaves directories that attnlab still owns and deletes next time."""
+    short leaves directories that attnlab still owns."""
     for entry in directory.iterdir():
         if entry.name == MARKER:
             continue
@@ -706,7 +763,7 @@ def _delete_marker_last(directory: Path) -> None:
 @contextlib.contextmanager
 def _temp_file(path: Path, suffix: str) -> Iterator[str]:
     remove_stale(path)
-    tmp = str(_temp_path(path, "tmp")) + suffix
+    tmp = str(temp_path(path, "tmp")) + suffix
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # private while it is being written
     try:
         yield tmp
@@ -731,6 +788,12 @@ def _prepare_file(path: PathLike, sources: Iterable[PathLike | None], ours: bool
     if (path.exists() or path.is_symlink()) and not ours and not is_own_file(path):
         raise FileExistsError(_not_ours(shown, what, "file", None, path))
     return path
+
+
+def check_file(path: PathLike, *, what: str = "file") -> Path:
+    """The checks ``write_atomic`` makes before writing ``path``, made ahead of a long run: not a directory, and if
+    it exists, a file that carries attnlab's mark."""
+    return _prepare_file(path, (), False, what)
 
 
 def write_atomic(

@@ -165,11 +165,12 @@ def save_checkpoint(
 
 
 def remove_partial(run: Path) -> None:
-    """Delete checkpoints that were being written when a run died (hidden ``.step-*.tmp-*`` directories): the run
-    directory has one writer (its lock), so none of them is being written now."""
+    """Delete checkpoints that were being written or deleted when a run died (hidden ``.step-*.tmp-*`` and
+    ``.step-*.del-*`` directories): the run directory has one writer (its lock), so none of them is in use now."""
     if run.is_dir():
-        for path in run.glob(".step-*.tmp-*"):
-            shutil.rmtree(path, ignore_errors=True)
+        for pattern in (".step-*.tmp-*", ".step-*.del-*"):
+            for path in run.glob(pattern):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def read_state(path: Path) -> dict:
