@@ -181,6 +181,29 @@ def test_a_row_that_becomes_pareto_optimal_gets_back_its_deleted_checkpoint(firs
     assert all(r["loss"] == old[(r["variant"], r["steps"])] for r in rows)
 
 
+def test_a_report_the_user_edited_and_files_added_to_a_checkpoint_are_kept(first, tiny):
+    """A rerun replaced a report.md the user had rewritten (its mark gone) with no --overwrite, and --keep none
+    deleted a job checkpoint together with the notes a user had put in it."""
+    out = tiny["root"] / "out"
+    report = out / "report.md"
+    generated = report.read_text()
+    report.write_text("# my notes on this sweep: ask Bob\n")
+    again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json")
+    assert again.exit_code == 2 and "report.md exists and is a file without attnlab's mark" in again.stderr
+    assert report.read_text().startswith("# my notes")
+    report.write_text(generated)
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    kept = next(Path(r["checkpoint"]) for r in rows if r["kind"] != "source" and r["checkpoint"])
+    (kept / "NOTES.md").write_text("ask Bob")
+    again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json", "--keep", "none")
+    assert again.exit_code == 0, again.output
+    assert f"attnlab: kept checkpoint {kept} holds what attnlab did not write there (NOTES.md)" in again.stderr
+    assert (kept / "NOTES.md").read_text() == "ask Bob"
+    left = {r["checkpoint"] for r in json.loads(again.stdout)["rows"] if r["kind"] != "source"} - {None}
+    assert left == {str(kept)}
+    (kept / "NOTES.md").unlink()
+
+
 def test_pareto_on_a_hand_made_table():
     rows = [
         {"loss": 3.0, "kv_bytes_per_token": 256, "tokens_per_s": 100},  # best loss
@@ -578,3 +601,19 @@ def test_the_title_says_when_no_speed_was_measured():
     results = {"options": {"src": "m", "batch": 1, "context": 256}, "measured_context": None}
     assert "tok/s not measured (no timing job succeeded)" in title(results) and "None" not in title(results)
     assert "tok/s measured here at 128 tokens" in title(results | {"measured_context": 128})
+
+
+def test_the_text_folders_a_killed_sweep_was_making_are_removed(tiny, tmp_path):
+    # its temporaries had no process id in their names, so no later run could tell they were stale: kept for good
+    from attnlab.sweep import plan
+
+    root = tmp_path / "jobs"
+    root.mkdir()
+    folders = plan.prepare_data(tiny["corpus"], None, root)
+    train = folders["train"]
+    stale = root / f".{train.name}.tmp-999999999-0123abcd"  # a process that no longer runs
+    stale.mkdir()
+    (stale / "hamlet.txt").write_text("half")
+    again = plan.prepare_data(tiny["corpus"], None, root)
+    assert again == folders and not stale.exists()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []

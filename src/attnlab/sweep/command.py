@@ -15,11 +15,12 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..atomic import claim_dir, json_text, lock, remove_owned, write_atomic, write_json
+from ..atomic import check_file, claim_dir, json_text, lock, remove_owned, write_atomic, write_json
 from ..data import _cache_home
 from ..hf import io
 from ..hf.causal_lm import check_causal_lm, model_config
@@ -54,6 +55,10 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         if opts.out is not None:
             out = claim_dir(opts.out, "sweep", sources=sources, what="--out")
             held.enter_context(lock(out, "--out"))
+            for (
+                name
+            ) in report.OUT_FILES:  # a report the user edited (its mark gone) is refused now, not at the end
+                check_file(out / name, what="--out file")
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
         if opts.out is None:  # attnlab's own cache of this source: one sweep at a time, as an --out
             held.enter_context(lock(root, "the job cache of this source"))
@@ -83,7 +88,11 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
             kept = {r["checkpoint"] for r in rows if r["pareto"] and opts.keep == "best"}
             for r in rows:
                 if r["kind"] != "source" and r["checkpoint"] is not None and r["checkpoint"] not in kept:
-                    remove_owned(r["checkpoint"], "checkpoint", "checkpoint")
+                    try:
+                        remove_owned(r["checkpoint"], "checkpoint", "checkpoint")
+                    except FileExistsError as err:  # the user added files to it: kept, and said so
+                        print(f"attnlab: kept {err}", file=sys.stderr)
+                        continue
                     r["checkpoint"] = None
         measured = [r["measured_context"] for r in rows if r.get("measured_context") is not None]
         results = {
@@ -111,8 +120,8 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         }
         if opts.out is not None:
             plots = report.plot(results, out)
-            write_atomic(out / "report.md", report.markdown(results, plots), ours=True)
-            write_json(out / "sweep.json", results, by="sweep", ours=True)
+            write_atomic(out / "report.md", report.markdown(results, plots))
+            write_json(out / "sweep.json", results, by="sweep")
     if as_json:
         print(json_text(results), end="")
     else:

@@ -377,14 +377,15 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path, read: Texts | N
     """The training and held-out text (``_texts``: files linked, a split file's parts written, into ``root``,
     attnlab's own cache), and calibration lines for the data-aware conversions: lines of seven words or more of the
     training text, shuffled with seed 0, 256 of them. ``read``: ``check_data``'s answer, not read again."""
-    from ..atomic import write_atomic
+    from ..atomic import remove_stale, temp_path, write_atomic
 
     texts, fp = _texts(data, eval_data) if read is None else read
     folders = {}
     for name, group in texts.items():
         folder = root / f"{name}-{fp}"
+        remove_stale(folder)  # what a killed sweep left (it held root's lock: nothing else writes here)
         if not _links_to(folder, group):
-            tmp = root / f".{folder.name}.tmp-{random.getrandbits(32):08x}"
+            tmp = temp_path(folder, "tmp")
             tmp.mkdir()
             for file_name, text in group.items():
                 if isinstance(text, Path):
@@ -393,7 +394,7 @@ def prepare_data(data: Path, eval_data: Path | None, root: Path, read: Texts | N
                     (tmp / file_name).write_text(text)
             # the same text at another place: the links follow it (the sweep holds root's lock)
             if folder.is_dir():
-                old = root / f".{folder.name}.old-{random.getrandbits(32):08x}"
+                old = temp_path(folder, "del")
                 folder.rename(old)
                 shutil.rmtree(old)
             tmp.rename(folder)

@@ -208,6 +208,16 @@ def markdown(results: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the plots of an --out directory: file name -> (the rows' x value, its axis label)
+PLOTS = {
+    "quality_vs_kv_bytes.png": ("kv_bytes_per_token", "KV bytes per token (bf16)"),
+    "quality_vs_steps.png": ("steps", "uptraining steps"),
+    "quality_vs_speed.png": ("tokens_per_s", "decode tokens/s (measured here)"),
+}
+# every file a sweep writes in --out, beside its job cache
+OUT_FILES = ("report.md", "sweep.json", *PLOTS)
+
+
 def plot(results: dict, out: Path) -> list[str]:
     """Quality against KV bytes per token, uptraining steps and measured tokens/s; the PNG names written."""
     import matplotlib
@@ -219,11 +229,7 @@ def plot(results: dict, out: Path) -> list[str]:
 
     rows = [r for r in results["rows"] if r.get("loss") is not None]
     names = []
-    for name, x_key, xlabel in (
-        ("quality_vs_kv_bytes.png", "kv_bytes_per_token", "KV bytes per token (bf16)"),
-        ("quality_vs_steps.png", "steps", "uptraining steps"),
-        ("quality_vs_speed.png", "tokens_per_s", "decode tokens/s (measured here)"),
-    ):
+    for name, (x_key, xlabel) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         series: dict[str, list[dict]] = {}
         for r in rows:
@@ -251,6 +257,6 @@ def plot(results: dict, out: Path) -> list[str]:
         if series:  # no row with a loss: an empty plot without a legend
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        save_figure(fig, out / name, ours=True, dpi=110, bbox_inches="tight")
+        save_figure(fig, out / name, dpi=110, bbox_inches="tight")
         names.append(name)
     return names
