@@ -387,3 +387,19 @@ def test_a_checkpoint_stores_tied_embeddings_once_and_resumes_them_tied(tmp_path
     assert fresh.output.weight is fresh.tok_embeddings.weight  # still one tensor
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_run_directory_left_beside_a_finished_dst_is_named(tmp_path, tiny_llama, corpus):
+    """A run killed after writing DST but before deleting its run directory left checkpoints (~3x the model) that
+    no message ever mentioned: the rerun said only "DST exists"."""
+    from attnlab import atomic
+
+    dst = tmp_path / "dst"
+    with atomic.atomic_dir(dst) as tmp:
+        (tmp / "uptrain.json").write_text("{}")
+    atomic.claim_dir(tmp_path / "dst.run", "run")
+    result = run_cli("uptrain", tiny_llama, dst, "--data", corpus, "--steps", 2, "--seq-len", 32, "--resume")
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"the run directory {tmp_path / 'dst.run'} is left over from the run that wrote it" in lines[0]
+    assert (tmp_path / "dst.run").is_dir() and (dst / "uptrain.json").is_file()

@@ -112,7 +112,17 @@ def _check_paths(opts: UptrainOptions) -> None:
         raise FileNotFoundError(f"--teacher checkpoint directory not found: {opts.teacher}")
     if opts.teacher is not None and not (opts.teacher / "config.json").is_file():
         raise ValueError(f"--teacher {opts.teacher} is not a checkpoint directory (no config.json)")
-    atomic.check_destination(opts.dst, _inputs(opts), overwrite=opts.overwrite, what="DST")
+    try:
+        atomic.check_destination(opts.dst, _inputs(opts), overwrite=opts.overwrite, what="DST")
+    except FileExistsError as err:
+        run = opts.run_path
+        if not opts.overwrite and atomic.marker_kind(run) == "run" and (opts.dst / "uptrain.json").is_file():
+            # a run killed between writing DST and deleting its run directory: checkpoints of ~3x the model
+            raise FileExistsError(
+                f"{err}; {_run_name(opts)} {run} is left over from the run that wrote it (stopped before it was "
+                "deleted): delete it yourself once DST is what you want"
+            ) from None
+        raise
     # DST gets SRC's other files after training: a broken link among them is refused now
     copy_other_files(opts.src, None)
     atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), what=_run_name(opts))
