@@ -292,3 +292,22 @@ def test_an_error_of_one_rank_alone_is_still_said_by_that_rank(rank, monkeypatch
 def test_a_flag_given_a_value_points_at_its_commands_help(command):
     # the parser's own error carries no context: it pointed at "attnlab --help"
     one_line_error(runner.invoke(app, [*command, "--json=1"]), f"(see 'attnlab {' '.join(command)} --help')")
+
+
+@pytest.mark.parametrize(
+    ("words", "says"),
+    [
+        (["compare"], "attnlab: interrupted (nothing half-written is left)\n"),
+        (["uptrain", "src", "dst", "--data", "x"], "rerun it with --resume to continue"),
+    ],
+)
+def test_ctrl_c_is_exit_130_with_one_line(monkeypatch, words, says):
+    # Typer turned Ctrl-C into exit code 130 and printed nothing at all
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("attnlab.bench.compare.run_compare", interrupted)
+    monkeypatch.setattr("attnlab.train.options.UptrainOptions", interrupted)
+    result = runner.invoke(app, words)
+    assert result.exit_code == 130 and says in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
