@@ -137,9 +137,13 @@ def load_tokenizer(checkpoint: str | Path, vocab_size: int | None = None):
 
 
 def read_text(path: Path, flag: str = "--data") -> str:
-    """A text file's contents, with an error that names the file when it is not UTF-8."""
+    """A text file's contents as they are (line ends untranslated), with an error that names the file when it is
+    not UTF-8."""
     try:
-        return path.read_text(encoding="utf-8")
+        with open(
+            path, encoding="utf-8", newline=""
+        ) as f:  # its own line ends: a CRLF file's \r are its text
+            return f.read()
     except UnicodeDecodeError as err:
         raise ValueError(
             f"{flag}: {path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8"
@@ -196,18 +200,46 @@ def separator_id(checkpoint: str | Path) -> int | None:
     return eos if isinstance(eos, int) and 0 <= eos < cfg.get("vocab_size", eos + 1) else None
 
 
-def _token_bytes(text: str, ends: np.ndarray) -> np.ndarray:
-    """Bytes each token adds, from the tokens' end offsets (characters of ``text``): the growth of the furthest
-    byte covered so far (so overlapping offsets, as a multi-byte character split over byte-level tokens gives, are
-    counted once); the sum is the text's bytes. In numpy, a few bytes a character (lists of Python ints took ~40)."""
+def _byte_lengths(tok) -> np.ndarray | None:
+    """Each token's bytes for a byte-level vocabulary (GPT-2's scheme: one symbol a byte, so a token's length in
+    symbols), by id; None for any other."""
+    if type(tok.decoder).__name__ != "ByteLevel":
+        return None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    return np.array([len(tok.id_to_token(i) or "") for i in range(size)], dtype=np.int64)
+
+
+def _token_bytes(
+    text: str, starts: np.ndarray, ends: np.ndarray, lengths: np.ndarray | None = None
+) -> np.ndarray:
+    """Bytes each token adds, from the tokens' offsets (characters of ``text``): the growth of the furthest byte
+    covered so far, so overlapping offsets are counted once; the sum is the text's bytes. Tokens that split one
+    character (byte-level tokens of a character outside their vocabulary share its offsets) share its bytes: by
+    ``lengths`` (each token's own bytes, known for a byte-level vocabulary) where they add up, else evenly (byte
+    fallback: one byte a token). In numpy, a few bytes a character (lists of Python ints took ~40)."""
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     byte_at = np.zeros(len(text) + 1, dtype=np.int64)  # byte offset of each character position
     np.cumsum(1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000), out=byte_at[1:])
     del codes
-    covered = byte_at[np.maximum.accumulate(ends if len(ends) else np.zeros(1, dtype=np.int64))]
-    out = np.diff(covered, prepend=0)[: len(ends)]
-    if len(ends):
-        out[-1] += byte_at[-1] - covered[-1]  # text after the last token (stripped whitespace)
+    if not len(ends):
+        return np.zeros(0, dtype=np.int64)
+    covered = byte_at[np.maximum.accumulate(ends)]
+    out = np.diff(covered, prepend=0)
+    out[-1] += byte_at[-1] - covered[-1]  # text after the last token (stripped whitespace)
+    # runs of tokens with the same (start, end): the first took the character's bytes, the others none
+    new = np.ones(len(ends), dtype=bool)
+    new[1:] = (starts[1:] != starts[:-1]) | (ends[1:] != ends[:-1])
+    first = np.flatnonzero(new)
+    count = np.diff(first, append=len(ends))
+    if (count > 1).any():
+        run = np.cumsum(new) - 1  # each token's run
+        total = np.add.reduceat(out, first)
+        k = count[run]
+        share = total[run] // k + np.where(new, total[run] % k, 0)  # evenly, the remainder to the first
+        if lengths is not None:
+            exact = (np.add.reduceat(lengths, first) == total)[run]
+            share = np.where(exact, lengths, share)
+        out = np.where(k > 1, share, out)
     return out
 
 
@@ -256,7 +288,7 @@ def _pieces(tok, text: str, size: int) -> list[int]:
 def _encode(
     tok, texts: list[str], piece_chars: int | None = None, progress: Callable[[int, int], None] | None = None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each text's token ids and end offsets (characters), the same as encoding it whole (checked at each cut,
+    """Each text's token ids and start and end offsets (characters), the same as encoding it whole (checked at each cut,
     ``_same_across``), encoded ~BATCH_CHARS of pieces at a time and kept as int64 arrays; ``progress(characters
     done, characters in all)`` after each batch."""
     work = []  # (text index, piece start, piece end)
@@ -264,6 +296,7 @@ def _encode(
         starts = _pieces(tok, text, piece_chars or PIECE_CHARS)
         work += [(i, a, b) for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
     ids: list[list[np.ndarray]] = [[] for _ in texts]
+    starts: list[list[np.ndarray]] = [[] for _ in texts]
     ends: list[list[np.ndarray]] = [[] for _ in texts]
     j, done, total = 0, 0, sum(b - a for _, a, b in work)
     while j < len(work):
@@ -275,16 +308,18 @@ def _encode(
         encodings = tok.encode_batch([texts[i][a:b] for i, a, b in batch], add_special_tokens=False)
         for (i, a, _), enc in zip(batch, encodings, strict=True):
             ids[i].append(np.asarray(enc.ids, dtype=np.int64))
-            ends[i].append(np.asarray([e for _, e in enc.offsets], dtype=np.int64).reshape(-1) + a)
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2) + a
+            starts[i].append(offsets[:, 0])
+            ends[i].append(offsets[:, 1])
         del encodings
         j, done = k, done + chars
         if progress is not None:
             progress(done, total)
-    empty = np.zeros(0, dtype=np.int64)
-    return [
-        (np.concatenate(i) if i else empty, np.concatenate(e) if e else empty)
-        for i, e in zip(ids, ends, strict=True)
-    ]
+
+    def joined(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    return [(joined(i), joined(s), joined(e)) for i, s, e in zip(ids, starts, ends, strict=True)]
 
 
 _CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
@@ -321,7 +356,8 @@ def tokenize_files(
     # the tokenizers library raises a bare Exception (e.g. a WordLevel unk not in its vocab)
     except Exception as err:
         raise ValueError(f"{flag}: {checkpoint / 'tokenizer.json'} cannot tokenise the text: {err}") from None
-    for text, (file_ids, ends) in zip(texts, encoded, strict=True):
+    lengths = _byte_lengths(tok)
+    for text, (file_ids, starts, ends) in zip(texts, encoded, strict=True):
         # an empty file: no text, and no separator (each one added an end-of-text token to score)
         if not len(file_ids):
             continue
@@ -329,7 +365,7 @@ def tokenize_files(
             ids.append(np.array([sep], dtype=np.int64))
             nbytes.append(np.zeros(1, dtype=np.int64))
         ids.append(file_ids)
-        nbytes.append(_token_bytes(text, ends))
+        nbytes.append(_token_bytes(text, starts, ends, None if lengths is None else lengths[file_ids]))
     stream = TokenStream(
         tokens=torch.from_numpy(np.concatenate(ids)) if ids else torch.zeros(0, dtype=torch.int64),
         nbytes=torch.from_numpy(np.concatenate(nbytes)) if ids else torch.zeros(0, dtype=torch.int64),

@@ -49,6 +49,35 @@ def test_bytes_per_token_add_up_to_the_text(tmp_path, tiny_llama, tokenizer):
     ))  # fmt: skip
 
 
+def test_each_token_counts_the_bytes_it_spells_where_it_splits_a_character(tmp_path, tiny_llama, tokenizer):
+    """A character split over byte-level tokens was counted whole in its first token (CJK: 3, 0, 0), so a window
+    edge inside it moved bytes between windows (400 x "🎭", one window of 63 tokens: 60 bytes, 5 % off). Oracle:
+    the bytes each token's own symbols stand for (the vocabulary's byte-level alphabet). A CRLF file keeps its
+    \r (it was read with Python's newline translation: other tokens, other bytes)."""
+    texts = ["🎭" * 40 + "\n", "頭痛 — ça 𝔣air\r\nand more\r\n"]
+    files = []
+    for i, text in enumerate(texts):
+        files.append(tmp_path / f"{i}.txt")
+        files[-1].write_bytes(text.encode("utf-8"))
+    stream = data.tokenize_files(tiny_llama, files)
+    ids = torch.tensor([*tokenizer.encode(texts[0]).ids, 0, *tokenizer.encode(texts[1]).ids])
+    assert torch.equal(stream.tokens, ids)  # the \r are tokenised
+    spells = [len(tokenizer.id_to_token(t)) for t in ids.tolist()]  # one symbol a byte
+    assert stream.nbytes.tolist() == [0 if t == 0 else n for t, n in zip(ids.tolist(), spells, strict=True)]
+    assert int(stream.nbytes.sum()) == sum(len(t.encode("utf-8")) for t in texts)
+
+
+def test_byte_fallback_tokens_of_one_character_share_its_bytes():
+    # SentencePiece's byte fallback: "頭" (3 bytes) as <0xE9> <0xA0> <0xAD>, each with the character's offsets
+    import numpy as np
+
+    text = "a頭🎭b"
+    starts, ends = np.array([0, 1, 1, 1, 2, 2, 3]), np.array([1, 2, 2, 2, 3, 3, 4])
+    assert data._token_bytes(text, starts, ends).tolist() == [1, 1, 1, 1, 2, 2, 1]
+    lengths = np.array([1, 1, 1, 1, 3, 1, 1])  # a byte-level vocabulary's own counts, where they add up
+    assert data._token_bytes(text, starts, ends, lengths).tolist() == [1, 1, 1, 1, 3, 1, 1]
+
+
 def test_windows_predict_every_token_once(tiny_llama, corpus):
     stream = data.tokenize_files(tiny_llama, [corpus / "hamlet.txt"])
     n = stream.n_windows(16)
@@ -126,9 +155,9 @@ def test_a_text_encoded_in_pieces_gives_the_tokens_of_the_whole(monkeypatch, tok
     tok.no_truncation()
     text = _text()
     whole = tok.encode(text, add_special_tokens=False)
-    [(ids, ends)] = _encode(tok, [text], piece_chars=300)
+    [(ids, starts, ends)] = _encode(tok, [text], piece_chars=300)
     assert ids.tolist() == whole.ids
-    assert ends.tolist() == [e for _, e in whole.offsets]
+    assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == whole.offsets
     checks = []
     monkeypatch.setattr(data, "_same_across", lambda *a: checks.append(a) or same_across(*a))
     cuts = len(_pieces(tok, text, 300)) - 1
