@@ -302,7 +302,14 @@ def _similarity_order(attn: GroupedQueryAttention, r: int, c: torch.Tensor) -> l
             group.append(best)
             left.remove(best)
         order += group
-    return order
+
+    def lost(heads: list[int]) -> float:
+        return sum(cost(heads[i : i + r]) for i in range(0, len(heads), r))
+
+    # the greedy groups, unless the heads' own order loses less (greedy seeds each group with the first head left
+    # and gives the last group what remains: on a QA checkpoint 1.042 of the layer's energy against the index
+    # order's 1.028, where grouped-fit then lost to fit)
+    return min((list(range(attn.n_kv_heads)), order), key=lost)
 
 
 def mha_to_gqa(
