@@ -443,6 +443,22 @@ def test_a_stop_word_the_vocabulary_lacks_is_refused(tmp_path):
         stop_tokens(tmp_path, tok, ["knight"], ignore_eos=True, vocab_size=3)
 
 
+def test_a_stop_text_is_looked_up_as_text_not_as_a_byte_level_symbol(tmp_path):
+    """'é' named the byte-level symbol of byte 0xE9 (half of other characters' bytes): generation stopped in the
+    middle of a character, where 'é' itself is 2 tokens; special tokens still stop as themselves."""
+    from attnlab.bench.generate import stop_tokens
+    from attnlab.data import train_byte_bpe
+
+    tok = train_byte_bpe(["To be, or not to be: that is the question.\n" * 20], 300)
+    assert tok.token_to_id("é") is not None and len(tok.encode("é").ids) == 2
+    with pytest.raises(ValueError, match=r"--stop 'é' is 2 tokens in this vocabulary; give a single token"):
+        stop_tokens(tmp_path, tok, ["é"], ignore_eos=True, vocab_size=300)
+    assert stop_tokens(tmp_path, tok, ["<|endoftext|>", "\n"], ignore_eos=True, vocab_size=300) == {
+        0,
+        *tok.encode("\n").ids,
+    }
+
+
 def test_dtype_auto_takes_the_configs_dtype_for_a_checkpoint_of_mixed_dtypes(checkpoint, tmp_path):
     """bfloat16 weights with a float32 head and norms (as some checkpoints are saved) failed under --dtype auto:
     a matmul traceback, or 'x has dtype float32 but the weights are bfloat16'; transformers' dtype='auto' loads
@@ -572,3 +588,42 @@ def test_an_eos_the_model_cannot_produce_stops_nothing_and_a_fifo_is_not_read(tm
     assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == {7}
     os.mkfifo(tmp_path / "generation_config.json")
     assert stop_tokens(tmp_path, tok, [], ignore_eos=False, vocab_size=300) == {7}  # config.json's, at once
+
+
+def test_generating_past_the_models_positions_warns_and_naive_mla_takes_ragged_prompts_static():
+    """The Python API went past max_seq_len without a word (transformers warns; the command refuses); ragged
+    prompts with MLA's naive mode were refused under cache='auto' though the static cache decodes them."""
+    m = model("gqa")
+    rows = prompts([500, 3])
+    with pytest.warns(
+        UserWarning, match=r"its 20 new tokens take 520 positions, past the model's max_seq_len 512"
+    ):
+        generate(m, rows, 20)
+    mla = model("mla")
+    want = generate(mla, prompts([7, 12]), 6).tokens  # absorbed, over the paged cache
+    for layer in mla.layers:
+        layer.attention.mode = "naive"
+    naive = generate(mla, prompts([7, 12]), 6)
+    assert naive.cache == "static" and naive.tokens == want
+    with pytest.raises(
+        ValueError, match=r"cache='paged' needs MLA's absorbed mode: .* or use cache='static'"
+    ):
+        generate(mla, prompts([7, 12]), 6, cache="paged")
+
+
+def test_numpy_sampling_options_and_filter_logits_arguments_are_checked():
+    import numpy as np
+
+    from attnlab.generate import filter_logits
+
+    m = model("gqa")
+    a = generate(
+        m, prompts([5]), 4, temperature=np.float32(0.7), top_p=np.float32(0.9), top_k=np.int64(5), seed=1
+    )
+    b = generate(m, prompts([5]), 4, temperature=0.7, top_p=float(np.float32(0.9)), top_k=5, seed=1)
+    assert a.tokens == b.tokens  # np.float32(0.9) was "top_p must be None or in (0, 1]"
+    logits = torch.randn(2, 10)
+    for bad, says in [((-1.0,), "temperature must be a finite number >= 0"), ((0.0,), "needs temperature > 0"),
+                      ((1.0, 0), "top_k must be None or an int >= 1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):  # the least likely token kept, all inf, a shape error
+            filter_logits(logits, *bad)

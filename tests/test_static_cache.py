@@ -238,9 +238,12 @@ def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly_with_a_warning
     m = _model("gqa")
     with torch._dynamo.config.patch(recompile_limit=1):
         assert generate(m, _prompts(2, 5), 6, compile=True).tokens == generate(m, _prompts(2, 5), 6).tokens
+        tries, compiled = [], generation._COMPILED["cpu"]
+        monkeypatch.setitem(generation._COMPILED, "cpu", lambda *a: tries.append(1) or compiled(*a))
         with pytest.warns(UserWarning, match=r"recompile_limit = 1 models or shapes in this process"):
             third = generate(m, _prompts(3, 5), 6, compile=True)  # another batch size: a shape past the limit
         assert third.tokens == generate(m, _prompts(3, 5), 6).tokens and len(graphs) == 1
+        assert len(tries) == 1  # then eager at once: each retry failed again, 3.4x an eager step
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once
             generate(m, _prompts(4, 5), 6, compile=True)

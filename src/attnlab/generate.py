@@ -49,6 +49,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
 
@@ -104,17 +105,12 @@ class Generation:
 def _check_options(max_new_tokens, temperature, top_k, top_p) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not 0 <= temperature < math.inf
-    ):
+    # numbers.Real / numbers.Integral: NumPy's scalars too, as token ids take them (np.float32(0.9) was refused)
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
-    ):
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
 
 
@@ -148,7 +144,10 @@ def filter_logits(
 ) -> torch.Tensor:
     """``logits`` (B, vocab) / ``temperature`` in float32, -inf outside the ``top_k`` likeliest tokens and then
     outside the smallest set whose probability reaches ``top_p`` (transformers' Temperature, TopK and TopP
-    logits warpers, in that order, with their tie rules)."""
+    logits warpers, in that order, with their tie rules); ``temperature`` > 0 (0 is greedy: no sample)."""
+    _check_options(0, temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("filter_logits needs temperature > 0 (temperature 0 is greedy decoding: argmax)")
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -257,20 +256,26 @@ def generate(
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be a bool, got {type(compile).__name__}")
     one_length = len({len(r) for r in rows}) == 1
-    if cache == "auto":
-        cache = "static" if compile else "contiguous" if one_length else "paged"
+    naive = any(getattr(layer.attention, "mode", "auto") == "naive" for layer in model.layers)
+    if cache == "auto":  # ragged prompts: paged, or static where MLA's naive mode cannot read pages
+        cache = "static" if compile else "contiguous" if one_length else "static" if naive else "paged"
     if compile and cache != "static":
         raise ValueError(f"compile=True compiles the decode step over a static cache; got cache={cache!r}")
     if cache == "contiguous" and not one_length:
         raise ValueError(
             "cache='contiguous' needs prompts of one length; use cache='paged', 'static' or 'auto'"
         )
-    if cache == "paged" and any(
-        getattr(layer.attention, "mode", "auto") == "naive" for layer in model.layers
-    ):
+    if cache == "paged" and naive:
         raise ValueError(
-            "prompts of different lengths (the paged cache) need MLA's absorbed mode: set every layer's "
-            "attention.mode = 'auto' or 'absorbed' (the result is the same), or give prompts of one length"
+            "cache='paged' needs MLA's absorbed mode: set every layer's attention.mode = 'auto' or 'absorbed' (the "
+            "result is the same), or use cache='static' or 'auto'"
+        )
+    longest = max(len(r) for r in rows) + max_new_tokens
+    if longest > model.cfg.max_seq_len:  # as transformers' generate warns; the command refuses it
+        warnings.warn(
+            f"a prompt and its {max_new_tokens} new tokens take {longest} positions, past the model's "
+            f"max_seq_len {model.cfg.max_seq_len}: positions beyond it are ones the model was not trained on",
+            stacklevel=2,
         )
     fused.ensure_built(next(model.parameters()).device)  # a first-use build is not prefill time
     run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator), progress)
@@ -278,6 +283,7 @@ def generate(
         raise ValueError(
             "cache='static' cannot hold a longrope model's keys (they are computed again, whole, once a sequence "
             "passes original_max_position_embeddings); use cache='contiguous' or 'paged'"
+            + (", without compile (it decodes over the static cache)" if compile else "")
         )
     if max_new_tokens > 0:
         run.paged(block_size) if cache == "paged" else run.contiguous(cache == "static", compile)
@@ -483,13 +489,19 @@ def decode_step(model: Transformer) -> Callable[..., torch.Tensor]:
         mode = "reduce-overhead" if kind == "cuda" else None
         _COMPILED[kind] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
     compiled = _COMPILED[kind]
+    eager: list[
+        bool
+    ] = []  # set once the limit is hit: this generation's later steps (its shapes) go eager at once
 
     def run(*args):
+        if eager:  # another try would fail again, slower than the step, with torch's warning each time
+            return _step(*args)
         if kind == "cuda":  # the last step's outputs are consumed: its graph may be reused
             torch.compiler.cudagraph_mark_step_begin()
         try:
             return compiled(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: nothing written yet
+            eager.append(True)
             if not _EAGER_WARNED:
                 _EAGER_WARNED.append(True)
                 warnings.warn(

@@ -91,8 +91,11 @@ def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool, vocab
                 if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size:
                     stops.add(token)
             break
+    # a special token is its own text; any other is looked up by encoding: the vocabulary's strings are in the
+    # tokenizer's alphabet (byte-level: 'é' is the symbol of byte 0xE9, half of another character's bytes)
+    added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
     for text in extra:
-        token = tokenizer.token_to_id(text)
+        token = added.get(text)
         if token is None:
             ids = tokenizer.encode(text, add_special_tokens=False).ids
             if len(ids) != 1:
