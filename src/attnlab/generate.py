@@ -29,7 +29,10 @@ likeliest tokens and then to the smallest set whose probability reaches ``top_p`
 A row stops after emitting one of ``stop_tokens`` (kept in its output) or after ``max_new_tokens``.
 
 Greedy decoding of a prompt gives the same tokens alone or in any batch, from either cache (tested); samples are
-drawn for the batch's rows in order from one generator, so a sampled row depends on the rows before it.
+drawn for the batch's rows in order from one generator, so a sampled row depends on the rows before it, and on
+the cache once a row has stopped: the contiguous and static caches keep drawing for stopped rows (their tokens
+dropped), the paged cache draws for the rows still going. A seed repeats a sample with the same cache (and
+``compile``, which takes the static one).
 
 A model with longrope RoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) turns every position by other angles once a forward is
 longer than its ``original_max_position_embeddings`` (``rope.switch_length``): the keys its caches hold from shorter
