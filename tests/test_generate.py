@@ -5,6 +5,7 @@ weights), sampling filters against transformers' logits warpers."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -599,6 +600,11 @@ def test_generating_past_the_models_positions_warns_and_naive_mla_takes_ragged_p
         UserWarning, match=r"its 20 new tokens take 520 positions, past the model's max_seq_len 512"
     ):
         generate(m, rows, 20)
+    dynamic = ATTENTION["gqa"].replace(rope_scaling=(("rope_type", "dynamic"), ("factor", 2.0)))
+    stretched = Transformer(m.cfg.replace(attention=dynamic)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dynamic RoPE is made to go past max_seq_len: no warning
+        generate(stretched, rows, 20)
     mla = model("mla")
     want = generate(mla, prompts([7, 12]), 6).tokens  # absorbed, over the paged cache
     for layer in mla.layers:

@@ -274,7 +274,11 @@ def generate(
             "result is the same), or use cache='static' or 'auto'"
         )
     longest = max(len(r) for r in rows) + max_new_tokens
-    if longest > model.cfg.max_seq_len:  # as transformers' generate warns; the command refuses it
+    scalings = {
+        dict(getattr(layer.attention.cfg, "rope_scaling", ())).get("rope_type") for layer in model.layers
+    }
+    # as transformers' generate warns (the command refuses it); dynamic RoPE is made to stretch past it
+    if longest > model.cfg.max_seq_len and "dynamic" not in scalings:
         warnings.warn(
             f"a prompt and its {max_new_tokens} new tokens take {longest} positions, past the model's "
             f"max_seq_len {model.cfg.max_seq_len}: positions beyond it are ones the model was not trained on",
