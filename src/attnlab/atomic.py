@@ -140,9 +140,8 @@ def foreign(directory: PathLike) -> list[str]:
 def _check_foreign(path: Path, shown: str, what: str) -> None:
     """An attnlab directory about to be replaced or deleted may hold only what attnlab wrote there."""
     found = foreign(path)
-    extra = [
-        name for name in found if name.rpartition("/")[0] not in found
-    ]  # a new folder once, not its files
+    added = set(found)
+    extra = [name for name in found if name.rpartition("/")[0] not in added]  # a new folder, not its files
     if extra:
         named = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
         raise FileExistsError(
