@@ -140,9 +140,8 @@ def read_text(path: Path, flag: str = "--data") -> str:
     """A text file's contents as they are (line ends untranslated), with an error that names the file when it is
     not UTF-8."""
     try:
-        with open(
-            path, encoding="utf-8", newline=""
-        ) as f:  # its own line ends: a CRLF file's \r are its text
+        # newline="": its own line ends (Python's translation turned a CRLF file's text into another text)
+        with open(path, encoding="utf-8", newline="") as f:
             return f.read()
     except UnicodeDecodeError as err:
         raise ValueError(
@@ -225,7 +224,6 @@ def _token_bytes(
         return np.zeros(0, dtype=np.int64)
     covered = byte_at[np.maximum.accumulate(ends)]
     out = np.diff(covered, prepend=0)
-    out[-1] += byte_at[-1] - covered[-1]  # text after the last token (stripped whitespace)
     # runs of tokens with the same (start, end): the first took the character's bytes, the others none
     new = np.ones(len(ends), dtype=bool)
     new[1:] = (starts[1:] != starts[:-1]) | (ends[1:] != ends[:-1])
@@ -240,6 +238,7 @@ def _token_bytes(
             exact = (np.add.reduceat(lengths, first) == total)[run]
             share = np.where(exact, lengths, share)
         out = np.where(k > 1, share, out)
+    out[-1] += byte_at[-1] - covered[-1]  # text after the last token (stripped whitespace)
     return out
 
 
@@ -287,14 +286,14 @@ def _pieces(tok, text: str, size: int) -> list[int]:
 
 def _encode(
     tok, texts: list[str], piece_chars: int | None = None, progress: Callable[[int, int], None] | None = None
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each text's token ids and start and end offsets (characters), the same as encoding it whole (checked at each cut,
-    ``_same_across``), encoded ~BATCH_CHARS of pieces at a time and kept as int64 arrays; ``progress(characters
-    done, characters in all)`` after each batch."""
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each text's token ids and start and end offsets (characters), the same as encoding it whole (checked at
+    each cut, ``_same_across``), encoded ~BATCH_CHARS of pieces at a time and kept as int64 arrays;
+    ``progress(characters done, characters in all)`` after each batch."""
     work = []  # (text index, piece start, piece end)
     for i, text in enumerate(texts):
-        starts = _pieces(tok, text, piece_chars or PIECE_CHARS)
-        work += [(i, a, b) for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+        cuts = _pieces(tok, text, piece_chars or PIECE_CHARS)
+        work += [(i, a, b) for a, b in zip(cuts, [*cuts[1:], len(text)], strict=True)]
     ids: list[list[np.ndarray]] = [[] for _ in texts]
     starts: list[list[np.ndarray]] = [[] for _ in texts]
     ends: list[list[np.ndarray]] = [[] for _ in texts]
