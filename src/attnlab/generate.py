@@ -496,9 +496,8 @@ def decode_step(model: Transformer) -> Callable[..., torch.Tensor]:
         mode = "reduce-overhead" if kind == "cuda" else None
         _COMPILED[kind] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
     compiled = _COMPILED[kind]
-    eager: list[
-        bool
-    ] = []  # set once the limit is hit: this generation's later steps (its shapes) go eager at once
+    # set once the limit is hit: this generation's later steps (its shapes) go eager at once
+    eager: list[bool] = []
 
     def run(*args):
         if eager:  # another try would fail again, slower than the step, with torch's warning each time

@@ -41,15 +41,13 @@ def check_step(
     # a cache keeping fewer tokens drops keys the layer reads; one keeping more hands a decode step its ring out of
     # order, which the layer's window would cut by slot
     if kept is not None and kept != window:
+        reads = "every token" if window is None else f"the last {window}"
+        wants = (
+            "window=None" if window is None else f"window={window} (as the layer's new_cache does) or None"
+        )
         raise ValueError(
-            f"{owner}: the cache keeps the last {kept} tokens (window={kept}) but the layer attends to "
-            + ("every token" if window is None else f"the last {window}")
-            + "; make the cache with "
-            + (
-                "window=None"
-                if window is None
-                else f"window={window} (as the layer's new_cache does) or None"
-            )
+            f"{owner}: the cache keeps the last {kept} tokens (window={kept}) but the layer attends to {reads}; "
+            f"make the cache with {wants}"
         )
     if attn_mask is None:  # nothing to check, and no length to read (a StaticKVCache's is on its device)
         return
