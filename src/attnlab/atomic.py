@@ -124,17 +124,19 @@ def listing(directory: PathLike) -> list[str]:
 
 def foreign(directory: PathLike) -> list[str]:
     """What an attnlab directory written whole holds that attnlab did not write there (a user's notes added
-    later), by its marker's list; [] for a directory whose marker lists nothing (written over a run, or before
-    the list was kept)."""
+    later), by its marker's list. A directory whose marker lists nothing (written over a run, or before the list
+    was kept) answers for the attnlab directories in it that list theirs (a run's checkpoints)."""
+    root = Path(directory)
     try:
-        info = json.loads((Path(directory) / MARKER).read_text(encoding="utf-8"))
+        info = json.loads((root / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
     files = info.get("files") if isinstance(info, dict) else None
-    if not isinstance(files, list):
-        return []
-    written = set(files)
-    return [name for name in listing(directory) if name not in written]
+    if isinstance(files, list):
+        written = set(files)
+        return [name for name in listing(root) if name not in written]
+    inside = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and marker_kind(p))
+    return [f"{sub.name}/{name}" for sub in inside for name in foreign(sub)]
 
 
 def _check_foreign(path: Path, shown: str, what: str) -> None:

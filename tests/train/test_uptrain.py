@@ -403,3 +403,26 @@ def test_a_run_directory_left_beside_a_finished_dst_is_named(tmp_path, tiny_llam
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert f"the run directory {tmp_path / 'dst.run'} is left over from the run that wrote it" in lines[0]
     assert (tmp_path / "dst.run").is_dir() and (dst / "uptrain.json").is_file()
+
+
+def test_files_a_user_puts_in_a_run_checkpoint_are_kept_and_training_goes_on(tmp_path, tokenizer, capsys):
+    """With the rule that a checkpoint holding a user's file is not deleted, rotation (--keep) and the run
+    directory's removal at the end kept them; a refusal there must not stop the run."""
+    from attnlab import atomic
+
+    src = make_llama(tmp_path / "src", tokenizer)
+    model = load_causal_lm(src).float()
+    opts = UptrainOptions(src=src, dst=tmp_path / "dst", data=src, steps=1)
+    optimizer = build_optimizer(model, opts)
+    meta = {"options": {}, "global_batch": 1}
+    run = atomic.claim_dir(tmp_path / "run", "run")
+    first = ckpt_mod.save_checkpoint(run, 1, model, optimizer, ONE_PROCESS, meta, keep=1)
+    (first / "NOTES.txt").write_text("mine")
+    for step in (2, 3):
+        ckpt_mod.save_checkpoint(run, step, model, optimizer, ONE_PROCESS, meta, keep=1)
+    said = capsys.readouterr().err
+    assert said.count("attnlab: kept") == 1 and "holds what attnlab did not write there (NOTES.txt)" in said
+    assert [p.name for p in ckpt_mod.checkpoints(run)] == ["step-00000001", "step-00000003"]
+    with pytest.raises(FileExistsError, match=r"\(step-00000001/NOTES.txt\)"):
+        atomic.remove_owned(run, "run")  # the run directory answers for its checkpoints' lists
+    assert (first / "NOTES.txt").read_text() == "mine"

@@ -30,6 +30,7 @@ import json
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,9 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+_KEPT: set[Path] = set()  # checkpoints that rotation left for the files a user added (each said once)
+
+
 def save_checkpoint(
     run: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, env: Env, meta: dict, keep: int
 ) -> Path:
@@ -159,7 +163,12 @@ def save_checkpoint(
             (tmp / "rng.json").write_text(json.dumps(rngs) + "\n")
             (tmp / "state.json").write_text(json.dumps(meta | {"step": step}, indent=2) + "\n")
         for old in checkpoints(run)[:-keep]:
-            remove_owned(old, "checkpoint")
+            try:
+                remove_owned(old, "checkpoint")
+            except FileExistsError as err:  # a user put files in it: kept (said once), and training goes on
+                if old not in _KEPT:
+                    _KEPT.add(old)
+                    print(f"attnlab: kept {err}", file=sys.stderr, flush=True)
     barrier(env)
     return path
 

@@ -534,6 +534,11 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
                     "uptrain.json": atomic.json_text(summary),
                 },
             )
-        atomic.remove_owned(run, "run", _run_name(opts))
+        try:
+            atomic.remove_owned(run, "run", _run_name(opts))
+        except (
+            FileExistsError
+        ) as err:  # DST is written; files a user put in a checkpoint are kept with the run
+            print(f"attnlab: kept {err}", file=sys.stderr, flush=True)
     distributed.barrier(env)
     return summary
