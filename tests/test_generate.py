@@ -460,6 +460,23 @@ def test_a_stop_text_is_looked_up_as_text_not_as_a_byte_level_symbol(tmp_path):
     }
 
 
+def test_a_sentencepiece_newline_is_named_by_its_vocabulary_string(tmp_path):
+    """SentencePiece vocabularies with byte fallback (Llama 2, Mistral) encode "\n" as "▁" + "<0x0A>": the token is
+    named by its string, which a byte-level vocabulary's lookup must not do ('é' there is a byte's symbol)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    from attnlab.bench.generate import stop_tokens
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "▁be": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    assert tok.encode("\n").tokens == ["▁", "<0x0A>"]
+    assert stop_tokens(tmp_path, tok, ["<0x0A>"], ignore_eos=True, vocab_size=259) == {11}
+    with pytest.raises(ValueError, match=r"--stop 'bee' is 4 tokens"):
+        stop_tokens(tmp_path, tok, ["bee"], ignore_eos=True, vocab_size=259)
+
+
 def test_dtype_auto_takes_the_configs_dtype_for_a_checkpoint_of_mixed_dtypes(checkpoint, tmp_path):
     """bfloat16 weights with a float32 head and norms (as some checkpoints are saved) failed under --dtype auto:
     a matmul traceback, or 'x has dtype float32 but the weights are bfloat16'; transformers' dtype='auto' loads

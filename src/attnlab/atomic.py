@@ -498,6 +498,24 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def remove_stale_in(directory: PathLike) -> list[Path]:
+    """Remove every temporary or half-deleted directory (``tmp``, ``del``) in ``directory`` whose process no
+    longer runs, whatever name it was for: a job cache whose jobs are not written again (their results cached)
+    would keep a deletion that a kill cut short for good."""
+    pattern = re.compile(r"\..+\.(tmp|del)-(\d+)-[0-9a-f]+(\..*)?")
+    removed = []
+    try:
+        entries = sorted(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is not None and not _pid_alive(int(m.group(2))):
+            _remove(entry)
+            removed.append(entry)
+    return removed
+
+
 def remove_stale(dst: PathLike) -> list[Path]:
     """Remove the temporaries of ``dst`` left by processes that no longer run; returns what was removed.
 

@@ -222,6 +222,10 @@ def _token_bytes(
     del codes
     if not len(ends):
         return np.zeros(0, dtype=np.int64)
+    if (
+        lengths is not None and int(lengths.sum()) == byte_at[-1]
+    ):  # the tokens spell the text: their own counts
+        return lengths.copy()
     covered = byte_at[np.maximum.accumulate(ends)]
     out = np.diff(covered, prepend=0)
     # runs of tokens with the same (start, end): the first took the character's bytes, the others none

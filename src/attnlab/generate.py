@@ -282,7 +282,7 @@ def generate(
         warnings.warn(
             f"a prompt and its {max_new_tokens} new tokens take {longest} positions, past the model's "
             f"max_seq_len {model.cfg.max_seq_len}: positions beyond it are ones the model was not trained on",
-            stacklevel=2,
+            stacklevel=3,  # the caller's line (generate runs under torch.no_grad's wrapper)
         )
     fused.ensure_built(next(model.parameters()).device)  # a first-use build is not prefill time
     run = _Run(model, rows, max_new_tokens, stops, (temperature, top_k, top_p, generator), progress)

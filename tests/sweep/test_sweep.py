@@ -204,6 +204,13 @@ def test_a_report_the_user_edited_and_files_added_to_a_checkpoint_are_kept(first
     left = {r["checkpoint"] for r in json.loads(again.stdout)["rows"] if r["kind"] != "source"} - {None}
     assert left == {str(kept)}
     (kept / "NOTES.md").unlink()
+    # a deletion a kill cut short, of a job no later run writes again (cached): removed by the next sweep
+    stale = out / "jobs" / f".{kept.name}.del-999999999-0123abcd"
+    stale.mkdir()
+    (stale / "model-00002-of-00005.safetensors").write_text("half")
+    again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json")
+    assert again.exit_code == 0, again.output
+    assert not stale.exists()
 
 
 def test_pareto_on_a_hand_made_table():

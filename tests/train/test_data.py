@@ -78,6 +78,16 @@ def test_byte_fallback_tokens_of_one_character_share_its_bytes():
     assert data._token_bytes(text, starts, ends, lengths).tolist() == [1, 1, 1, 1, 3, 1, 1]
 
 
+def test_a_token_spanning_two_characters_counts_the_bytes_it_spells():
+    # byte-level merges across a character boundary ("中文" as e4b8, ade6, 9687: offsets (0,1), (0,2), (1,2)) were
+    # counted 3, 3, 0; a byte-level vocabulary's tokens spell the text, so their own counts are exact
+    import numpy as np
+
+    starts, ends = np.array([0, 0, 1]), np.array([1, 2, 2])
+    assert data._token_bytes("中文", starts, ends).tolist() == [3, 3, 0]  # offsets alone cannot tell
+    assert data._token_bytes("中文", starts, ends, np.array([2, 2, 2])).tolist() == [2, 2, 2]
+
+
 def test_windows_predict_every_token_once(tiny_llama, corpus):
     stream = data.tokenize_files(tiny_llama, [corpus / "hamlet.txt"])
     n = stream.n_windows(16)

@@ -20,7 +20,16 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..atomic import check_file, claim_dir, json_text, lock, remove_owned, write_atomic, write_json
+from ..atomic import (
+    check_file,
+    claim_dir,
+    json_text,
+    lock,
+    remove_owned,
+    remove_stale_in,
+    write_atomic,
+    write_json,
+)
 from ..data import _cache_home
 from ..hf import io
 from ..hf.causal_lm import check_causal_lm, model_config
@@ -62,6 +71,9 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
         if opts.out is None:  # attnlab's own cache of this source: one sweep at a time, as an --out
             held.enter_context(lock(root, "the job cache of this source"))
+        remove_stale_in(
+            root
+        )  # what killed sweeps left half-written or half-deleted (the cache is ours, locked)
         data = plan.prepare_data(opts.data, opts.eval_data, root, read)
         jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
         announce_device(
