@@ -473,6 +473,9 @@ def test_a_sentencepiece_newline_is_named_by_its_vocabulary_string(tmp_path):
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     assert tok.encode("\n").tokens == ["▁", "<0x0A>"]
     assert stop_tokens(tmp_path, tok, ["<0x0A>"], ignore_eos=True, vocab_size=259) == {11}
+    assert stop_tokens(tmp_path, tok, ["\n"], ignore_eos=True, vocab_size=259) == {
+        11
+    }  # without the "▁" prefix
     with pytest.raises(ValueError, match=r"--stop 'bee' is 4 tokens"):
         stop_tokens(tmp_path, tok, ["bee"], ignore_eos=True, vocab_size=259)
 

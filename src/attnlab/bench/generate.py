@@ -99,6 +99,9 @@ def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool, vocab
         token = added.get(text)
         if token is None:
             ids = tokenizer.encode(text, add_special_tokens=False).ids
+            space = tokenizer.token_to_id("▁")  # SentencePiece's word start, which its normalizer prepends
+            if len(ids) == 2 and ids[0] == space and space is not None and not text.startswith((" ", "▁")):
+                ids = ids[1:]  # "\n" as "▁" + "<0x0A>": the prefix the text did not ask for
             if len(ids) != 1 and not byte_level and tokenizer.token_to_id(text) is not None:
                 # a vocabulary string no text encodes to alone: SentencePiece's newline "<0x0A>" ("\n" encodes
                 # as "▁" + "<0x0A>"); a byte-level vocabulary's strings are bytes' symbols, never taken so
