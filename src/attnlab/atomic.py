@@ -498,21 +498,27 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def _stale(directory: Path, name: str) -> Iterator[tuple[Path, str]]:
+    """The temporaries in ``directory`` (``temp_path``'s names, of the destinations ``name`` matches: a regex)
+    whose process no longer runs, with their kind (tmp, old, del)."""
+    pattern = re.compile(rf"\.{name}\.(tmp|old|del)-(\d+)-[0-9a-f]+(\..*)?")
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is not None and not _pid_alive(int(m.group(2))):
+            yield entry, m.group(1)
+
+
 def remove_stale_in(directory: PathLike) -> list[Path]:
     """Remove every temporary or half-deleted directory (``tmp``, ``del``) in ``directory`` whose process no
     longer runs, whatever name it was for: a job cache whose jobs are not written again (their results cached)
     would keep a deletion that a kill cut short for good."""
-    pattern = re.compile(r"\..+\.(tmp|del)-(\d+)-[0-9a-f]+(\..*)?")
-    removed = []
-    try:
-        entries = sorted(Path(directory).iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if m is not None and not _pid_alive(int(m.group(2))):
-            _remove(entry)
-            removed.append(entry)
+    removed = [entry for entry, kind in _stale(Path(directory), ".+") if kind != "old"]
+    for entry in removed:
+        _remove(entry)
     return removed
 
 
@@ -523,17 +529,9 @@ def remove_stale(dst: PathLike) -> list[Path]:
     in) is put back when ``dst`` is missing, so nothing is lost.
     """
     dst = _absolute(dst)
-    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(tmp|old|del)-(\d+)-[0-9a-f]+(\..*)?")
     removed = []
-    try:
-        entries = sorted(dst.parent.iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if m is None or _pid_alive(int(m.group(2))):
-            continue
-        if m.group(1) == "old" and not (dst.exists() or dst.is_symlink()):
+    for entry, kind in _stale(dst.parent, re.escape(dst.name)):
+        if kind == "old" and not (dst.exists() or dst.is_symlink()):
             with contextlib.suppress(OSError):
                 os.rename(entry, dst)
                 continue
@@ -760,6 +758,21 @@ def remove_owned(path: PathLike, kind: str, what: str = "directory") -> None:
         doomed = temp_path(path, "del")
         os.rename(path, doomed)
     _delete_marker_last(doomed)
+
+
+def remove_or_keep(path: PathLike, kind: str, what: str = "directory", said: set[Path] | None = None) -> bool:
+    """``remove_owned`` for a deletion attnlab chooses to make (pruning, rotation, a finished run's directory): a
+    directory it refuses (files a user added) is kept, and said on stderr (once per path when ``said`` collects
+    them), instead of stopping the command. Whether it was deleted."""
+    try:
+        remove_owned(path, kind, what)
+    except FileExistsError as err:
+        if said is None or Path(path) not in said:
+            print(f"attnlab: kept {err}", file=sys.stderr, flush=True)
+        if said is not None:
+            said.add(Path(path))
+        return False
+    return True
 
 
 def _delete_marker_last(directory: Path) -> None:

@@ -48,14 +48,10 @@ class _Group(typer.core.TyperGroup):
         except typer.Abort:
             print("attnlab: aborted", file=sys.stderr)
             sys.exit(1)
-        if (
-            code == 130
-        ):  # Ctrl-C, which Typer turns into exit code 130 (as a shell reports it): one line, not silence
-            resume = (
-                "; rerun it with --resume to continue"
-                if self._named(args, kwargs) == "attnlab uptrain"
-                else ""
-            )
+        # Ctrl-C, which Typer turns into exit code 130 (as a shell reports it): one line, not silence
+        if code == 130:
+            uptrain = self._named(args, kwargs) == "attnlab uptrain"
+            resume = "; rerun it with --resume to continue" if uptrain else ""
             print(f"attnlab: interrupted (nothing half-written is left){resume}", file=sys.stderr)
         sys.exit(code if isinstance(code, int) else 0)
 

@@ -95,17 +95,18 @@ def stop_tokens(ckpt: Path, tokenizer, extra: list[str], ignore_eos: bool, vocab
     # tokenizer's alphabet (byte-level: 'é' is the symbol of byte 0xE9, half of another character's bytes)
     added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
     byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
+    space = tokenizer.token_to_id("▁")  # SentencePiece's word start, which its normalizer prepends
     for text in extra:
         token = added.get(text)
         if token is None:
             ids = tokenizer.encode(text, add_special_tokens=False).ids
-            space = tokenizer.token_to_id("▁")  # SentencePiece's word start, which its normalizer prepends
             if len(ids) == 2 and ids[0] == space and space is not None and not text.startswith((" ", "▁")):
                 ids = ids[1:]  # "\n" as "▁" + "<0x0A>": the prefix the text did not ask for
-            if len(ids) != 1 and not byte_level and tokenizer.token_to_id(text) is not None:
+            named = None if byte_level else tokenizer.token_to_id(text)
+            if len(ids) != 1 and named is not None:
                 # a vocabulary string no text encodes to alone: SentencePiece's newline "<0x0A>" ("\n" encodes
                 # as "▁" + "<0x0A>"); a byte-level vocabulary's strings are bytes' symbols, never taken so
-                ids = [tokenizer.token_to_id(text)]
+                ids = [named]
             if len(ids) != 1:
                 raise ValueError(
                     f"--stop {text!r} is {len(ids)} tokens in this vocabulary; give a single token"

@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +24,7 @@ from ..atomic import (
     claim_dir,
     json_text,
     lock,
-    remove_owned,
+    remove_or_keep,
     remove_stale_in,
     write_atomic,
     write_json,
@@ -64,16 +63,14 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         if opts.out is not None:
             out = claim_dir(opts.out, "sweep", sources=sources, what="--out")
             held.enter_context(lock(out, "--out"))
-            for (
-                name
-            ) in report.OUT_FILES:  # a report the user edited (its mark gone) is refused now, not at the end
+            # a report the user edited (its mark gone) is refused now, not at the end
+            for name in report.OUT_FILES:
                 check_file(out / name, what="--out file")
         root = claim_dir(_cache_root(opts), "cache", sources=sources, what="job cache")
         if opts.out is None:  # attnlab's own cache of this source: one sweep at a time, as an --out
             held.enter_context(lock(root, "the job cache of this source"))
-        remove_stale_in(
-            root
-        )  # what killed sweeps left half-written or half-deleted (the cache is ours, locked)
+        # what killed sweeps left half-written or half-deleted (the cache is ours, locked)
+        remove_stale_in(root)
         data = plan.prepare_data(opts.data, opts.eval_data, root, read)
         jobs, planned = plan.plan_jobs(opts, cfg, variants, data)
         announce_device(
@@ -99,12 +96,9 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         if opts.keep != "all":
             kept = {r["checkpoint"] for r in rows if r["pareto"] and opts.keep == "best"}
             for r in rows:
-                if r["kind"] != "source" and r["checkpoint"] is not None and r["checkpoint"] not in kept:
-                    try:
-                        remove_owned(r["checkpoint"], "checkpoint", "checkpoint")
-                    except FileExistsError as err:  # the user added files to it: kept, and said so
-                        print(f"attnlab: kept {err}", file=sys.stderr)
-                        continue
+                doomed = r["kind"] != "source" and r["checkpoint"] is not None and r["checkpoint"] not in kept
+                # one a user added files to stays (remove_or_keep says so), and keeps its path in the row
+                if doomed and remove_or_keep(r["checkpoint"], "checkpoint", "checkpoint"):
                     r["checkpoint"] = None
         measured = [r["measured_context"] for r in rows if r.get("measured_context") is not None]
         results = {

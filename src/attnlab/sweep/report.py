@@ -46,11 +46,10 @@ def pareto(rows: list[dict]) -> list[bool]:
 def costs(
     hf: dict, context: int, batch: int, hardware: tuple[str, ...], n_kv_heads: int | None = None
 ) -> dict:
-    """KV bytes (bf16) per token and per request (``context`` tokens; ``batch`` requests share a decode step), and
-    the roofline's decode step of ``batch`` requests
-    on each ``hardware`` (``local``: this machine, measured once per boot), for the checkpoint whose config.json is
-    ``hf``, with ``n_kv_heads`` KV heads where given (a GQA model written in the MHA layout, whose config.json
-    counts the repeated heads: GPT-NeoX's; attnlab loads and caches it with its own)."""
+    """KV bytes (bf16) per token and per request (``context`` tokens), and the roofline's decode step of ``batch``
+    such requests on each ``hardware`` (``local``: this machine, measured once per boot), for the checkpoint whose
+    config.json is ``hf``, with ``n_kv_heads`` KV heads where given (a GQA model written in the MHA layout, whose
+    config.json counts the repeated heads: GPT-NeoX's; attnlab loads and caches it with its own)."""
     from ..bench.machine import get_hardware
 
     cfg = model_config("config.json", hf)

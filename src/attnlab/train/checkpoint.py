@@ -30,7 +30,6 @@ import json
 import random
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..atomic import atomic_dir, read_json, remove_owned
+from ..atomic import atomic_dir, read_json, remove_or_keep
 from ..hf.io import _open, save_safetensors
 from .distributed import Env, barrier, broadcast_object, gather_objects
 
@@ -162,13 +161,8 @@ def save_checkpoint(
             (tmp / "optimizer.json").write_text(json.dumps(optim_meta, indent=1) + "\n")
             (tmp / "rng.json").write_text(json.dumps(rngs) + "\n")
             (tmp / "state.json").write_text(json.dumps(meta | {"step": step}, indent=2) + "\n")
-        for old in checkpoints(run)[:-keep]:
-            try:
-                remove_owned(old, "checkpoint")
-            except FileExistsError as err:  # a user put files in it: kept (said once), and training goes on
-                if old not in _KEPT:
-                    _KEPT.add(old)
-                    print(f"attnlab: kept {err}", file=sys.stderr, flush=True)
+        for old in checkpoints(run)[:-keep]:  # one a user put files in is kept (said once): training goes on
+            remove_or_keep(old, "checkpoint", said=_KEPT)
     barrier(env)
     return path
 

@@ -534,11 +534,7 @@ def _uptrain(opts: UptrainOptions, env: distributed.Env, progress: bool, held: c
                     "uptrain.json": atomic.json_text(summary),
                 },
             )
-        try:
-            atomic.remove_owned(run, "run", _run_name(opts))
-        except (
-            FileExistsError
-        ) as err:  # DST is written; files a user put in a checkpoint are kept with the run
-            print(f"attnlab: kept {err}", file=sys.stderr, flush=True)
+        # DST is written; a checkpoint a user put files in is kept with the run directory, and said
+        atomic.remove_or_keep(run, "run", _run_name(opts))
     distributed.barrier(env)
     return summary
