@@ -198,9 +198,7 @@ def run_jobs(
         outcomes.pop(job.name, None)
 
     if threads is None:
-        import torch
-
-        threads = torch.get_num_threads()
+        threads = torch_threads()
     per_worker = max(1, threads // workers) if workers > 1 else None
     running: dict[str, float] = {}
     pending: dict[Future, Job] = {}
@@ -324,9 +322,9 @@ def _stop(pool: ProcessPoolExecutor, now: bool) -> None:
     pool.shutdown(wait=True)
 
 
-def cpu_count() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def torch_threads() -> int:
+    """The threads torch runs on in this process (OMP_NUM_THREADS, torch.set_num_threads): what a job run here takes,
+    and what ``run_jobs`` shares among its workers by default."""
+    import torch
+
+    return torch.get_num_threads()

@@ -626,3 +626,29 @@ def test_the_text_folders_a_killed_sweep_was_making_are_removed(tiny, tmp_path):
     again = plan.prepare_data(tiny["corpus"], None, root)
     assert again == folders and not stale.exists()
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+
+
+def test_timings_say_the_threads_they_ran_on_and_another_count_times_again(tiny, tmp_path):
+    """A timing is keyed and reported by the threads torch runs on (OMP_NUM_THREADS, torch.set_num_threads), not by
+    the cores the process may use: a sweep at 1 thread says 1, and a rerun at 2 times again rather than reusing the
+    1-thread figures under the label of 2."""
+    out, before = tmp_path / "threads", torch.get_num_threads()
+    args = ("--variants", "gqa:2", "--uptrain-steps", "0", "--out", out, "--json")
+    try:
+        torch.set_num_threads(1)
+        one = sweep(tiny, *args)
+        torch.set_num_threads(2)
+        two = sweep(tiny, *args)
+    finally:
+        torch.set_num_threads(before)
+    assert one.exit_code == 0 and two.exit_code == 0, one.output + two.output
+    one, two = json.loads(one.stdout), json.loads(two.stdout)
+    assert one["machine"]["threads"] == 1 and two["machine"]["threads"] == 2
+    assert sorted(n for n in two["jobs"]["computed"] if n.startswith("speed")) == [
+        "speed/gqa-2",
+        "speed/source",
+    ]
+    assert "eval/source" not in two["jobs"]["computed"]  # the losses do not depend on it: cached
+    timed = sorted(json.loads(p.read_text())["result"]["threads"] for p in (out / "jobs").glob("speed*.json"))
+    assert timed == [1, 1, 2, 2]  # source and gqa-2, each at 1 thread and at 2
+    assert "(2 threads)" in (out / "report.md").read_text()

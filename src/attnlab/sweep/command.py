@@ -32,7 +32,7 @@ from ..atomic import (
 from ..data import _cache_home
 from ..hf import io
 from ..hf.causal_lm import check_causal_lm, model_config
-from ..jobs import cpu_count, run_jobs
+from ..jobs import run_jobs, torch_threads
 from ..resources import announce_device, resolve_device
 from . import plan, report
 from .plan import SweepOptions
@@ -76,7 +76,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         announce_device(
             where, f"every job that runs a model, {opts.jobs} worker{'s' if opts.jobs > 1 else ''}"
         )
-        outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
+        outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=torch_threads(), progress=progress,
                             title="sweep (jobs)")  # fmt: skip
         rows = report.build_rows(planned, outcomes, hf, opts)
         # a Pareto row whose checkpoint an earlier --keep best/none deleted: made again, if this run keeps it
@@ -87,7 +87,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
         )  # fmt: skip
         if lost and opts.keep != "none":
             first = outcomes
-            outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=cpu_count(), progress=progress,
+            outcomes = run_jobs(jobs, root, workers=opts.jobs, threads=torch_threads(), progress=progress,
                                 title="sweep (checkpoints to keep)", remake=lost)  # fmt: skip
             # a job the first pass ran is cached in the second: it counts as run (it counted as cached)
             ran = {n for n, o in first.items() if not o.cached and not o.skipped}
@@ -122,7 +122,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
                 "seconds": {n: o.seconds for n, o in outcomes.items()},
             },
             "seconds": time.perf_counter() - started,
-            "machine": {"threads": cpu_count(), "workers": opts.jobs, "load_average": os.getloadavg()[0]},
+            "machine": {"threads": torch_threads(), "workers": opts.jobs, "load_average": os.getloadavg()[0]},
         }
         if opts.out is not None:
             plots = report.plot(results, out)

@@ -36,7 +36,7 @@ from ..convert.model import DATA_AWARE
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
 from ..data import fingerprint, load_tokenizer, read_text, split_held_out, text_files
-from ..jobs import Job, cpu_count
+from ..jobs import Job, torch_threads
 from ..resources import resolve_device
 from . import work
 
@@ -447,7 +447,8 @@ def timing_args(opts: SweepOptions) -> dict:
         "batch": opts.batch,
         "steps": steps,
         "repeats": repeats,
-        "threads": cpu_count(),  # what a timing runs on (all of them, with any --jobs): a figure of its own
+        # what a timing runs on (all of torch's threads, with any --jobs): a figure of its own, so part of its key
+        "threads": torch_threads(),
         **device_args(opts),
     }
 
