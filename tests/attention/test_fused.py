@@ -337,6 +337,17 @@ def test_inputs_the_kernel_does_not_take_run_the_grouped_kernel():
     assert qg.grad is not None and qg.grad.abs().sum() > 0
 
 
+def test_status_says_the_kernel_is_off_before_its_first_use():
+    """README: with ATTNLAB_FUSED=0 the PyTorch kernels run "and status() says why": also before any step asked
+    for the kernel (it said "not built yet")."""
+    code = "import attnlab.attention.fused as f; print(f.status()); print(f.available()); print(f.status())"
+    env = {**os.environ, "ATTNLAB_FUSED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    said = "disabled by ATTNLAB_FUSED=0: the PyTorch kernels run"
+    assert out.stdout.splitlines() == [said, "False", said]
+
+
 def test_the_fallback_is_used_and_reported_when_the_extension_cannot_build(monkeypatch, tmp_path, capsys):
     """No compiler (CXX pointing nowhere) and a fresh build directory: the build fails, one warning says so (and
     no build is announced: there is nothing to run), ``available()`` is False with the reason in ``status()``, and

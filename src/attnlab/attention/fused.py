@@ -493,6 +493,9 @@ def check_signatures(ops: Ops) -> None:
         raise RuntimeError(f"the kernels read arguments {got}, but fused.py's schemas pass {want}")
 
 
+_DISABLED = "disabled by ATTNLAB_FUSED=0: the PyTorch kernels run"
+
+
 def _library() -> Ops | None:
     """The loaded operators, building them on the first call; None (reported once) when they cannot be built."""
     if _state["tried"]:
@@ -501,7 +504,7 @@ def _library() -> Ops | None:
         if _state["tried"]:
             return _state["ops"]  # type: ignore[return-value]
         if not env_switch("ATTNLAB_FUSED", True):
-            _state.update(tried=True, status="disabled by ATTNLAB_FUSED=0: the PyTorch kernels run")
+            _state.update(tried=True, status=_DISABLED)
             return None
         flags = isa_flags()  # a misspelt ATTNLAB_ISA is the user's error, not a failed build
         start = time.perf_counter()
@@ -552,6 +555,8 @@ def status() -> str:
     ops = _state.get("ops")
     if ops is not None:  # read now: inside use_amx(False) it said bfloat16 ran on the pair path still
         return _describe(ops, float(_state["build_s"]))  # type: ignore[arg-type]
+    if not _state["tried"] and not env_switch("ATTNLAB_FUSED", True):  # known before any build is tried
+        return _DISABLED
     return str(_state["status"])
 
 
