@@ -253,3 +253,24 @@ def test_moe_flops_use_active_experts():
     assert b.router == moe.n_layers * fc.get_total_flops()
     one_dense = model_flops(moe.replace(n_dense_layers=1), 1, 10)
     assert one_dense.mlp - b.mlp == model_flops(dense, 1, 10).mlp // 4 - a.mlp // 4  # a dense first layer
+
+
+def test_windowed_pairs_equal_a_count_of_the_mask_and_take_no_time_at_any_length():
+    """The causal sliding-window pair count against the mask itself (each query at position kv_len - q_len + i sees
+    the keys within `window` of it), and at 2^40 tokens (compare's largest --seq-len) it answers at once: it was a
+    loop over the queries, seconds at 10^7 and no answer at 2^40."""
+    import time
+
+    from attnlab.cost.flops import attended_pairs
+
+    for q_len in range(1, 12):
+        for kv_len in range(q_len, 20):
+            for window in range(1, 24):
+                pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+                key = torch.arange(kv_len)[None, :]
+                mask = (key <= pos) & (key > pos - window)
+                assert attended_pairs(q_len, kv_len, True, window) == int(mask.sum())
+    start = time.perf_counter()
+    assert attended_pairs(10**7, 10**7, True, 512) == 512 * 511 // 2 + (10**7 - 511) * 512
+    assert time.perf_counter() - start < 0.1
+    assert attended_pairs(2**40, 2**40, True, 512) == 512 * 511 // 2 + (2**40 - 511) * 512

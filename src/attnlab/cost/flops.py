@@ -100,8 +100,11 @@ def attended_pairs(q_len: int, kv_len: int, causal: bool, window: int | None = N
     last ``window`` earlier keys (a sliding-window ``KVCache`` holds no more) and the new ones."""
     if window is not None and (q_len == 1 or causal):
         # query i sits at key position kv_len - q_len + i and sees min(window, that + 1) keys (or all, unmasked)
+        # summed in closed form (a loop took seconds at 10^7 tokens): the first `below` queries see first + i
+        # keys, fewer than the window, and the rest see the window
         first = kv_len - q_len + 1  # keys the first query sees without the window
-        return sum(min(window, first + i) for i in range(q_len))
+        below = min(max(window - first, 0), q_len)
+        return below * first + below * (below - 1) // 2 + (q_len - below) * window
     if window is not None:
         return q_len * (min(kv_len - q_len, window) + q_len)
     if not causal:
