@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from attnlab.cli import app
 from attnlab.cost import kv_cache_bytes
 from attnlab.hf import load_causal_lm
-from attnlab.hf_config import from_hf_config
+from attnlab.hf_config import from_hf_config, to_hf_config
 
 SMALL = dict(
     hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2
@@ -147,6 +147,37 @@ def test_num_key_value_heads_null_is_read_as_transformers_reads_it(config_class)
     raw["num_key_value_heads"] = None
     theirs = config_class(**{k: v for k, v in raw.items() if k != "model_type"})
     assert from_hf_config(raw).attention.n_kv_heads == theirs.num_key_value_heads == 4
+
+
+@pytest.mark.parametrize("config_class", [transformers.LlamaConfig, transformers.MistralConfig,
+                                          transformers.Qwen2Config])  # fmt: skip
+def test_missing_kv_heads_and_positions_mean_what_transformers_defaults_to(config_class):
+    """Without num_key_value_heads MistralConfig has 8 KV heads and Qwen2Config 32 (attnlab read the head count:
+    MHA); without max_position_embeddings LlamaConfig has 2048, MistralConfig 131072, Qwen2Config 32768 (attnlab
+    read 4096). Read as transformers reads them, refused where its default does not divide the heads, and written
+    so that transformers reads back the same model."""
+    model_type = config_class.model_type
+    for n_heads in (32, 16):
+        raw = dict(model_type=model_type, vocab_size=64, hidden_size=4 * n_heads, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=n_heads)  # fmt: skip
+        theirs = config_class(**{k: v for k, v in raw.items() if k != "model_type"})
+        if n_heads % theirs.num_key_value_heads:
+            with pytest.raises(
+                ValueError, match=f"num_key_value_heads={theirs.num_key_value_heads} does not divide"
+            ):
+                from_hf_config(raw)
+            continue
+        ours = from_hf_config(raw)
+        assert ours.attention.n_kv_heads == theirs.num_key_value_heads
+        assert ours.max_seq_len == theirs.max_position_embeddings
+        for n_kv, positions in (
+            (n_heads, 4096),
+            (theirs.num_key_value_heads, theirs.max_position_embeddings),
+        ):
+            cfg = ours.replace(attention=ours.attention.replace(n_kv_heads=n_kv), max_seq_len=positions)
+            written = to_hf_config(cfg, model_type)
+            back = config_class(**{k: v for k, v in written.items() if k != "model_type"})
+            assert (back.num_key_value_heads, back.max_position_embeddings) == (n_kv, positions)
 
 
 @pytest.mark.parametrize(

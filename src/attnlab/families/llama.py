@@ -43,6 +43,11 @@ from .base import (
 )
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# What a missing num_key_value_heads and max_position_embeddings mean to transformers' LlamaConfig, MistralConfig
+# and Qwen2Config (an explicit null KV count is the head count in all three); another model_type read by these
+# functions: the head count and 4096.
+_KV_HEADS = {"mistral": 8, "qwen2": 32}
+_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 
 LAYER_RULES = (
     ("self_attn.q_proj", "attention.wq"),
@@ -106,7 +111,7 @@ def qwen_windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]
 def read(f: Fields) -> ModelConfig:
     """A Llama, Mistral or Qwen2 config.json."""
     d, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
-    n_kv = f.int("num_key_value_heads", n_heads, null=n_heads)
+    n_kv = f.int("num_key_value_heads", _KV_HEADS.get(f.model_type, n_heads), null=n_heads)
     head_dim = f.opt_int("head_dim")
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":
@@ -135,7 +140,7 @@ def read(f: Fields) -> ModelConfig:
         n_layers=n_layers,
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
-        max_seq_len=f.int("max_position_embeddings", 4096),
+        max_seq_len=f.int("max_position_embeddings", _POSITIONS.get(f.model_type, 4096)),
         norm_eps=f.float("rms_norm_eps", 1e-6),
         mlp_bias=f.bool("mlp_bias", False),
         tie_embeddings=f.bool("tie_word_embeddings", False),
@@ -162,12 +167,12 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         hf["architectures"] = [ARCHITECTURES[model_type]]
     put(hf, "hidden_size", attn.d_model)
     put(hf, "num_attention_heads", attn.n_heads)
-    put(hf, "num_key_value_heads", attn.n_kv_heads, hf.get("num_attention_heads"))
+    put(hf, "num_key_value_heads", attn.n_kv_heads, _KV_HEADS.get(model_type, hf.get("num_attention_heads")))
     put(hf, "head_dim", attn.head_dim, attn.d_model // attn.n_heads)
     put(hf, "num_hidden_layers", cfg.n_layers)
     put(hf, "intermediate_size", cfg.ffn_dim)
     put(hf, "vocab_size", cfg.vocab_size)
-    put(hf, "max_position_embeddings", cfg.max_seq_len, 4096)
+    put(hf, "max_position_embeddings", cfg.max_seq_len, _POSITIONS.get(model_type, 4096))
     put(hf, "rms_norm_eps", cfg.norm_eps, 1e-6)
     put(hf, "hidden_act", "silu", "silu")
     put(hf, "tie_word_embeddings", cfg.tie_embeddings, False)
