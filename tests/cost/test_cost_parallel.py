@@ -173,6 +173,10 @@ def test_compare_cli_tp_json_has_the_per_rank_fields_and_devices_is_its_other_na
         (("--tp", "3"), "--tp 3 must divide the model's 32 query heads"),
         (("--tp", "2", "--hardware", "local"), "--hardware local and --measure are one process"),
         (("--tp", "0"), "--tp must be >= 1"),
+        # an error names the option the user gave (--devices 0 was reported as "--tp must be >= 1")
+        (("--devices", "0"), "--devices must be >= 1"),
+        (("--devices", "3"), "--devices 3 must divide the model's 32 query heads"),
+        (("--devices", "2", "--hardware", "local"), "--devices models GPUs"),
     ):
         code, err = compare_json(*args)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)

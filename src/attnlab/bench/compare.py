@@ -135,7 +135,8 @@ def run_compare(
                 f"--devices {devices} and --tp {tp} disagree: --devices is another name for --tp"
             )
         tp = devices
-    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--tp", tp)):
+    tp_name = "--tp" if devices is None else "--devices"  # in the errors: the option the user gave
+    for name, value in (("--seq-len", seq_len), ("--batch", batch), (tp_name, tp)):
         check_int(name, value)
         if value > MAX_SIZE:
             raise ValueError(f"{name} must be <= 2**40 = {MAX_SIZE:,}, got {value}")
@@ -147,16 +148,16 @@ def run_compare(
         raise ValueError(f"--dtype {dtype!r} is not known; use one of {', '.join(DTYPE_BITS)}") from None
     if tp > 1 and (hardware == "local" or measure):
         raise ValueError(
-            "--tp models GPUs and their interconnect; --hardware local and --measure are one process on this machine"
+            f"{tp_name} models GPUs and their interconnect; --hardware local and --measure are one process on this "
+            "machine"
         )
     # a checkpoint (or config.json) is an input: never written
     read = [Path(model)] if Path(model).exists() else []
     if plot is not None:
         check_inputs(check_figure_path(plot).absolute(), read, str(plot), "--plot")
     model_cfg = load_model(model)
-    check_tp(
-        model_cfg, tp, flag="--tp"
-    )  # the native variant must split (compare checks it too, without flags)
+    # the native variant must split (compare checks it too, without flags)
+    check_tp(model_cfg, tp, flag=tp_name)
     # a dtype the device has no rate for, refused before any measuring (this machine: MEASURED_DTYPES)
     if measure and dtype_name(dtype) not in MEASURED_DTYPES:
         raise ValueError(f"--measure runs in {', '.join(MEASURED_DTYPES)}; got --dtype {dtype!r}")
