@@ -178,6 +178,8 @@ def write_tensors(
             with contextlib.suppress(ValueError, AttributeError):
                 meta = dict(json.loads((like / INDEX).read_text()).get("metadata") or {})
         meta["total_size"] = sum(t.numel() * t.element_size() for t in tensors.values())
+        if "total_parameters" in meta:  # transformers 5 writes it too: the written tensors', not the source's
+            meta["total_parameters"] = sum(t.numel() for t in tensors.values())
         index = {"metadata": meta, "weight_map": dict(sorted(files.items()))}
         (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
