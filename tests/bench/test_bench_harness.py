@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from attnlab.bench import DecodeGrid, decode, interleaved, run_decode
@@ -170,6 +171,55 @@ def test_a_baseline_that_computes_something_else_stops_the_row(monkeypatch):
     monkeypatch.setattr(baselines, "llama_attention", lambda attn, k, v: real(attn, k[:, :, :1], v[:, :, :1]))
     with pytest.raises(RuntimeError, match=r"layer row \(dtype fp32, .*differ by .* different computations"):
         decode.layer_row(grid, hw, "fp32", 1, 33, 2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "wrong"),
+    [
+        (
+            "bf16",
+            {"fused": "zeros"},
+        ),  # outputs of ~0.02 at 4096 tokens: zeros were within bfloat16's absolute 0.1
+        ("fp32", {"fused": "drop a key"}),  # 1e-3 absolute let one key of 16384 go
+        ("fp32", {"grouped": "plus 7"}),  # a baseline's output was timed and never compared
+        ("bf16", {"sdpa": "zeros"}),
+    ],
+)
+def test_every_timed_output_is_held_to_the_reference_relative_to_its_size(monkeypatch, dtype, wrong):
+    from attnlab.cost.hardware import Hardware
+
+    hw = Hardware("toy", {"fp32": 100e9, "bf16": 100e9}, bandwidth=10e9, memory_bytes=2**30, source="test")
+    grid = DecodeGrid(
+        kv_heads=(2,), contexts=(4096,), dtypes=(dtype,), n_heads=4, head_dim=16, repeats=1,
+        attention_baselines=("grouped", "sdpa", "reference"),
+    )  # fmt: skip
+    row = decode.attention_row(grid, hw, dtype, 1, 4096, 2)  # the real kernels agree
+    assert row["max_abs_err"] < {"fp32": 1e-6, "bf16": 1e-3}[dtype]
+    [(name, how)] = wrong.items()
+
+    def spoil(out, k, v, q, scale):
+        if how == "zeros":
+            return torch.zeros_like(out)
+        if how == "plus 7":
+            return out + 7
+        return real_attend(q, k[:, :, 1:], v[:, :, 1:], scale=scale, backend="reference")
+
+    real_attend, real_sdpa = decode.attend, decode.F.scaled_dot_product_attention
+
+    def attend(q, k, v, *, scale, backend):
+        out = real_attend(q, k, v, scale=scale, backend=backend)
+        return spoil(out, k, v, q, scale) if backend == name else out
+
+    def sdpa(q, k, v, *, scale, enable_gqa):
+        return spoil(real_sdpa(q, k, v, scale=scale, enable_gqa=enable_gqa), k, v, q, scale)
+
+    monkeypatch.setattr(decode, "attend", attend)
+    if name == "sdpa":
+        monkeypatch.setattr(decode.F, "scaled_dot_product_attention", sdpa)
+    with pytest.raises(
+        RuntimeError, match=r"attention row .* of the reference's largest value .* different comp"
+    ):
+        decode.attention_row(grid, hw, dtype, 1, 4096, 2)
 
 
 def test_a_grid_that_cannot_run_is_refused_before_any_row():
