@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from attnlab.bench import DecodeGrid, decode, interleaved, run_decode
-from attnlab.bench.report import performance_page, plot
+from attnlab.bench.report import performance_page, plot, print_tables, table_rows
 from attnlab.cli import app
 from attnlab.config import MLAConfig
 
@@ -231,3 +231,23 @@ def test_a_grid_that_cannot_run_is_refused_before_any_row():
     with pytest.raises(ValueError, match="kv_norm=True"):
         DecodeGrid(mla_cfg=TINY_MLA.replace(kv_norm=False))
     assert DecodeGrid(mla=False, mla_cfg=TINY_MLA.replace(kv_norm=False)).mla is False
+    # a bare value was iterated ("bf16" as the dtypes 'b', 'f', ...) or failed inside; a repeated one ran twice
+    with pytest.raises(TypeError, match="--kv-heads must be a tuple or list, got 8"):
+        DecodeGrid(kv_heads=8)
+    with pytest.raises(TypeError, match="--dtype must be a tuple or list, got 'bf16'"):
+        DecodeGrid(dtypes="bf16")
+    with pytest.raises(ValueError, match="--kv-heads lists 8 more than once"):
+        DecodeGrid(kv_heads=(8, 4, 8))
+    result = CliRunner().invoke(app, ["bench", "decode", "--dtype", "fp32,fp32", "--context", "8", "--json"])
+    assert result.exit_code == 2 and "--dtype lists fp32 more than once" in result.stderr
+
+
+def test_a_grid_of_fewer_baselines_is_shown_and_plotted_with_what_it_timed(tmp_path, capsys):
+    grid = DecodeGrid(kv_heads=(4, 1), contexts=(32,), n_heads=4, head_dim=16, repeats=1, layer=False,
+                      mla=False, paged=False, attention_baselines=("sdpa",), fresh_hardware=False)  # fmt: skip
+    result = run_decode(grid)
+    header, cells = table_rows(result, "attention")
+    assert header[4:6] == ["fused", "sdpa"] and "grouped" not in header and len(cells) == 2
+    print_tables(result)  # KeyError 'grouped' after printing part of the output
+    assert "sdpa" in capsys.readouterr().out
+    assert plot(result, tmp_path / "p.png").is_file()  # KeyError 'reference'

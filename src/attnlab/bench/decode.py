@@ -97,7 +97,15 @@ class DecodeGrid:
         # has no option for, by their names.
         for name in ("n_heads", "head_dim", "block_size", "e2e_context", "e2e_steps"):
             check_int(name, getattr(self, name))
-        for name, flag in (("kv_heads", "--kv-heads"), ("batches", "--batch"), ("contexts", "--context")):
+        lists = (("kv_heads", "--kv-heads"), ("batches", "--batch"), ("contexts", "--context"),
+                 ("dtypes", "--dtype"), ("attention_baselines", "attention_baselines"))  # fmt: skip
+        for name, flag in lists:  # a bare int or str (kv_heads=8, dtypes="bf16") failed or split into letters
+            values = getattr(self, name)
+            if not isinstance(values, (tuple, list)):
+                raise TypeError(f"{flag} must be a tuple or list, got {values!r}")
+            if twice := sorted({x for x in values if values.count(x) > 1}, key=str):  # every row ran twice
+                raise ValueError(f"{flag} lists {', '.join(map(str, twice))} more than once")
+        for name, flag in lists[:3]:
             values = getattr(self, name)
             if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
                 raise ValueError(f"{flag} must list integers >= 1, got {values!r}")

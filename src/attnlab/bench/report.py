@@ -54,7 +54,8 @@ def table_rows(result: dict[str, Any], kind: str) -> tuple[list[str], list[list[
             for r in rows
         ]
         return header, cells
-    names = COLUMNS[kind]
+    # the contenders these rows timed (a grid of fewer attention_baselines times fewer), in the columns' order
+    names = tuple(n for n in COLUMNS[kind] if any(n in r["ms"] for r in rows))
     header = ["dtype", "B", "context", "kv heads", *names, "roofline", "of roofline", "GB/s", "speedups"]
     cells = []
     for r in rows:
@@ -65,7 +66,7 @@ def table_rows(result: dict[str, Any], kind: str) -> tuple[list[str], list[list[
                 str(r["batch"]),
                 str(r["context"]),
                 str(r["n_kv_heads"]) if kind != "mla" else "latent",
-                *(f"{r['ms'][n]:.3f}" for n in names),
+                *(f"{r['ms'][n]:.3f}" if n in r["ms"] else "-" for n in names),
                 f"{r['roofline_ms']:.3f}",
                 f"{r['roofline_fraction']:.2f}",
                 f"{r['achieved_gbps']:.1f}",
@@ -119,7 +120,8 @@ def plot(result: dict[str, Any], path: str | os.PathLike, *, ours: bool = False)
             continue
         x = [r["n_kv_heads"] for r in sel]
         for name, style in (("reference", "s:"), ("sdpa", "^--"), ("grouped", "v-."), ("fused", "o-")):
-            ax.plot(x, [r["ms"][name] for r in sel], style, label=name)
+            if all(name in r["ms"] for r in sel):  # what the grid timed (attention_baselines)
+                ax.plot(x, [r["ms"][name] for r in sel], style, label=name)
         ax.plot(x, [r["roofline_ms"] for r in sel], "k-", lw=2, alpha=0.5, label="roofline")
         ax.set(
             xscale="log",
@@ -129,6 +131,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike, *, ours: bool = False)
             title=f"{dtype}, batch {b}, context {context}",
         )
         ax.set_xticks(x, [str(n) for n in x])
+        ax.set_xticks([], minor=True)  # the log axis's own minor labels (2x10^0, 3x10^0) beside these
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
