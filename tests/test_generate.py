@@ -5,6 +5,7 @@ weights), sampling filters against transformers' logits warpers."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -390,6 +391,9 @@ def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
     result = CliRunner().invoke(app, ["generate", str(checkpoint), "--prompt", "To be", "--max-new", "3"])
     assert result.exit_code == 0, result.output
     assert "of the roofline" in result.stdout and "prefill" in result.stdout
+    # the bytes a step reads, in digits one can check (a tiny model's step printed "0.00 GB")
+    assert re.search(r"of the roofline \((\d+\.\d\d) (kB|MB) over", result.stdout), result.stdout
+    assert "0.00 GB" not in result.stdout
 
 
 @pytest.mark.parametrize(

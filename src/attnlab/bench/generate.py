@@ -258,6 +258,15 @@ def run_generate(
     return result
 
 
+def _decimal_bytes(n: float) -> str:
+    """Bytes in the decimal unit of the bandwidth beside them (GB/s), with digits to show: a small model's step
+    reads megabytes, which "0.00 GB" hid."""
+    for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {name}"
+    return f"{n:.0f} B"
+
+
 def print_result(result: dict[str, Any]) -> None:
     texts = Grid("attnlab generate", ["prompt", "tokens in", "tokens out", "ended by", "text"], right=(1, 2))
     for out in result["outputs"]:
@@ -270,7 +279,7 @@ def print_result(result: dict[str, Any]) -> None:
     per_s = result["decode_tokens_per_s"]
     fraction = result["roofline_fraction"]
     roof = (
-        f"{fraction:.2f} of the roofline ({result['decode_bytes'] / 1e9:.2f} GB over "
+        f"{fraction:.2f} of the roofline ({_decimal_bytes(result['decode_bytes'])} over "
         f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
         f"{'measured' if result['bandwidth_measured'] else 'given'})"
         if fraction is not None
