@@ -227,6 +227,7 @@ def sweep_options(scale: Scale, src: Path, data_dir: Path) -> SweepOptions:
         lr=scale.uptrain_lr, eval_windows=scale.eval_windows, seed=1, warmup=scale.uptrain_warmup,
         distill_weight=scale.distill_weight, temperature=scale.temperature, timing="together",
         timing_steps=scale.decode_steps, timing_repeats=DECODE_REPEATS,
+        timing_threads=scale.workers,  # run_jobs gives a lone timing all the workers' threads
     )  # fmt: skip
 
 

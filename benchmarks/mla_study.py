@@ -214,6 +214,7 @@ def sweep_options(recipe: Recipe, src: Path, data_dir: Path, mla: list[tuple[int
         eval_windows=recipe.eval_windows, seed=recipe.seed, warmup=recipe.warmup, distill_weight=recipe.distill_weight,
         temperature=recipe.temperature, timing="together", timing_steps=recipe.decode_steps,
         timing_repeats=recipe.decode_repeats,
+        timing_threads=recipe.workers,  # run_jobs gives a lone timing all the workers' threads
     )  # fmt: skip
 
 

@@ -652,3 +652,25 @@ def test_timings_say_the_threads_they_ran_on_and_another_count_times_again(tiny,
     timed = sorted(json.loads(p.read_text())["result"]["threads"] for p in (out / "jobs").glob("speed*.json"))
     assert timed == [1, 1, 2, 2]  # source and gqa-2, each at 1 thread and at 2
     assert "(2 threads)" in (out / "report.md").read_text()
+
+
+def test_a_timing_runs_on_the_threads_its_key_names_whoever_runs_it(tiny):
+    """The studies plan with one torch thread (their workers') and give a lone timing all of the workers' threads
+    through run_jobs: the key said 1 while it ran on 2. The count is the plan's (SweepOptions.timing_threads, else
+    this process's), and the speed job runs on it whatever threads it was started with."""
+    from attnlab.sweep.plan import timing_args
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        opts = SweepOptions(src=tiny["src"], data=tiny["corpus"])
+        assert timing_args(opts)["threads"] == 1
+        assert (
+            timing_args(SweepOptions(src=tiny["src"], data=tiny["corpus"], timing_threads=2))["threads"] == 2
+        )
+        torch.set_num_threads(2)
+        args = {"ckpt": str(tiny["src"]), "context": 8, "batch": 1, "steps": 2, "repeats": 1, "threads": 1}
+        assert work.speed(args, {}, None)["threads"] == 1
+        assert torch.get_num_threads() == 2  # given back
+    finally:
+        torch.set_num_threads(before)

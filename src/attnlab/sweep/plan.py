@@ -85,6 +85,9 @@ class SweepOptions:
     timing: str = "each"  # "each" or "together" (module docstring)
     timing_steps: int | None = None  # decode steps timed (None: 16, quick 8)
     timing_repeats: int | None = None  # the fastest of this many (None: 5, quick 3)
+    # the threads a timing runs on (None: this process's torch threads); a caller that gives run_jobs another count
+    # for its lone jobs (the studies: one thread per worker, all of them for a timing) says so here
+    timing_threads: int | None = None
     device: str = "auto"  # where the jobs run models (resources.resolve_device)
 
     @property
@@ -176,7 +179,8 @@ def check_options(opts: SweepOptions) -> None:
     if opts.timing not in TIMING:
         raise ValueError(f"--timing must be one of {', '.join(TIMING)}; got {opts.timing!r}")
     for flag, value, least in (("timing_steps", opts.timing_steps, 1), ("timing_repeats", opts.timing_repeats, 1),
-                               ("--seq-len", opts.seq_len, 1), ("--eval-windows", opts.eval_windows, 0)):  # fmt: skip
+                               ("timing_threads", opts.timing_threads, 1), ("--seq-len", opts.seq_len, 1),
+                               ("--eval-windows", opts.eval_windows, 0)):  # fmt: skip
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise ValueError(f"{flag} must be an integer >= {least}, got {value!r}")
     if opts.teacher not in ("src", "none") and not (Path(opts.teacher) / "config.json").is_file():
@@ -447,8 +451,8 @@ def timing_args(opts: SweepOptions) -> dict:
         "batch": opts.batch,
         "steps": steps,
         "repeats": repeats,
-        # what a timing runs on (all of torch's threads, with any --jobs): a figure of its own, so part of its key
-        "threads": torch_threads(),
+        # what a timing runs on (work.speed sets it): a figure of its own, so part of its key
+        "threads": opts.timing_threads or torch_threads(),
         **device_args(opts),
     }
 

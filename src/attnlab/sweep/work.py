@@ -106,6 +106,15 @@ def speed(args: dict, deps: dict, out: Path | None) -> dict:
     a checkpoint, or the name of the job that writes it) times several in turn in one process, one decode run of
     each per repeat (round robin), so that their ratios come from the same moments of a shared machine; the
     result holds each one's figures under ``"models"``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(args["threads"])  # the count its key and its row say, whoever runs it
+    try:
+        return _speed(args, deps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _speed(args: dict, deps: dict) -> dict:
     from ..bench.generate import decode_step_times
     from ..hf import load_causal_lm
 
