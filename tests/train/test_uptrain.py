@@ -82,6 +82,28 @@ def test_train_attention_only_keeps_the_rest_bit_for_bit_and_the_dtype(tmp_path,
         assert torch.equal(old[key], new[key]) == (".self_attn." not in key), key
 
 
+def test_a_tied_source_that_also_holds_its_head_is_written_with_the_trained_one(tmp_path, tokenizer, corpus):
+    """Some published tied checkpoints ship lm_head.weight beside the embedding it is tied to (equal to it). The
+    model trains tied; the source's head was copied into DST beside the trained embedding, and DST then read
+    (in attnlab and transformers) as an untied model with the untrained head: its loss 6.15 where uptrain
+    reported 5.19."""
+    from safetensors.torch import save_file
+
+    src = make_llama(tmp_path / "src", tokenizer, tie_word_embeddings=True)
+    state = weights(src)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    held_out, dst = corpus / "macbeth.txt", tmp_path / "dst"
+    result = run_cli("uptrain", src, dst, "--data", corpus, "--eval-data", held_out, "--steps", 3, *FAST)
+    assert result.exit_code == 0, result.output
+    new = weights(dst)
+    assert not torch.equal(new["model.embed_tokens.weight"], state["model.embed_tokens.weight"])  # trained
+    assert torch.equal(new["lm_head.weight"], new["model.embed_tokens.weight"])
+    reported = json.loads((dst / "uptrain.json").read_text())["eval"]["loss"]
+    scored = json.loads(run_cli("eval", dst, "--data", held_out, "--seq-len", 32, "--json").stdout)["loss"]
+    assert math.isclose(reported, scored, rel_tol=1e-9), (reported, scored)
+
+
 def test_the_reported_loss_is_the_written_checkpoints_and_an_overflow_is_refused(tmp_path, tokenizer, corpus):
     """The final evaluation scored the float32 training copy: a bfloat16 run reported a loss 0.01-0.02 nats below
     the checkpoint it wrote (and sweep ranked rows on it), and a float16 run wrote inf weights with exit 0."""

@@ -153,6 +153,13 @@ def save_causal_lm(
         cfg = cfg.replace(attention=attn.replace(n_kv_heads=attn.n_heads))
     new = checkpoint_tensors(state, cfg, hf)
     files = io.shard_map(like)
+    if cfg.tie_embeddings and "tok_embeddings.weight" in state:
+        # a tied model whose source also holds its head (some published tied checkpoints do): the head is written
+        # as the embedding it is tied to, not copied from the source (trained, they differ, and transformers then
+        # reads the stale head as an untied one)
+        untied = cfg.replace(tie_embeddings=False)
+        head = checkpoint_tensors({**state, "output.weight": state["tok_embeddings.weight"]}, untied, hf)
+        new |= {key: head[key] for key in set(head) - set(new) if key in files}
     meta = _tensor_meta(like, files, set(new))
     unknown = sorted(set(new) - set(files))
     if unknown:
