@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -158,6 +159,16 @@ def read_tensors(src: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, files
 
 
+def _numel(src: Path) -> int:
+    """The values held by the weight files of checkpoint ``src``, from their headers."""
+    total = 0
+    for name in sorted(set(shard_map(src).values())):
+        with _open(src / name) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
 def write_tensors(
     dst: Path, tensors: dict[str, torch.Tensor], files: dict[str, str] | None = None, like: Path | None = None
 ) -> None:
@@ -178,8 +189,10 @@ def write_tensors(
             with contextlib.suppress(ValueError, AttributeError):
                 meta = dict(json.loads((like / INDEX).read_text()).get("metadata") or {})
         meta["total_size"] = sum(t.numel() * t.element_size() for t in tensors.values())
-        if "total_parameters" in meta:  # transformers 5 writes it too: the written tensors', not the source's
-            meta["total_parameters"] = sum(t.numel() for t in tensors.values())
+        if isinstance(meta.get("total_parameters"), int):
+            # transformers 5 writes it, counting parameters (a tied head once, no buffers): the source's count,
+            # moved by what the written tensors add or remove (a conversion's smaller k/v projections)
+            meta["total_parameters"] += sum(t.numel() for t in tensors.values()) - _numel(like)
         index = {"metadata": meta, "weight_map": dict(sorted(files.items()))}
         (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
