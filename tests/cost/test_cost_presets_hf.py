@@ -110,6 +110,29 @@ def test_bad_deepseek_and_missing_fields():
         from_hf_config(dict(HF_CONFIGS["chatglm2-6b"], multi_query_group_num=3))
 
 
+@pytest.mark.parametrize("config_class", [transformers.DeepseekV2Config, transformers.DeepseekV3Config])
+@pytest.mark.parametrize(
+    "field",
+    ["q_lora_rank", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "moe_intermediate_size",
+     "max_position_embeddings"],
+)  # fmt: skip
+def test_a_deepseek_field_left_out_means_what_transformers_defaults_to(config_class, field):
+    """Left out, q_lora_rank is 1536 to transformers (attnlab read uncompressed queries), n_routed_experts 64 / 256
+    (attnlab: dense), n_shared_experts 2 / 1 (attnlab: 0), first_k_dense_replace 0 / 3, max_position_embeddings
+    2048 / 4096: parameters off by 2x (1,611,072 against 3,055,936)."""
+    full = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=None,
+                n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64,
+                moe_intermediate_size=16, num_experts_per_tok=2)  # fmt: skip
+    raw = {k: v for k, v in full.items() if k != field}
+    theirs = config_class(**raw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(theirs)
+    ours = from_hf_config(dict(raw, model_type=config_class.model_type))
+    assert model_param_count(ours) == sum(p.numel() for p in model.parameters())
+    assert ours.max_seq_len == theirs.max_position_embeddings
+
+
 def test_config_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["llama-3-8b"]))
     assert model_param_count(from_hf_config(tmp_path)) == model_param_count(get_preset("llama-3-8b"))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..config import MLAConfig, ModelConfig
-from .base import Family, Fields, MLASupport, Rule, TensorMap, Transform, mlp_obstacle
+from .base import _MISSING, Family, Fields, MLASupport, Rule, TensorMap, Transform, mlp_obstacle
 from .llama import LAYER_RULES, TOP_RULES, decoder_rules
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -69,10 +69,32 @@ DENSE_FIELDS: dict[str, Any] = dict(
 )
 
 
+# What a field left out of config.json means to transformers' DeepseekV2Config and DeepseekV3Config (5.x), where
+# attnlab read something else (uncompressed queries, no experts, positions 4096): compressed queries, routed and
+# shared experts after the first dense layers. A null q_lora_rank is uncompressed queries in both (V2-Lite).
+_ABSENT = {
+    "deepseek_v2": dict(q_lora_rank=1536, n_routed_experts=64, n_shared_experts=2, first_k_dense_replace=0,
+                        moe_intermediate_size=1407, max_position_embeddings=2048),
+    "deepseek_v3": dict(q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1, first_k_dense_replace=3,
+                        moe_intermediate_size=2048, num_experts_per_tok=8, max_position_embeddings=4096),
+}  # fmt: skip
+
+
+def _absent(f: Fields, key: str, fallback: Any = _MISSING) -> Any:
+    """What transformers reads for ``key`` when config.json leaves it out (``fallback`` for another model_type)."""
+    return _ABSENT.get(f.model_type, {}).get(key, fallback)
+
+
+def _first_dense(f: Fields) -> int:
+    return f.int("first_k_dense_replace", _absent(f, "first_k_dense_replace", 0), minimum=0)
+
+
 def read(f: Fields) -> ModelConfig:
     """DeepSeek-V2/V3: MLA (``kv_lora_rank``, ``q_lora_rank``, rope/nope/v head dims) and DeepSeekMoE."""
     d = f.int("hidden_size")
     theta, _ = f.rope()  # the cost model needs no frequencies; loading refuses scaled RoPE (check_load)
+    # null: queries are not compressed (V2-Lite); left out, transformers' default
+    q_rank = f.opt_int("q_lora_rank") if "q_lora_rank" in f.raw else _absent(f, "q_lora_rank", 0)
     attention = MLAConfig(
         d_model=d,
         n_heads=f.int("num_attention_heads"),
@@ -80,28 +102,31 @@ def read(f: Fields) -> ModelConfig:
         qk_nope_head_dim=f.int("qk_nope_head_dim", minimum=0),
         qk_rope_head_dim=f.int("qk_rope_head_dim"),
         v_head_dim=f.int("v_head_dim"),
-        q_lora_rank=f.opt_int("q_lora_rank") or 0,  # null: queries are not compressed (V2-Lite)
+        q_lora_rank=q_rank or 0,
         rope_theta=theta,
         bias=f.bool("attention_bias", False),
     )
     n_layers = f.layers("num_hidden_layers")
     moe: dict[str, int] = {}
     # No routed experts, or first_k_dense_replace covering every layer (what attnlab writes): dense.
-    n_experts = f.opt_int("n_routed_experts", minimum=0)
-    if n_experts and f.int("first_k_dense_replace", 0, minimum=0) != n_layers:
+    if "n_routed_experts" in f.raw:
+        n_experts = f.opt_int("n_routed_experts", minimum=0)
+    else:
+        n_experts = _absent(f, "n_routed_experts", None)
+    if n_experts and _first_dense(f) != n_layers:
         if f.int("moe_layer_freq", 1) != 1:
             f.unsupported("moe_layer_freq", "only 1: every layer after the dense ones")
-        first_dense = f.int("first_k_dense_replace", 0, minimum=0)
+        first_dense = _first_dense(f)
         if first_dense > n_layers:
             f.fail(f"first_k_dense_replace={first_dense} exceeds num_hidden_layers={n_layers}")
-        n_active = f.int("num_experts_per_tok")
+        n_active = f.int("num_experts_per_tok", _absent(f, "num_experts_per_tok"))
         if n_active > n_experts:
             f.fail(f"num_experts_per_tok={n_active} exceeds n_routed_experts={n_experts}")
         moe = dict(
             n_experts=n_experts,
-            n_shared_experts=f.int("n_shared_experts", 0, minimum=0),
+            n_shared_experts=f.int("n_shared_experts", _absent(f, "n_shared_experts", 0), minimum=0),
             n_active_experts=n_active,
-            moe_ffn_dim=f.int("moe_intermediate_size"),
+            moe_ffn_dim=f.int("moe_intermediate_size", _absent(f, "moe_intermediate_size")),
             n_dense_layers=first_dense,
         )
     return ModelConfig(
@@ -109,7 +134,7 @@ def read(f: Fields) -> ModelConfig:
         n_layers=n_layers,
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
-        max_seq_len=f.int("max_position_embeddings", 4096),
+        max_seq_len=f.int("max_position_embeddings", _absent(f, "max_position_embeddings", 4096)),
         norm_eps=f.float("rms_norm_eps", 1e-6),
         tie_embeddings=f.bool("tie_word_embeddings", False),
         **moe,
@@ -133,7 +158,7 @@ def check_load(f: Fields) -> None:
     if read(f).is_moe:  # the routed experts' tensors would be refused one by one, by name, with no reason
         f.unsupported(
             "n_routed_experts",
-            f"first_k_dense_replace={f.raw.get('first_k_dense_replace', 0)} of {f.raw.get('num_hidden_layers')} "
+            f"first_k_dense_replace={_first_dense(f)} of {f.raw.get('num_hidden_layers')} "
             "layers are dense: attnlab loads dense DeepSeek-V3 models only (the cost model reads this one: "
             "attnlab compare --model)",
         )
