@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from .attention.gqa import GroupedQueryAttention
 from .attention.mla import MultiHeadLatentAttention
-from .config import AttentionConfig, MLAConfig, ModelConfig
+from .config import GATED_MLPS, AttentionConfig, MLAConfig, ModelConfig
 from .cost.parallel import check_tp, kv_heads_per_rank, kv_replicas
 from .model import FeedForward, Transformer
 
@@ -241,17 +241,17 @@ def attention_plan(
     raise TypeError(f"no tensor-parallel plan for {type(attn).__name__}")
 
 
-def mlp_plan(prefix: str = "") -> dict[str, ParallelStyle]:
-    """w1, w3 split over the hidden units, w2 over its inputs. The hidden activations stay DTensors between them,
-    so a hidden size tp does not divide (split as torch.chunk does) keeps its true global shape."""
+def mlp_plan(mlp: FeedForward, prefix: str = "") -> dict[str, ParallelStyle]:
+    """w1 (and a gated MLP's w3) split over the hidden units, w2 over its inputs. The hidden activations stay
+    DTensors between them, so a hidden size tp does not divide (split as torch.chunk does) keeps its true global
+    shape. A plain MLP has no w3 (naming it, torch warned "could not be resolved" on every rank)."""
     p = prefix
     plan: dict[str, ParallelStyle] = {p.rstrip("."): _replicated_block_input()} if p else {}
     hidden = {"use_local_output": False}
-    return plan | {
-        f"{p}w1": ColwiseParallel(**hidden),
-        f"{p}w3": ColwiseParallel(**hidden),
-        f"{p}w2": RowwiseParallel(),
-    }
+    plan[f"{p}w1"] = ColwiseParallel(**hidden)
+    if mlp.kind in GATED_MLPS:
+        plan[f"{p}w3"] = ColwiseParallel(**hidden)
+    return plan | {f"{p}w2": RowwiseParallel()}
 
 
 def _check_mesh(mesh: DeviceMesh) -> int:
@@ -302,12 +302,14 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     tp = _check_mesh(mesh)
     _check_module(module, tp)
     if isinstance(module, FeedForward):
-        return parallelize_module(module, mesh, {"": _replicated_block_input()} | mlp_plan())
+        return parallelize_module(module, mesh, {"": _replicated_block_input()} | mlp_plan(module))
     if not isinstance(module, Transformer):
         return parallelize_module(module, mesh, {"": _replicated_block_input()} | attention_plan(module, tp))
     kv_views: dict[int, DeviceMesh] = {}  # one (kv, rep) view of the mesh for all layers
     for layer in module.layers:
-        plan = attention_plan(layer.attention, tp, "attention.", kv_views) | mlp_plan("feed_forward.")
+        plan = attention_plan(layer.attention, tp, "attention.", kv_views) | mlp_plan(
+            layer.feed_forward, "feed_forward."
+        )
         parallelize_module(layer, mesh, plan)
     if not module.cfg.tie_embeddings:  # a tied table is one tensor: it cannot be split two ways
         parallelize_module(

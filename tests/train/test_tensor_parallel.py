@@ -111,6 +111,10 @@ def test_sharded_mlp_equals_unsharded_and_splits_unevenly_where_it_must(record):
     chunks = [len(c) for c in torch.arange(f).chunk(tp)]  # DTensor's Shard: torch.chunk's split
     assert got["local_params"] == [mlp_param_count(d, c, "swiglu", False) for c in chunks]
     assert max(got["local_params"]) == mlp_param_count(d, -(-f // tp), "swiglu", False)  # the cost model's
+    # a plain (GELU) MLP has no w3: the plan named it, and torch warned on every rank that it could not resolve it
+    plain = record["modules"]["mlp_gelu"]
+    assert plain["forward"] < 1e-5 and plain["input_grad"] < 1e-5 and plain["weight_grad"] < 1e-5, plain
+    assert got["warnings"] == plain["warnings"] == []
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -13,6 +13,7 @@ import json
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,8 +87,11 @@ def weight_grad_error(ref: torch.nn.Module, sharded: torch.nn.Module) -> float:
 
 
 def compare_module(ref: torch.nn.Module, mesh, d_model: int, cache: bool) -> dict:
-    """Forward, input and weight gradients, and (for attention) prefill + decode through a cache."""
-    sharded = apply_tp(copy.deepcopy(ref), mesh)
+    """Forward, input and weight gradients, and (for attention) prefill + decode through a cache; and what
+    apply_tp warned."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        sharded = apply_tp(copy.deepcopy(ref), mesh)
     x = torch.randn(2, 7, d_model, generator=torch.Generator().manual_seed(1))
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ref, y_tp = ref(x_ref), sharded(x_tp)
@@ -102,6 +106,7 @@ def compare_module(ref: torch.nn.Module, mesh, d_model: int, cache: bool) -> dic
         "local_params": gathered(local_numel(sharded)),
         # A gradient still "Partial" (a pending sum over ranks) would read right through full_tensor() above but
         # leave each rank's local gradient wrong: every accumulated gradient must have its weight's placement.
+        "warnings": [str(w.message).splitlines()[0] for w in said],
         "pending_grads": sorted(
             n for n, p in params.items() if isinstance(p, DTensor) and p.grad.placements != p.placements
         ),
@@ -134,6 +139,8 @@ def module_checks(mesh) -> dict:
         out[name] = compare_module(attention_module(cfg), mesh, cfg.d_model, cache=True)
     torch.manual_seed(0)
     out["mlp"] = compare_module(FeedForward(*MLP_DIMS), mesh, MLP_DIMS[0], cache=False)
+    torch.manual_seed(0)
+    out["mlp_gelu"] = compare_module(FeedForward(*MLP_DIMS, kind="gelu"), mesh, MLP_DIMS[0], cache=False)
     return out
 
 
