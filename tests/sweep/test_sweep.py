@@ -133,6 +133,29 @@ def test_uptraining_under_a_launcher_gives_the_in_process_result(first, monkeypa
     assert summary["options"]["steps"] == 2 and (tmp_path / "up").is_dir()
 
 
+def test_a_launched_uptrain_that_fails_reports_attnlabs_line_not_the_launchers(first, monkeypatch, tmp_path):
+    """Under torchrun the last line of stderr is its failure banner ("===="), which the row reported as the reason;
+    the rank's "attnlab: error:" line above it is the reason."""
+    results, _, _ = first
+    converted, uptrained = results["rows"][1], results["rows"][2]
+    saved = json.loads(
+        next(Path(uptrained["checkpoint"]).parent.glob("uptrain_gqa-2_mean_2-*.json")).read_text()
+    )
+    launcher = (
+        tmp_path / "launcher.py"
+    )  # runs the command, then ends its stderr with a banner, as torchrun does
+    launcher.write_text(
+        "import subprocess, sys\n"
+        "proc = subprocess.run([sys.executable, *sys.argv[1:]], capture_output=True, text=True)\n"
+        "sys.stderr.write(proc.stderr + '=' * 60 + '\\nChildFailedError:\\n' + '=' * 60 + '\\n')\n"
+        "sys.exit(proc.returncode)\n"
+    )
+    monkeypatch.setenv(work.LAUNCH, f"{sys.executable} {launcher}")
+    monkeypatch.setenv(work.UPTRAIN_FLAGS, "--tp 2")  # one process: refused
+    with pytest.raises(RuntimeError, match=r"uptrain failed: attnlab: error: --tp 2"):
+        work.uptrain(saved["args"], {"convert": {"out": converted["checkpoint"]}}, tmp_path / "up")
+
+
 def test_warm_rerun_runs_nothing_and_a_new_variant_runs_only_its_jobs(first, tiny):
     out = tiny["root"] / "out"
     again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json")

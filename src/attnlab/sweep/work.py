@@ -81,7 +81,9 @@ def uptrain(args: dict, deps: dict, out: Path | None) -> dict:
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or [f"exit code {proc.returncode}"]
-        raise RuntimeError(f"{launcher} ... uptrain failed: {lines[-1]}")
+        # attnlab's own line where a rank wrote one (under torchrun the last line is its "====" failure banner)
+        ours = [ln for ln in lines if ln.startswith("attnlab: ")]
+        raise RuntimeError(f"{launcher} ... uptrain failed: {(ours or lines)[-1]}")
     return json.loads(proc.stdout)
 
 
