@@ -180,6 +180,12 @@ def test_compare_cli_tp_json_has_the_per_rank_fields_and_devices_is_its_other_na
     ):
         code, err = compare_json(*args)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+    for flag in ("--tp", "--devices"):  # the note names the option given too
+        result = runner.invoke(app, ["compare", "--model", "qwen3-8b", flag, "2", "--json"])
+        assert (
+            result.exit_code == 0
+            and f"note: {flag} 2 prices q/k norms split with their heads" in result.stderr
+        )
 
 
 def test_compare_cli_table_shows_kv_heads_per_rank_and_replicas():

@@ -186,7 +186,7 @@ def run_compare(
         tp=tp,
     )
     # after every check: a refused run gets one line
-    for note in _notes(model, model_cfg, seq_len, dtype, tp):
+    for note in _notes(model, model_cfg, seq_len, dtype, tp, tp_name):
         err.print(f"note: {note}", highlight=False, soft_wrap=True)
     if plot is not None:
         plot_comparison(comparison, model_cfg, plot, sources=read)
@@ -286,7 +286,7 @@ def plot_comparison(
     return save_figure(fig, path, sources=sources)
 
 
-def _notes(model: str, cfg, seq_len: int, dtype: str, tp: int = 1) -> list[str]:
+def _notes(model: str, cfg, seq_len: int, dtype: str, tp: int = 1, tp_name: str = "--tp") -> list[str]:
     """What the table's figures assume that the checkpoint does not say, printed on stderr (never silently): weights
     of a quantized config.json counted at ``dtype``; a context beyond the model's positions; a tensor-parallel split
     of q/k norms, which ``apply_tp`` does not make."""
@@ -309,7 +309,7 @@ def _notes(model: str, cfg, seq_len: int, dtype: str, tp: int = 1) -> list[str]:
             else ""
         )
         notes.append(
-            f"--tp {tp} prices q/k norms split with their heads, which attnlab.parallel.apply_tp does not do yet "
+            f"{tp_name} {tp} prices q/k norms split with their heads, which attnlab.parallel.apply_tp does not do yet "
             f"(qk_norm={sorted(norms)[0]!r}){extra}"
         )
     return notes

@@ -44,8 +44,8 @@ from .base import (
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # What a missing num_key_value_heads and max_position_embeddings mean to transformers' LlamaConfig, MistralConfig
-# and Qwen2Config (an explicit null KV count is the head count in all three); another model_type read by these
-# functions: the head count and 4096.
+# and Qwen2Config; another model_type read by these functions: the head count and 4096. An explicit null KV count
+# is the head count (LlamaConfig and Qwen2Config; MistralConfig before transformers 5, whose validation refuses it).
 _KV_HEADS = {"mistral": 8, "qwen2": 32}
 _POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 
