@@ -134,6 +134,21 @@ def test_compare_measure_small_model(tmp_path):
         assert m["ratio"] == pytest.approx(m["measured_seconds"] / m["predicted_seconds"])
 
 
+def test_compare_measure_times_a_sliding_window_layer_over_its_window(tmp_path):
+    """Mistral's layers read at most their window: --measure timed and priced a full-attention layer over every
+    token (at 10^6 tokens it refused the layer as too large to time)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(HF_CONFIGS["llama-2-7b"], model_type="mistral", sliding_window=64,
+                                    hidden_size=256, num_attention_heads=4, num_key_value_heads=4)))  # fmt: skip
+    result = runner.invoke(app, ["compare", "--model", str(path), "--seq-len", "512", "--hardware", "local",
+                                 "--dtype", "fp32", "--json", "--measure"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    mha = next(m for m in json.loads(result.stdout)["measured"] if m["variant"] == "mha")
+    # by hand: q, k, v, o of 256 x 256 (524,288 FLOPs, 1 MiB of fp32) and 4 heads of 64 over the window's 64 keys
+    # (scores and values: 4 x 64 x 64 x 2 x 2 = 65,536 FLOPs; K and V: 2 x 4 x 64 x 64 x 4 = 131,072 bytes)
+    assert (mha["flops"], mha["bytes"]) == (524_288 + 65_536, 2**20 + 131_072)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -16,7 +16,7 @@ import torch
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention, fused
 from ..cache import KVCache
-from ..config import AttentionConfig
+from ..config import AttentionConfig, MLAConfig
 from ..cost import Hardware, Variant, attention_flops, dtype_bits, dtype_name, kv_cache_bytes, param_count
 from ..cost.memory import TORCH_DTYPES
 from ..cost.roofline import step_seconds
@@ -37,17 +37,30 @@ class LayerTiming:
         return self.measured_seconds / self.predicted_seconds
 
 
+def timed_layer(variant: Variant, seq_len: int) -> tuple[AttentionConfig | MLAConfig, int]:
+    """The layer timed for ``variant``: the attention most of its layers have (ties: the first), and the tokens a
+    decode step of it reads. A sliding-window layer reads at most its window, and is timed and priced as a layer
+    without one over that many (its ring cannot be cropped back after each timed step); Mistral's layers were
+    timed and priced as full attention over every token."""
+    kinds = variant.model.layer_attentions
+    cfg = max(kinds, key=kinds.count)
+    window = getattr(cfg, "window", None)
+    if window is None:
+        return cfg, seq_len
+    return cfg.replace(window=None), min(seq_len, window)
+
+
 def predict_layer(
     variant: Variant, batch: int, seq_len: int, dtype: str, hw: Hardware
 ) -> tuple[int, int, float]:
-    cfg = variant.model.attention
+    cfg, seq_len = timed_layer(variant, seq_len)
     flops = attention_flops(cfg, batch, 1, seq_len).total
     nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
     return flops, nbytes, step_seconds(hw, flops, nbytes, dtype)
 
 
 def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, min_seconds: float) -> float:
-    cfg = variant.model.attention
+    cfg, seq_len = timed_layer(variant, seq_len)
     cls = GroupedQueryAttention if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention
     with torch.device("meta"):
         layer = cls(cfg)
@@ -79,11 +92,11 @@ def check_fits(chosen: list[Variant], batch: int, seq_len: int, dtype: str) -> N
     """Refuse, before measuring anything, a layer that this machine could not hold (3x: weights, cache, work)."""
     memory = memory_bytes()
     for v in chosen:
-        cfg = v.model.attention
-        nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
+        cfg, tokens = timed_layer(v, seq_len)
+        nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, tokens, dtype)
         if memory and 3 * nbytes > memory:
             raise ValueError(
-                f"one {v.label} layer at batch {batch} x {seq_len} tokens needs {nbytes / 2**30:.1f} GiB; "
+                f"one {v.label} layer at batch {batch} x {tokens} tokens needs {nbytes / 2**30:.1f} GiB; "
                 f"too large to time on this machine ({memory / 2**30:.1f} GiB)"
             )
 
