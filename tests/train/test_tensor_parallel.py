@@ -104,6 +104,16 @@ def test_any_1d_mesh_a_user_makes_shards_like_the_named_one(record, mesh, name):
     assert_holds_its_share(got[name], ATTENTION[name], tp, world)
 
 
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_a_mask_for_each_head_of_the_whole_layer_is_refused_by_a_sharded_module_saying_why(record, name):
+    """The unsharded module takes a (B, n_heads, T, T) mask; sharded, it said the mask "does not broadcast to
+    (B, n_heads, ...)" with the rank's head count, on a model the user built with all of them."""
+    tp, n_heads = record["world_size"], ATTENTION[name].n_heads
+    said = record["modules"][name]["per_head_mask"]
+    assert f"a mask for each of the {n_heads} heads, but this module is sharded by apply_tp" in said
+    assert f"computes {n_heads // tp} of them on each rank" in said and "(B, 1, T_q, T_k)" in said
+
+
 def test_sharded_mlp_equals_unsharded_and_splits_unevenly_where_it_must(record):
     got, tp = record["modules"]["mlp"], record["world_size"]
     assert got["forward"] < 1e-5 and got["input_grad"] < 1e-5 and got["weight_grad"] < 1e-5, got

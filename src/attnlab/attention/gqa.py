@@ -32,10 +32,16 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
 
 
 def check_step(
-    owner: str, attn_mask: torch.Tensor | None, q: torch.Tensor, cache: Cache | None, window: int | None
+    owner: str,
+    attn_mask: torch.Tensor | None,
+    q: torch.Tensor,
+    cache: Cache | None,
+    window: int | None,
+    all_heads: int | None = None,
 ) -> None:
     """The checks made before anything is written to the cache, so that a bad call leaves it as it was;
-    ``window``: the layer's sliding window (None: it attends to every token)."""
+    ``window``: the layer's sliding window (None: it attends to every token); ``all_heads``: the layer's query
+    heads, of which a module sharded by ``apply_tp`` holds a share (q's)."""
     b, n_heads, t, _ = q.shape  # the heads this module holds
     kept = getattr(cache, "window", None)  # a cache that drops tokens older than its window
     # a cache keeping fewer tokens drops keys the layer reads; one keeping more hands a decode step its ring out of
@@ -58,6 +64,13 @@ def check_step(
     if getattr(cache, "static", False):  # a cache of the protocol from before ``static`` reads as False
         raise ValueError(
             f"{owner}: attn_mask is not supported with a StaticKVCache (its own mask covers every slot)"
+        )
+    if all_heads not in (None, n_heads) and attn_mask.ndim == 4 and attn_mask.shape[1] == all_heads:
+        # a mask per head of the whole layer: each rank's share of it is not known here
+        raise ValueError(
+            f"{owner}: attn_mask has a mask for each of the {all_heads} heads, but this module is sharded by "
+            f"apply_tp and computes {n_heads} of them on each rank: give one mask for every head, of shape "
+            "(B, 1, T_q, T_k)"
         )
     check_mask(owner, attn_mask, (b, n_heads, t, (0 if cache is None else len(cache)) + t))
 
@@ -220,7 +233,7 @@ class GroupedQueryAttention(nn.Module):
         q = split_heads(q, self.head_dim)  # (B, n_heads, T, head_dim)
         k = split_heads(k, self.head_dim)  # (B, n_kv_heads, T, head_dim)
         v = split_heads(v, self.head_dim)
-        check_step("GroupedQueryAttention", attn_mask, q, cache, self.cfg.window)
+        check_step("GroupedQueryAttention", attn_mask, q, cache, self.cfg.window, self.cfg.n_heads)
         if self.cfg.qk_norm == "head":  # each head on its own (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.rope:

@@ -161,7 +161,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = split_heads(q, cfg.qk_head_dim)  # (B, H, T, qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        check_step("MultiHeadLatentAttention", attn_mask, q, cache, None)
+        check_step("MultiHeadLatentAttention", attn_mask, q, cache, None, self.cfg.n_heads)
         if cache is not None and cache.paged and mode != "absorbed":
             raise ValueError(
                 f"MultiHeadLatentAttention with a PagedKVCache needs mode='absorbed' (naive decompresses a "
