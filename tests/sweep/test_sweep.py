@@ -275,6 +275,11 @@ def test_pareto_on_a_hand_made_table():
         # checked before any job runs, not as every row's error (--seq-len 0 once meant the default)
         (["--seq-len", "0"], "--seq-len must be an integer >= 1, got 0"),
         (["--seq-len", "100000"], "--seq-len 100000 is longer than the source's 64 positions"),
+        # a timing cache this machine cannot hold: each row failed with torch's allocation error, exit 0
+        (
+            ["--batch", str(2**40)],
+            f"--batch {2**40} x --context 4096 (the decode timing's cache) needs at least",
+        ),
         (["--eval-windows", "-3"], "--eval-windows must be an integer >= 0, got -3"),
         (["--teacher", "/no/such/teacher", "--uptrain-steps", "0"], "--teacher /no/such/teacher"),
     ],

@@ -52,7 +52,7 @@ def run_sweep(opts: SweepOptions, *, as_json: bool = False, progress: bool = Tru
     started = time.perf_counter()
     hf = io.read_config(opts.src)
     cfg = model_config(opts.src, hf)
-    plan.check_against(opts, cfg)
+    plan.check_against(opts, cfg, where.type)
     # the jobs load it: a truncated file or a missing tensor failed every row, exit 0
     check_causal_lm(opts.src, hf)
     read = plan.check_data(opts, cfg)  # before --out and the job cache are made

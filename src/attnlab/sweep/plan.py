@@ -33,11 +33,12 @@ from ..config import AttentionConfig, ModelConfig
 from ..convert.gqa import METHODS
 from ..convert.mla import full_rank
 from ..convert.model import DATA_AWARE
+from ..cost import kv_cache_bytes
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
 from ..data import fingerprint, load_tokenizer, read_text, split_held_out, text_files
 from ..jobs import Job, torch_threads
-from ..resources import resolve_device
+from ..resources import check_fits, resolve_device
 from . import work
 
 KEEP = ("none", "best", "all")
@@ -189,13 +190,19 @@ def check_options(opts: SweepOptions) -> None:
         )
 
 
-def check_against(opts: SweepOptions, cfg: ModelConfig) -> None:
-    """Refuse options the source's config rules out, before any job runs."""
+def check_against(opts: SweepOptions, cfg: ModelConfig, device: str = "cpu") -> None:
+    """Refuse options the source's config rules out, before any job runs; and on the CPU, a timing whose caches
+    this machine cannot hold (each row failed with torch's allocation error, exit 0)."""
     if opts.seq_len is not None and opts.seq_len > cfg.max_seq_len:
         raise ValueError(
             f"--seq-len {opts.seq_len} is longer than the source's {cfg.max_seq_len} positions "
             "(its max_position_embeddings)"
         )
+    timing = timing_args(opts)
+    if device == "cpu":  # the source's cache, as work.speed fills it (its context capped by the positions)
+        tokens = max(1, min(opts.context, cfg.max_seq_len - timing["steps"])) + timing["steps"]
+        check_fits(kv_cache_bytes(cfg, opts.batch, tokens, "fp32"), f"--batch {opts.batch} x --context "
+                   f"{opts.context} (the decode timing's cache)", "lower --batch or --context")  # fmt: skip
 
 
 def _gqa(g: int, methods: tuple[str, ...] | None) -> Variant:
