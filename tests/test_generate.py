@@ -535,7 +535,13 @@ def test_decode_step_times_round_robin_and_cache_bytes():
     from attnlab.cost import kv_cache_bytes
 
     models = {v: model(v) for v in ("gqa", "mla")}
+    scored = []  # the logits each call returns: the prefill scores the last position only, as generate's does
+    for m in models.values():
+        m.register_forward_hook(lambda mod, args, out: scored.append(tuple(out.shape)))
     times, nbytes = decode_step_times(models, torch.tensor(prompts([5, 5])), steps=3, repeats=2)
+    assert {shape[1] for shape in scored} == {
+        1
+    }  # (B, T, vocab) logits failed a sweep's --batch 1000, every row
     assert {v: len(t) for v, t in times.items()} == {"gqa": 2, "mla": 2}
     assert all(t > 0 for ts in times.values() for t in ts)
     assert nbytes == {v: kv_cache_bytes(m.cfg, 2, 8, torch.float32) for v, m in models.items()}

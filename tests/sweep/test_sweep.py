@@ -278,7 +278,7 @@ def test_pareto_on_a_hand_made_table():
         # a timing cache this machine cannot hold: each row failed with torch's allocation error, exit 0
         (
             ["--batch", str(2**40)],
-            f"--batch {2**40} x --context 4096 (the decode timing's cache) needs at least",
+            f"--batch {2**40} x 48 tokens (the decode timing's prefill and cache; --context 4096, at most the ",
         ),
         (["--eval-windows", "-3"], "--eval-windows must be an integer >= 0, got -3"),
         (["--teacher", "/no/such/teacher", "--uptrain-steps", "0"], "--teacher /no/such/teacher"),

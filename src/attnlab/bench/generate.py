@@ -37,7 +37,9 @@ def decode_step_times(
     for _ in range(repeats):
         for name, model in models.items():
             caches = model.new_caches(b, t + steps)
-            nxt = model(prompt, caches=caches)[:, -1:].argmax(-1)
+            # the last position scored only, as generate's prefill does (B x T x vocab logits did not fit at a
+            # sweep's --batch 1000 with 32000 tokens of vocabulary, failing every row)
+            nxt = model(prompt, caches=caches, logits_to_keep=1).argmax(-1)
             start = time.perf_counter()
             for _ in range(steps):
                 nxt = model(nxt, caches=caches)[:, -1:].argmax(-1)

@@ -199,10 +199,18 @@ def check_against(opts: SweepOptions, cfg: ModelConfig, device: str = "cpu") -> 
             "(its max_position_embeddings)"
         )
     timing = timing_args(opts)
-    if device == "cpu":  # the source's cache, as work.speed fills it (its context capped by the positions)
-        tokens = max(1, min(opts.context, cfg.max_seq_len - timing["steps"])) + timing["steps"]
-        check_fits(kv_cache_bytes(cfg, opts.batch, tokens, "fp32"), f"--batch {opts.batch} x --context "
-                   f"{opts.context} (the decode timing's cache)", "lower --batch or --context")  # fmt: skip
+    if device == "cpu":
+        # the source's cache as work.speed fills it (its context capped by the positions), and its prefill's
+        # hidden states (float32, the MLP's the widest), at least
+        context = max(1, min(opts.context, cfg.max_seq_len - timing["steps"]))
+        need = kv_cache_bytes(cfg, opts.batch, context + timing["steps"], "fp32")
+        need += 4 * opts.batch * context * (cfg.attention.d_model + cfg.ffn_dim)
+        lower = (
+            "--batch" if context < opts.context else "--batch or --context"
+        )  # past the cap --context is moot
+        check_fits(need, f"--batch {opts.batch} x {context} tokens (the decode timing's prefill and cache; "
+                   f"--context {opts.context}, at most the source's positions less the timed steps)",
+                   f"lower {lower}")  # fmt: skip
 
 
 def _gqa(g: int, methods: tuple[str, ...] | None) -> Variant:
