@@ -133,6 +133,41 @@ def test_a_deepseek_field_left_out_means_what_transformers_defaults_to(config_cl
     assert ours.max_seq_len == theirs.max_position_embeddings
 
 
+@pytest.mark.parametrize(
+    ("layers", "fields"),
+    [(2, {}), (2, {"first_k_dense_replace": 5}), (5, {"first_k_dense_replace": 5})],
+)
+def test_a_deepseek_whose_dense_layers_cover_the_model_is_dense_as_transformers_builds_it(layers, fields):
+    """transformers builds MoE layers from first_k_dense_replace on: V3's default 3 over 2 layers, or 5 over 2, is
+    a dense model; attnlab refused both ("first_k_dense_replace=3 exceeds num_hidden_layers=2")."""
+    raw = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=None, **fields)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**raw))
+    ours = from_hf_config(dict(raw, model_type="deepseek_v3"))
+    assert not ours.is_moe and model_param_count(ours) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_deepseek_of_shared_experts_alone_is_refused_and_a_default_expert_count_is_named():
+    """n_routed_experts 0 below the dense layers' end: transformers builds MoE layers of shared experts alone,
+    which attnlab read as dense (1,170,192 parameters where transformers has 1,907,472)."""
+    raw = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+               num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+               q_lora_rank=None)  # fmt: skip
+    with pytest.raises(
+        ValueError, match="n_routed_experts=0 with first_k_dense_replace=3 of num_hidden_layers=5"
+    ):
+        from_hf_config(dict(raw, n_routed_experts=0))
+    from attnlab.families.base import Fields
+    from attnlab.families.deepseek import check_load
+
+    # left out, 256 experts (transformers' default): the refusal said "n_routed_experts=None"
+    with pytest.raises(
+        ValueError, match=r"n_routed_experts=256 \(left out: transformers' default\) is not supp"
+    ):
+        check_load(Fields(raw, "deepseek_v3"))
+
+
 def test_config_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["llama-3-8b"]))
     assert model_param_count(from_hf_config(tmp_path)) == model_param_count(get_preset("llama-3-8b"))

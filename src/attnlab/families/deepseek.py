@@ -108,17 +108,22 @@ def read(f: Fields) -> ModelConfig:
     )
     n_layers = f.layers("num_hidden_layers")
     moe: dict[str, int] = {}
-    # No routed experts, or first_k_dense_replace covering every layer (what attnlab writes): dense.
+    # transformers builds an MoE MLP in the layers from first_k_dense_replace on (layer_idx >= it): one covering
+    # every layer (what attnlab writes), or more, is a dense model
     if "n_routed_experts" in f.raw:
         n_experts = f.opt_int("n_routed_experts", minimum=0)
     else:
         n_experts = _absent(f, "n_routed_experts", None)
-    if n_experts and _first_dense(f) != n_layers:
+    first_dense = _first_dense(f)
+    if n_experts == 0 and first_dense < n_layers:
+        f.fail(
+            f"n_routed_experts=0 with first_k_dense_replace={first_dense} of num_hidden_layers={n_layers}: "
+            "transformers builds MoE layers of shared experts alone, which attnlab does not model (a dense model "
+            "sets first_k_dense_replace to num_hidden_layers)"
+        )
+    if n_experts and first_dense < n_layers:
         if f.int("moe_layer_freq", 1) != 1:
             f.unsupported("moe_layer_freq", "only 1: every layer after the dense ones")
-        first_dense = _first_dense(f)
-        if first_dense > n_layers:
-            f.fail(f"first_k_dense_replace={first_dense} exceeds num_hidden_layers={n_layers}")
         n_active = f.int("num_experts_per_tok", _absent(f, "num_experts_per_tok"))
         if n_active > n_experts:
             f.fail(f"num_experts_per_tok={n_active} exceeds n_routed_experts={n_experts}")
@@ -155,12 +160,13 @@ def check_load(f: Fields) -> None:
         )
     if not isinstance(f.raw.get("rope_interleave", True), bool):
         f.fail(f"rope_interleave must be true or false, got {f.raw['rope_interleave']!r}")
-    if read(f).is_moe:  # the routed experts' tensors would be refused one by one, by name, with no reason
-        f.unsupported(
-            "n_routed_experts",
-            f"first_k_dense_replace={_first_dense(f)} of {f.raw.get('num_hidden_layers')} "
-            "layers are dense: attnlab loads dense DeepSeek-V3 models only (the cost model reads this one: "
-            "attnlab compare --model)",
+    cfg = read(f)
+    if cfg.is_moe:  # the routed experts' tensors would be refused one by one, by name, with no reason
+        left_out = "" if "n_routed_experts" in f.raw else " (left out: transformers' default)"
+        f.fail(
+            f"n_routed_experts={cfg.n_experts}{left_out} is not supported (first_k_dense_replace="
+            f"{cfg.n_dense_layers} of {cfg.n_layers} layers are dense: attnlab loads dense DeepSeek-V3 models only; "
+            "the cost model reads this one: attnlab compare --model)"
         )
 
 
