@@ -106,12 +106,14 @@ def test_any_1d_mesh_a_user_makes_shards_like_the_named_one(record, mesh, name):
 
 @pytest.mark.parametrize("name", list(ATTENTION))
 def test_a_mask_for_each_head_of_the_whole_layer_is_refused_by_a_sharded_module_saying_why(record, name):
-    """The unsharded module takes a (B, n_heads, T, T) mask; sharded, it said the mask "does not broadcast to
-    (B, n_heads, ...)" with the rank's head count, on a model the user built with all of them."""
+    """The unsharded module takes a (B, n_heads, T, T) or (n_heads, T, T) mask; sharded, it said the mask "does not
+    broadcast to (B, n_heads, ...)" with the rank's head count, on a model the user built with all of them. A mask
+    of the rank's own head count was taken, each rank masking other heads than one process would."""
     tp, n_heads = record["world_size"], ATTENTION[name].n_heads
-    said = record["modules"][name]["per_head_mask"]
-    assert f"a mask for each of the {n_heads} heads, but this module is sharded by apply_tp" in said
-    assert f"computes {n_heads // tp} of them on each rank" in said and "(B, 1, T_q, T_k)" in said
+    for said in record["modules"][name]["per_head_mask"]:
+        assert "has a mask per head, but this module is sharded by apply_tp" in said, said
+        assert f"computes {n_heads // tp} of the layer's {n_heads} heads on each rank" in said
+        assert "(B, 1, T_q, T_k)" in said
 
 
 def test_sharded_mlp_equals_unsharded_and_splits_unevenly_where_it_must(record):

@@ -117,14 +117,14 @@ def compare_module(ref: torch.nn.Module, mesh, d_model: int, cache: bool) -> dic
             parts = [(0, 4), (4, 5), (5, 6), (6, 7)]  # a prefill, then one token at a time
             a = torch.cat([ref(x[:, i:j], cache=c_ref) for i, j in parts], 1)
             b = torch.cat([sharded(x[:, i:j], cache=c_tp) for i, j in parts], 1)
-        mask = torch.ones(
-            2, ref.cfg.n_heads, 7, 7, dtype=torch.bool
-        ).tril()  # one per head of the whole layer
-        try:
-            sharded(x, attn_mask=mask)
-            out["per_head_mask"] = "taken"
-        except ValueError as err:
-            out["per_head_mask"] = str(err)
+        out["per_head_mask"] = []
+        # a mask per head of the whole layer (4-D and 3-D), and one of the rank's own head count
+        for shape in ((2, ref.cfg.n_heads, 7, 7), (ref.cfg.n_heads, 7, 7), (2, sharded.n_heads, 7, 7)):
+            try:
+                sharded(x, attn_mask=torch.ones(shape, dtype=torch.bool).tril())
+                out["per_head_mask"].append("taken")
+            except ValueError as err:
+                out["per_head_mask"].append(str(err))
         out |= {
             "decode": worst((a - b).abs().max().item()),
             "decode_vs_forward": worst((b - y_ref.detach()).abs().max().item()),

@@ -65,12 +65,13 @@ def check_step(
         raise ValueError(
             f"{owner}: attn_mask is not supported with a StaticKVCache (its own mask covers every slot)"
         )
-    if all_heads not in (None, n_heads) and attn_mask.ndim == 4 and attn_mask.shape[1] == all_heads:
-        # a mask per head of the whole layer: each rank's share of it is not known here
+    if all_heads not in (None, n_heads) and attn_mask.ndim >= 3 and attn_mask.shape[-3] != 1:
+        # masks per head: which of them are this rank's is not known here, and one of the rank's own count would
+        # mask other heads on each rank
         raise ValueError(
-            f"{owner}: attn_mask has a mask for each of the {all_heads} heads, but this module is sharded by "
-            f"apply_tp and computes {n_heads} of them on each rank: give one mask for every head, of shape "
-            "(B, 1, T_q, T_k)"
+            f"{owner}: attn_mask of shape {tuple(attn_mask.shape)} has a mask per head, but this module is sharded "
+            f"by apply_tp and computes {n_heads} of the layer's {all_heads} heads on each rank: give one mask for "
+            "every head, of shape (B, 1, T_q, T_k)"
         )
     check_mask(owner, attn_mask, (b, n_heads, t, (0 if cache is None else len(cache)) + t))
 
