@@ -143,7 +143,11 @@ def test_compare_measure_times_a_sliding_window_layer_over_its_window(tmp_path):
     result = runner.invoke(app, ["compare", "--model", str(path), "--seq-len", "512", "--hardware", "local",
                                  "--dtype", "fp32", "--json", "--measure"])  # fmt: skip
     assert result.exit_code == 0, result.stderr
-    mha = next(m for m in json.loads(result.stdout)["measured"] if m["variant"] == "mha")
+    measured = {m["variant"]: m for m in json.loads(result.stdout)["measured"]}
+    mha = measured["mha"]
+    # which layer was timed, over how many tokens (Gemma 2's half-and-half took the sliding one unsaid)
+    assert (mha["layer"], mha["tokens"]) == ("sliding window 64", 64)
+    assert (measured["mla"]["layer"], measured["mla"]["tokens"]) == ("latent", 512)
     # by hand: q, k, v, o of 256 x 256 (524,288 FLOPs, 1 MiB of fp32) and 4 heads of 64 over the window's 64 keys
     # (scores and values: 4 x 64 x 64 x 2 x 2 = 65,536 FLOPs; K and V: 2 x 4 x 64 x 64 x 4 = 131,072 bytes)
     assert (mha["flops"], mha["bytes"]) == (524_288 + 65_536, 2**20 + 131_072)

@@ -98,12 +98,13 @@ def compare_table(c: Comparison) -> Grid:
 def measure_table(timings: list[LayerTiming], hw_source: str) -> Grid:
     grid = Grid(
         f"one attention layer, one decode step, on this machine ({hw_source})",
-        ["variant", "FLOPs", "bytes", "predicted (local)", "measured", "measured / predicted"],
-        right=(1, 2, 3, 4, 5),
-    )
+        ["variant", "layer timed", "tokens", "FLOPs", "bytes", "predicted (local)", "measured",
+         "measured / predicted"],
+        right=(2, 3, 4, 5, 6, 7),
+    )  # fmt: skip
     for t in timings:
-        grid.add_row(t.label, _si(t.flops, ""), format_bytes(t.bytes), format_seconds(t.predicted_seconds),
-                     format_seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
+        grid.add_row(t.label, t.layer, f"{t.tokens:,}", _si(t.flops, ""), format_bytes(t.bytes),
+                     format_seconds(t.predicted_seconds), format_seconds(t.measured_seconds), f"{t.ratio:.2f}")  # fmt: skip
     return grid
 
 
@@ -215,8 +216,8 @@ def run_compare(
             doc["plot"] = str(plot)
         if measure:
             doc["measured"] = [
-                {"variant": t.label, "flops": t.flops, "bytes": t.bytes, "predicted_seconds": t.predicted_seconds,
-                 "measured_seconds": t.measured_seconds, "ratio": t.ratio}
+                {"variant": t.label, "layer": t.layer, "tokens": t.tokens, "flops": t.flops, "bytes": t.bytes,
+                 "predicted_seconds": t.predicted_seconds, "measured_seconds": t.measured_seconds, "ratio": t.ratio}
                 for t in timings
             ]  # fmt: skip
             doc["local_hardware"] = hw_source

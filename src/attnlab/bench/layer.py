@@ -30,6 +30,8 @@ class LayerTiming:
     bytes: int
     predicted_seconds: float
     measured_seconds: float
+    layer: str = "full attention"  # which of the model's layers was timed (timed_layer)
+    tokens: int = 0  # the cached tokens its decode step read
 
     @property
     def ratio(self) -> float:
@@ -48,6 +50,16 @@ def timed_layer(variant: Variant, seq_len: int) -> tuple[AttentionConfig | MLACo
     if window is None:
         return cfg, seq_len
     return cfg.replace(window=None), min(seq_len, window)
+
+
+def layer_kind(variant: Variant, seq_len: int) -> tuple[str, int]:
+    """What ``timed_layer`` times, in words ("sliding window 1024", "full attention", "latent"), and the tokens
+    its decode step reads."""
+    cfg = max(variant.model.layer_attentions, key=variant.model.layer_attentions.count)
+    _, tokens = timed_layer(variant, seq_len)
+    if isinstance(cfg, MLAConfig):
+        return "latent", tokens
+    return ("full attention" if cfg.window is None else f"sliding window {cfg.window}"), tokens
 
 
 def predict_layer(
@@ -128,5 +140,5 @@ def measure_variants(
         if progress is not None:
             progress(v.label)
         measured = _time_step(v, batch, seq_len, TORCH_DTYPES[dtype], min_seconds)
-        out.append(LayerTiming(v.label, flops, nbytes, predicted, measured))
+        out.append(LayerTiming(v.label, flops, nbytes, predicted, measured, *layer_kind(v, seq_len)))
     return hw, out
