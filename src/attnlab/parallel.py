@@ -307,10 +307,8 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         return parallelize_module(module, mesh, {"": _replicated_block_input()} | attention_plan(module, tp))
     kv_views: dict[int, DeviceMesh] = {}  # one (kv, rep) view of the mesh for all layers
     for layer in module.layers:
-        plan = attention_plan(layer.attention, tp, "attention.", kv_views) | mlp_plan(
-            layer.feed_forward, "feed_forward."
-        )
-        parallelize_module(layer, mesh, plan)
+        plan = attention_plan(layer.attention, tp, "attention.", kv_views)
+        parallelize_module(layer, mesh, plan | mlp_plan(layer.feed_forward, "feed_forward."))
     if not module.cfg.tie_embeddings:  # a tied table is one tensor: it cannot be split two ways
         parallelize_module(
             module,

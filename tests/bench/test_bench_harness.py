@@ -176,10 +176,8 @@ def test_a_baseline_that_computes_something_else_stops_the_row(monkeypatch):
 @pytest.mark.parametrize(
     ("dtype", "wrong"),
     [
-        (
-            "bf16",
-            {"fused": "zeros"},
-        ),  # outputs of ~0.02 at 4096 tokens: zeros were within bfloat16's absolute 0.1
+        # outputs of ~0.02 at 4096 tokens: zeros were within bfloat16's absolute 0.1
+        ("bf16", {"fused": "zeros"}),
         ("fp32", {"fused": "drop a key"}),  # 1e-3 absolute let one key of 16384 go
         ("fp32", {"grouped": "plus 7"}),  # a baseline's output was timed and never compared
         ("bf16", {"sdpa": "zeros"}),

@@ -141,9 +141,8 @@ def test_a_launched_uptrain_that_fails_reports_attnlabs_line_not_the_launchers(f
     saved = json.loads(
         next(Path(uptrained["checkpoint"]).parent.glob("uptrain_gqa-2_mean_2-*.json")).read_text()
     )
-    launcher = (
-        tmp_path / "launcher.py"
-    )  # runs the command, then ends its stderr with a banner, as torchrun does
+    # runs the command, then ends its stderr with a banner, as torchrun does
+    launcher = tmp_path / "launcher.py"
     launcher.write_text(
         "import subprocess, sys\n"
         "proc = subprocess.run([sys.executable, *sys.argv[1:]], capture_output=True, text=True)\n"

@@ -39,13 +39,18 @@ class LayerTiming:
         return self.measured_seconds / self.predicted_seconds
 
 
+def _common_layer(variant: Variant) -> AttentionConfig | MLAConfig:
+    """The attention most of ``variant``'s layers have (ties: the first)."""
+    kinds = variant.model.layer_attentions
+    return max(kinds, key=kinds.count)
+
+
 def timed_layer(variant: Variant, seq_len: int) -> tuple[AttentionConfig | MLAConfig, int]:
     """The layer timed for ``variant``: the attention most of its layers have (ties: the first), and the tokens a
     decode step of it reads. A sliding-window layer reads at most its window, and is timed and priced as a layer
     without one over that many (its ring cannot be cropped back after each timed step); Mistral's layers were
     timed and priced as full attention over every token."""
-    kinds = variant.model.layer_attentions
-    cfg = max(kinds, key=kinds.count)
+    cfg = _common_layer(variant)
     window = getattr(cfg, "window", None)
     if window is None:
         return cfg, seq_len
@@ -55,7 +60,7 @@ def timed_layer(variant: Variant, seq_len: int) -> tuple[AttentionConfig | MLACo
 def layer_kind(variant: Variant, seq_len: int) -> tuple[str, int]:
     """What ``timed_layer`` times, in words ("sliding window 1024", "full attention", "latent"), and the tokens
     its decode step reads."""
-    cfg = max(variant.model.layer_attentions, key=variant.model.layer_attentions.count)
+    cfg = _common_layer(variant)
     _, tokens = timed_layer(variant, seq_len)
     if isinstance(cfg, MLAConfig):
         return "latent", tokens

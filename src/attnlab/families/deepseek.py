@@ -85,10 +85,6 @@ def _absent(f: Fields, key: str, fallback: Any = _MISSING) -> Any:
     return _ABSENT.get(f.model_type, {}).get(key, fallback)
 
 
-def _first_dense(f: Fields) -> int:
-    return f.int("first_k_dense_replace", _absent(f, "first_k_dense_replace", 0), minimum=0)
-
-
 def read(f: Fields) -> ModelConfig:
     """DeepSeek-V2/V3: MLA (``kv_lora_rank``, ``q_lora_rank``, rope/nope/v head dims) and DeepSeekMoE."""
     d = f.int("hidden_size")
@@ -114,7 +110,7 @@ def read(f: Fields) -> ModelConfig:
         n_experts = f.opt_int("n_routed_experts", minimum=0)
     else:
         n_experts = _absent(f, "n_routed_experts", None)
-    first_dense = _first_dense(f)
+    first_dense = f.int("first_k_dense_replace", _absent(f, "first_k_dense_replace", 0), minimum=0)
     if n_experts == 0 and first_dense < n_layers:
         f.fail(
             f"n_routed_experts=0 with first_k_dense_replace={first_dense} of num_hidden_layers={n_layers}: "

@@ -205,9 +205,8 @@ def check_against(opts: SweepOptions, cfg: ModelConfig, device: str = "cpu") -> 
         context = max(1, min(opts.context, cfg.max_seq_len - timing["steps"]))
         need = kv_cache_bytes(cfg, opts.batch, context + timing["steps"], "fp32")
         need += 4 * opts.batch * context * (cfg.attention.d_model + cfg.ffn_dim)
-        lower = (
-            "--batch" if context < opts.context else "--batch or --context"
-        )  # past the cap --context is moot
+        # past the cap, a lower --context changes nothing
+        lower = "--batch" if context < opts.context else "--batch or --context"
         check_fits(need, f"--batch {opts.batch} x {context} tokens (the decode timing's prefill and cache; "
                    f"--context {opts.context}, at most the source's positions less the timed steps)",
                    f"lower {lower}")  # fmt: skip
