@@ -187,6 +187,9 @@ class _FusedPlan:
         # the kernel is for CPUs: on a GPU no plan is made or checked, every block, every step
         if x.device.type != "cpu" or x.ndim != 3 or x.shape[1] != 1 or x.shape[0] == 0:
             return None
+        # the kernel computes in the block's dtype; under autocast the modules' ops cast as it says
+        if torch.is_autocast_enabled("cpu"):
+            return None
         plan = _PLANS.get(block)
         if plan is None or not plan.current():
             plan = _PLANS[block] = _FusedPlan(block)

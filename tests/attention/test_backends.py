@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -166,6 +167,24 @@ def test_rows_lengths_are_refused_where_they_do_not_apply():
         kernels.attend(q, k, k, lengths=n.float())
     with pytest.raises(ValueError, match=r"must be \(2,\)"):
         kernels.attend(q, k, k, lengths=torch.tensor([3]))
+
+
+@pytest.mark.parametrize("backend", ["auto", "grouped", "sdpa", "reference"])
+@pytest.mark.parametrize("bad", [[7, 3], [-1, 3]])
+def test_rows_lengths_outside_the_buffers_are_refused_by_every_backend(backend, bad):
+    # only the lengths kernel refused them: a masked backend attended every slot for 7, none for -1
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 5, 8)
+    with pytest.raises(
+        ValueError, match=rf"lengths\[0\] is {bad[0]}, outside 0 \.\. 5|row 0 has length {bad[0]}"
+    ):
+        kernels.attend(q, k, k, lengths=torch.tensor(bad), backend=backend)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, "0.5", True])
+def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        kernels.attend(q, k, k, scale=scale)
 
 
 def test_an_unknown_backend_is_named():

@@ -86,6 +86,52 @@ def test_flops_are_the_same_with_and_without_gradients_and_equal_the_cost_model(
 
 
 @pytest.mark.parametrize("window", [None, 3])
+def test_a_static_cache_step_counts_the_same_with_and_without_gradients(window):
+    """With gradients the step runs a masked PyTorch kernel, which computed (and counted) every slot of the buffers:
+    254,976 FLOPs without gradients, 270,336 with, for 6 tokens in 16 slots. It reads the slots the rows attend."""
+    cfg = LAYERS["gqa"].replace(window=window)
+    module = _module(cfg)
+    step = torch.randn(2, 1, cfg.d_model)
+    totals, outputs = {}, {}
+    for grad in (False, True):
+        cache = module.new_cache(2, 16, static=True)
+        with torch.no_grad():
+            module(torch.randn(2, 5, cfg.d_model, generator=torch.Generator().manual_seed(3)), cache=cache)
+        with torch.set_grad_enabled(grad), count_flops() as fc:
+            outputs[grad] = module(step, cache=cache)
+        totals[grad] = fc.total
+        assert ("attnlab.static_decode" in fc.by_op) == (not grad), fc.by_op
+    assert totals[False] == totals[True] == attention_flops(cfg, 2, 1, 6).total, totals
+    torch.testing.assert_close(outputs[True].detach(), outputs[False], rtol=1e-4, atol=1e-5)
+
+
+def test_under_autocast_a_decode_step_computes_in_autocasts_dtype_at_any_row_count():
+    """The few-row linear operator and the block step computed in the weights' dtype under autocast, where
+    nn.Linear computes in autocast's: a float32 model's projections gave float32 for up to 8 rows, bfloat16 for more,
+    and a decode step into a bfloat16 cache failed ("k has dtype torch.float32")."""
+    from attnlab.attention.linear import Linear
+
+    layer = Linear(32, 16)
+    plain = torch.nn.Linear(32, 16)
+    plain.load_state_dict(layer.state_dict())
+    torch.manual_seed(0)
+    model = Transformer(MODEL).eval()
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 7))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for rows in (1, 8, 20):
+            x = torch.randn(rows, 32)
+            assert layer(x).dtype == plain(x).dtype == torch.bfloat16, rows
+            torch.testing.assert_close(layer(x), plain(x), rtol=0, atol=0)
+        caches = model.new_caches(2, 16, dtype=torch.bfloat16)
+        prefill = model(tokens[:, :6], caches=caches)
+        step = model(tokens[:, 6:], caches=caches)
+        whole = model(tokens)
+    torch.testing.assert_close(step[:, -1], whole[:, -1], rtol=0.05, atol=0.05)
+    assert prefill.dtype == step.dtype
+
+
+@pytest.mark.parametrize("window", [None, 3])
 def test_a_static_cache_step_counts_the_keys_each_row_reads(window):
     """The kernel reads each row of a static cache's buffers to its length (its window's last keys); the count was
     every slot of the buffers: 25x the keys read at 10 tokens of a 4096-slot cache."""
@@ -318,6 +364,49 @@ def test_bad_operands_are_refused_by_name():
     paged[3] = [8, 0, 22, 0]  # a slot whose block runs past the pool
     with pytest.raises(ValueError, match="outside the pool"):
         OPS.paged_decode(*paged)
+
+
+def test_table_entries_near_the_integer_limit_are_refused_not_read_past_the_pool():
+    # slot + used and width * block wrapped past 2^63: a slot of 2^63 - 1 read outside the pool and returned what it
+    # found there
+    paged = list(_paged_operands())
+    for slot in (2**63 - 1, 2**63 - 5):
+        paged[3] = [slot, 0, 16, 0]
+        with pytest.raises(ValueError, match="outside the pool"):
+            OPS.paged_decode(*paged)
+    paged = list(_paged_operands())
+    paged[4], paged[6] = 2**62, [2**63 - 1, 3]  # 2 pages of 2^62: the message said "of -9223372036854775808"
+    with pytest.raises(ValueError, match=r"slot 8 \(4611686018427387904 tokens\) outside the pool of 24"):
+        OPS.paged_decode(*paged)
+    paged[3] = [8, 16]  # 1 page a row
+    with pytest.raises(ValueError, match=r"row 0 attends to tokens 1 \.\. 9223372036854775807 of 1 pages of"):
+        OPS.paged_decode(*paged)
+
+
+@pytest.mark.parametrize(
+    "case", ["decode", "mla_decode", "static_decode", "paged_decode", "linear", "block_step"]
+)
+def test_an_operator_called_to_record_gradients_is_refused_naming_the_operand(case):
+    """The kernels have no backward: the call gave outputs with a grad_fn and gradients of None after backward (a
+    warning only then). With gradients off, or on operands that need none, the call runs."""
+    args = list(_operands()[case])
+    position = 1 if case == "linear" else 0  # linear's weights (a list), else the first operand
+    original = args[position]
+    if case == "linear":
+        args[1] = [original[0].requires_grad_(), original[1]]
+    else:
+        args[0] = original.clone().requires_grad_()
+    name = (
+        OPS.linear.default._schema.arguments[1].name
+        if case == "linear"
+        else "x"
+        if case == "block_step"
+        else "q"
+    )
+    with pytest.raises(ValueError, match=f"attnlab.{case}: {name} requires grad"):
+        getattr(OPS, case)(*args)
+    with torch.no_grad():
+        assert not getattr(OPS, case)(*args).requires_grad
 
 
 ZERO_CASES = {

@@ -398,6 +398,7 @@ def define(namespace: str = _NAMESPACE) -> None:
         # amx and signatures take no tensor: the build registers them for every key
         if name not in ("amx", "signatures"):
             library.impl(name, _unbuilt(namespace, name), "CompositeExplicitAutograd")
+            library.impl(name, _no_backward(namespace, name), "Autograd")
     _register(namespace, library)
     _LIBRARIES[namespace] = library
 
@@ -428,6 +429,28 @@ def _unbuilt(namespace: str, name: str):
             return getattr(getattr(torch.ops, namespace), name).default(*args)
         why = status() if namespace == _NAMESPACE else "this namespace's build (load_library) is not loaded"
         raise RuntimeError(f"torch.ops.{namespace}.{name}: the C++ kernels are not available: {why}")
+
+    return kernel
+
+
+def _no_backward(namespace: str, name: str):
+    """The kernel of ``torch.ops.<namespace>.<name>`` on the Autograd key. The kernels have no backward: a call that
+    would record one is refused, naming the operand (PyTorch's fallback gave outputs whose gradients were silently
+    None, with a warning only at ``backward``). Any other call goes on to the kernel below."""
+
+    def kernel(*args):
+        if torch.is_grad_enabled():
+            op = getattr(getattr(torch.ops, namespace), name).default
+            for argument, value in zip(op._schema.arguments, args, strict=False):
+                values = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(t, torch.Tensor) and t.requires_grad for t in values):
+                    raise ValueError(
+                        f"torch.ops.{namespace}.{name}: {argument.name} requires grad, and the attnlab kernels have "
+                        "no backward; call it under torch.no_grad() (attnlab.attention.attend sends calls that "
+                        "need gradients to a backend that has one)"
+                    )
+        with torch._C._AutoDispatchBelowAutograd():
+            return getattr(getattr(torch.ops, namespace), name).default(*args)
 
     return kernel
 
@@ -710,13 +733,14 @@ LINEAR_MAX_ROWS = 8
 
 def linear_supports(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes these operands: a CPU float32/bfloat16 input of 1 to ``LINEAR_MAX_ROWS`` rows,
-    weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient; and the kernel
-    built."""
+    weights and biases (None: no bias) of its dtype, plain tensors or parameters, no gradient, no autocast (the
+    kernel computes in its operands' dtype, ``nn.Linear`` in autocast's); and the kernel built."""
     if (
         x.device.type != "cpu"
         or x.dtype not in _DTYPES
         or x.numel() > LINEAR_MAX_ROWS * x.shape[-1]
         or x.numel() == 0
+        or torch.is_autocast_enabled("cpu")
     ):
         return False  # the device first: on a GPU every linear layer of every step asks
     return _plain_operands((x, *params), (x.dtype,)) and available()

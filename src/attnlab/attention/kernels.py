@@ -117,13 +117,24 @@ def attend(
         raise TypeError(f"attend: is_causal must be True or False, got {is_causal!r}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"attend: scale must be a finite number, got {scale!r}")
     if lengths is not None:
         _check_lengths(q, k, attn_mask, is_causal, lengths)
         call = call_of(q, k, v, None, dropout_p, softcap)._replace(lengths=True)
         chosen = choose(call, backend).backend
         if chosen.lengths:  # type: ignore[union-attr]
             return chosen.run(q, k, v, None, False, scale, dropout_p, window, softcap, lengths=lengths)  # type: ignore[union-attr]
-        attn_mask, window = length_mask(lengths, k.shape[2], window), None
+        offset = 0
+        if _may_sync(q):
+            _check_length_range(lengths, k.shape[2])
+            # The slots some row attends, not the whole buffer: what the lengths kernel reads, and so what a FLOP
+            # counter counts, with or without gradients (rows of one length).
+            hi = int(lengths.max())
+            lo = 0 if window is None else max(0, int(lengths.min()) - window)
+            if hi > lo:
+                offset, k, v = lo, k[:, :, lo:hi], v[:, :, lo:hi]
+        attn_mask = length_mask(lengths - offset, k.shape[2], window)
         return chosen.run(q, k, v, attn_mask, False, scale, dropout_p, None, softcap)  # type: ignore[union-attr]
     t_q = q.shape[2]
     if window is not None and not paged and k.shape[2] > window:
@@ -496,6 +507,19 @@ def _check_lengths(
         raise ValueError(
             f"attend: lengths must be ({q.shape[0]},) on {q.device} (one per batch row), got "
             f"{tuple(lengths.shape)} on {lengths.device}"
+        )
+
+
+def _check_length_range(lengths: torch.Tensor, slots: int) -> None:
+    """What the lengths kernel refuses, refused by the masked path too (a length past the buffer attended every
+    slot, a negative one none); called where reading the lengths costs no host sync."""
+    if not lengths.numel():
+        return
+    low, high = lengths.aminmax()
+    if low < 0 or high > slots:
+        row = int(((lengths < 0) | (lengths > slots)).nonzero()[0, 0])
+        raise ValueError(
+            f"attend: lengths[{row}] is {int(lengths[row])}, outside 0 .. {slots} (the buffer's slots)"
         )
 
 

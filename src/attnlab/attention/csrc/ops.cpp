@@ -244,11 +244,14 @@ void paged_decode(StableIValue* stack, uint64_t, uint64_t) {
                     first.size(), ", ", lengths.size(), " and ", table.size(), " with block ", block);
   const int64_t width = static_cast<int64_t>(table.size()) / B, slots = k.size(1);
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(0 <= first[b] && first[b] <= lengths[b] && lengths[b] <= width * block, "attnlab: row ", b,
-                      " attends to tokens ", first[b], " .. ", lengths[b], " of ", width * block, " in its table");
-    for (int64_t j = 0; j * block < lengths[b]; ++j) {  // the pages the row reads, its last one in part
+    // pages counted by division, slots compared by subtraction: no product or sum of table entries may overflow
+    const int64_t pages = lengths[b] / block + (lengths[b] % block != 0);
+    TORCH_CHECK_VALUE(0 <= first[b] && first[b] <= lengths[b] && pages <= width, "attnlab: row ", b,
+                      " attends to tokens ", first[b], " .. ", lengths[b], " of ", width, " pages of ", block,
+                      " in its table");
+    for (int64_t j = 0; j < pages; ++j) {  // the pages the row reads, its last one in part
       const int64_t slot = table[b * width + j], used = std::min(block, lengths[b] - j * block);
-      TORCH_CHECK_VALUE(0 <= slot && slot + used <= slots, "attnlab: row ", b, "'s table slot ", slot, " (", used,
+      TORCH_CHECK_VALUE(0 <= slot && slot <= slots - used, "attnlab: row ", b, "'s table slot ", slot, " (", used,
                         " tokens) outside the pool of ", slots);
     }
   }
