@@ -172,8 +172,9 @@ def test_overwrite_never_replaces_what_attnlab_did_not_write(tmp_path, kind):
 def test_claim_dir_creates_marks_empties_only_its_own(tmp_path, monkeypatch):
     run = atomic.claim_dir(tmp_path / "a" / "run", "run", what="--run-dir")
     assert atomic.marker_kind(run) == "run"
-    (run / "step").mkdir()
-    assert atomic.claim_dir(run, "run") == run and (run / "step").exists()  # kept unless fresh
+    with atomic_dir(run / "step-00000001") as tmp:
+        (tmp / "model.safetensors").write_text("w")
+    assert atomic.claim_dir(run, "run") == run and (run / "step-00000001").exists()  # kept unless fresh
     atomic.claim_dir(run, "run", fresh=True)
     assert [p.name for p in run.iterdir()] == [atomic.MARKER]
     mine = tmp_path / "mine"
@@ -294,7 +295,7 @@ def test_a_deletion_cut_short_leaves_nothing_in_place_and_the_next_write_removes
     then reported it as kept, and cached the failure of the jobs that read it)."""
     run = tmp_path / "run"
     claim_dir(run, "run")
-    for step in ("step-1", "step-2"):
+    for step in ("step-00000001", "step-00000002"):
         claim_dir(run / step, "checkpoint")
         for i in range(3):
             (run / step / f"shard-{i}").write_text("x" * 100)
@@ -464,6 +465,36 @@ def test_what_a_user_added_to_an_attnlab_directory_is_neither_replaced_nor_delet
     assert (dst / "model.safetensors").read_text() == "w2"
     atomic.remove_owned(dst, "checkpoint")
     assert not dst.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_run_directory_answers_for_what_a_user_put_beside_its_checkpoints(tmp_path):
+    """An uptrain run directory's marker lists no files (it grows over the run): only its checkpoints' additions
+    were seen, so starting a run over (``fresh``, as ``--overwrite`` does) and the finished run's removal deleted a
+    user's notes, folders and hidden files beside them, and a folder named like a checkpoint without a marker."""
+    run = atomic.claim_dir(tmp_path / "run", "run")
+    (run / "log.jsonl").write_text("{}\n")
+    with atomic_dir(run / "step-00000003") as tmp:
+        (tmp / "model.safetensors").write_text("w")
+    (run / ".step-00000003.lock").write_text("pid 1: attnlab")
+    (run / ".step-00000006.tmp-99999999-0a1b2c3d").mkdir()  # a checkpoint a kill cut short
+    assert atomic.foreign(run) == []
+    atomic.claim_dir(run, "run", fresh=True)  # what attnlab wrote is emptied
+    assert sorted(p.name for p in run.iterdir()) == [atomic.MARKER]
+    (run / "log.jsonl").write_text("{}\n")
+    (run / "NOTES.txt").write_text("mine")
+    (run / ".hidden").write_text("mine")
+    (run / "mystuff").mkdir()
+    (run / "mystuff" / "eval.txt").write_text("mine")
+    (run / "step-00000002").mkdir()  # no marker: the user's
+    before = {p.relative_to(run).as_posix() for p in run.rglob("*")}
+    says = r"holds what attnlab did not write there \(.hidden, NOTES.txt, mystuff and 1 more\)"
+    with pytest.raises(FileExistsError, match=says):
+        atomic.claim_dir(run, "run", fresh=True)
+    with pytest.raises(FileExistsError, match=says):
+        atomic.check_claim(run, "run", fresh=True)
+    assert not atomic.remove_or_keep(run, "run")
+    assert {p.relative_to(run).as_posix() for p in run.rglob("*")} == before
+    assert atomic.claim_dir(run, "run") == run  # continued (--resume): nothing is emptied, nothing refused
 
 
 def test_a_user_file_added_while_attnlab_writes_is_kept(tmp_path):

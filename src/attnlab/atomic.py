@@ -122,10 +122,20 @@ def listing(directory: PathLike) -> list[str]:
     return sorted(name for name in found if name != MARKER)
 
 
+# The names a directory that grows over a run (``claim_dir``: its marker lists no files) writes at its top level,
+# by kind: an uptrain run's log, its checkpoints (which list their own files), and their locks and temporaries.
+# Anything else in it is a user's. (Sweep and cache directories are never emptied or deleted whole.)
+_GROWN = {
+    "run": re.compile(r"log\.jsonl|step-\d{8}|\.step-\d{8}\.(lock|(tmp|old|del)-\d+-[0-9a-f]+)"),
+}
+
+
 def foreign(directory: PathLike) -> list[str]:
-    """What an attnlab directory written whole holds that attnlab did not write there (a user's notes added
-    later), by its marker's list. A directory whose marker lists nothing (written over a run, or before the list
-    was kept) answers for the attnlab directories in it that list theirs (a run's checkpoints)."""
+    """What an attnlab directory holds that attnlab did not write there (a user's notes added later): for one
+    written whole, by its marker's list; for one grown over a run, what its kind does not write (``_GROWN``: a
+    checkpoint-named folder without attnlab's marker is a user's too). Either answers for the attnlab directories
+    in it that list theirs (a run's checkpoints). A directory whose marker lists nothing and whose kind grows
+    nothing (written before the list was kept) answers for those alone."""
     root = Path(directory)
     try:
         info = json.loads((root / MARKER).read_text(encoding="utf-8"))
@@ -135,8 +145,22 @@ def foreign(directory: PathLike) -> list[str]:
     if isinstance(files, list):
         written = set(files)
         return [name for name in listing(root) if name not in written]
-    inside = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and marker_kind(p))
-    return [f"{sub.name}/{name}" for sub in inside for name in foreign(sub)]
+    grown = _GROWN.get(info.get("kind") if isinstance(info, dict) else None)
+    found = []
+    for entry in sorted(root.iterdir()):
+        if entry.name == MARKER:
+            continue
+        ours = entry.is_dir() and not entry.is_symlink() and marker_kind(entry) is not None
+        written = (
+            grown is not None and grown.fullmatch(entry.name) and (ours or not entry.name.startswith("step-"))
+        )
+        if grown is not None and not written:
+            found.append(entry.name)
+            if entry.is_dir() and not entry.is_symlink():
+                found += [f"{entry.name}/{name}" for name in listing(entry)]
+        elif ours:
+            found += [f"{entry.name}/{name}" for name in foreign(entry)]
+    return found
 
 
 def _check_foreign(path: Path, shown: str, what: str) -> None:
@@ -698,10 +722,16 @@ def atomic_dir(
 
 
 def check_claim(
-    path: PathLike, kind: str, *, sources: Iterable[PathLike | None] = (), what: str = "directory"
+    path: PathLike,
+    kind: str,
+    *,
+    sources: Iterable[PathLike | None] = (),
+    fresh: bool = False,
+    what: str = "directory",
 ) -> Path:
     """The checks of ``claim_dir``, which writes nothing: ``path`` is not an input, and if it exists it is an
-    attnlab directory of ``kind`` (else ``FileExistsError``: the user's directory is never used)."""
+    attnlab directory of ``kind`` (else ``FileExistsError``: the user's directory is never used), which, to be
+    emptied (``fresh``), holds nothing a user added."""
     shown = str(path)
     path = _absolute(path)
     check_inputs(path, sources, shown, what)
@@ -710,6 +740,8 @@ def check_claim(
         if found != kind:
             raise FileExistsError(_not_ours(shown, what, kind, found, path))
         _check_replaceable(path, shown, what)  # it will be emptied or deleted at some point
+        if fresh:
+            _check_foreign(path, shown, what)
     return path
 
 
@@ -722,9 +754,10 @@ def claim_dir(
     what: str = "directory",
 ) -> Path:
     """A working directory attnlab keeps across a run (e.g. checkpoints): created with the marker of ``kind`` when
-    missing; an existing one must carry that marker (``check_claim``). ``fresh`` empties it."""
+    missing; an existing one must carry that marker (``check_claim``). ``fresh`` empties it, unless it holds what a
+    user added (``FileExistsError`` naming it: nothing is deleted)."""
     shown = str(path)
-    path = check_claim(path, kind, sources=sources, what=what)
+    path = check_claim(path, kind, sources=sources, fresh=fresh, what=what)
     if path.exists():
         if fresh:
             for entry in path.iterdir():

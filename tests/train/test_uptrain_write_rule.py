@@ -65,6 +65,25 @@ def test_an_existing_run_dir_of_the_user_is_never_emptied(work):
     assert again.exit_code == 2 and tree(work) == before  # --overwrite does not make it attnlab's
 
 
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume", None])
+def test_a_run_started_over_refuses_to_empty_a_run_dir_holding_a_users_files(work, flag):
+    """A run that starts over empties its run directory (left by a killed run): it deleted the notes and folders
+    a user had added there, with exit 0 and no word."""
+    from attnlab.atomic import claim_dir
+
+    run = claim_dir(work / "up.run", "run")
+    (run / "log.jsonl").write_text("")
+    (run / "NOTES.txt").write_text("mine")
+    (run / "results").mkdir()
+    (run / "results" / "r.txt").write_text("mine")
+    before = tree(work)
+    result = run_cli("uptrain", "gqa2", "up", "--data", "corpus", *([flag] if flag else []), *FAST)
+    one_line_error(
+        result, "the run directory up.run holds what attnlab did not write there (NOTES.txt, results)"
+    )
+    assert tree(work) == before and not (work / "up").exists()
+
+
 def test_a_run_dir_holding_the_inputs_is_refused(work):
     before = tree(work)
     result = run_cli("uptrain", "gqa2", "up", "--data", "corpus", "--run-dir", ".", *FAST)

@@ -273,6 +273,8 @@ def _claim(
                 f"{opts.run_path} holds checkpoints of an interrupted run (newest {found[-1].name}): pass --resume to "
                 "continue it or --overwrite to start over"
             )
+        # started over: the run directory is emptied, which a file a user added there stops now, before loading
+        atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), fresh=True, what=_run_name(opts))
         return None
 
     value = distributed.on_main(decide, env)
