@@ -217,6 +217,32 @@ def test_pretraining_tp_is_read_as_the_model_it_sliced(tmp_path):
     assert json.loads((tmp_path / "dst" / "config.json").read_text())["pretraining_tp"] == 2
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        YARN_ROPE,
+        LLAMA3_ROPE,
+        {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"},
+        dict(
+            rope_type="longrope",
+            short_factor=[1.0] * 16,
+            long_factor=[1.0 + i / 4 for i in range(16)],
+            rope_theta=1e4,
+        ),
+    ],
+    ids=["yarn", "llama3", "llama3 top-level only", "longrope"],
+)
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(tmp_path, rope):
+    """transformers 5 takes a top-level original_max_position_embeddings over one inside the RoPE parameters for
+    llama3, yarn and longrope. attnlab read the inner one (or max_position_embeddings): logits differed from the
+    second position on, and llama3 with the top-level field alone was refused."""
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL, head_dim=32, rope_parameters=rope,
+                max_position_embeddings=64, initializer_range=0.25)  # fmt: skip
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"original_max_position_embeddings": 8}))
+    check_logits(src, n=40)
+
+
 def _tokenizer(path):
     """A word-level tokenizer whose tokens are the numbers the calibration text holds."""
     from tokenizers import Tokenizer

@@ -128,6 +128,15 @@ class Fields:
             self.fail(
                 f"rope_type={kind!r} is not supported (attnlab computes {', '.join(('default', *known))})"
             )
+        if (
+            kind in ("llama3", "yarn", "longrope")
+            and self.raw.get("original_max_position_embeddings") is not None
+        ):
+            # a top-level value wins over one inside the parameters (transformers 5's standardize_rope_params): it
+            # was read from inside them alone, and every position past the first differed from transformers'
+            params = params | {
+                "original_max_position_embeddings": self.int("original_max_position_embeddings")
+            }
         # what transformers' ROPE_INIT_FUNCTIONS read without a default (JSON: longrope's factors are lists)
         problem = rope_parameter_problem(kind, params, list)
         if problem:
