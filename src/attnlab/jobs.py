@@ -34,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 from .atomic import claim_dir, write_json
 from .console import Progress
@@ -104,12 +105,24 @@ def _order(jobs: list[Job]) -> list[Job]:
     return order
 
 
-def job_keys(jobs: list[Job]) -> dict[str, str]:
-    """Each job's key: a hash of its function, its args and its dependencies' keys."""
+def job_keys(jobs: list[Job], root: Path | None = None) -> dict[str, str]:
+    """Each job's key: a hash of its function, its args and its dependencies' keys. Paths inside ``root`` (the
+    cache: the sweep's copies of its text, named by their content) are hashed relative to it, so that a cache
+    moved or copied elsewhere (a sweep's --out) keeps its keys: every job ran again."""
+
+    def portable(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: portable(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [portable(v) for v in value]
+        if root is not None and isinstance(value, str) and value.startswith(f"{root}{os.sep}"):
+            return "<cache>" + value[len(str(root)) :]
+        return value
+
     keys: dict[str, str] = {}
     for job in _order(jobs):
         text = json.dumps(
-            {"fn": _fn_name(job.fn), "args": job.args, "deps": {d: keys[d] for d in job.deps}},
+            {"fn": _fn_name(job.fn), "args": portable(job.args), "deps": {d: keys[d] for d in job.deps}},
             sort_keys=True,
             default=str,
         )
@@ -167,8 +180,8 @@ def run_jobs(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--jobs must be an int >= 1, got {workers!r}")
     order = _order(jobs)
-    keys = job_keys(order)
     root = claim_dir(root, "cache", what="job cache")
+    keys = job_keys(order, root)
     stem = {j.name: root / f"{_slug(j.name)}-{keys[j.name]}" for j in order}
     outs = {j.name: stem[j.name] if j.output else None for j in order}
 

@@ -78,6 +78,19 @@ def test_a_finished_job_is_not_rerun_and_a_changed_input_reruns_exactly_its_depe
     assert [n for n in "abcd" if keys[n] != changed[n]] == ["b", "c"]
 
 
+def test_paths_inside_the_cache_are_keyed_relative_to_it(tmp_path):
+    inside, outside = str(tmp_path / "cache" / "text-1"), str(tmp_path / "elsewhere")
+    moved = str(tmp_path / "moved" / "text-1")
+
+    def jobs(text, other=outside):
+        return [Job("a", record, {"id": "a", "log": "", "value": 1, "text": text, "other": [other]})]
+
+    here = job_keys(jobs(inside), tmp_path / "cache")
+    assert here == job_keys(jobs(moved), tmp_path / "moved")
+    assert here != job_keys(jobs(inside), tmp_path / "other")  # not inside: the path itself
+    assert here != job_keys(jobs(inside, outside + "2"), tmp_path / "cache")  # other paths as they are
+
+
 def test_a_new_job_runs_alone_and_a_deleted_output_is_made_again_only_when_needed(tmp_path):
     log, root = tmp_path / "log", tmp_path / "cache"
     outcomes = run_jobs(graph(log), root, progress=False)

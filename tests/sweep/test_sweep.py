@@ -522,6 +522,31 @@ def test_the_same_text_from_another_place_is_read_from_there(tmp_path):
     assert not list((tmp_path / "cache").glob(".*"))  # no temporary or replaced folder left
 
 
+def test_a_copied_out_reuses_its_cache_and_edited_text_reruns_only_what_reads_it(tiny, tmp_path):
+    """Job keys hashed the absolute paths of the sweep's copies of its text: a copied or moved --out ran every job
+    again. And every conversion's args held the calibration file's path, named by the text's fingerprint: editing
+    the text ran the mean conversion, which never reads it, and the variant's timing, which depends on it."""
+    import shutil
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny["corpus"], corpus)
+    args = [str(tiny["src"]), "--data", str(corpus), *FAST, "--variants", "gqa:2", "--json"]
+
+    def run(out):
+        result = runner.invoke(app, ["sweep", *args, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["jobs"]
+
+    assert run(tmp_path / "a")["run"] > 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    shutil.move(tmp_path / "a", tmp_path / "c")
+    for out in ("b", "c"):
+        assert run(tmp_path / out)["computed"] == [], out
+    hamlet = corpus / "hamlet.txt"
+    hamlet.write_text(hamlet.read_text().replace("the", "thee", 1))
+    assert run(tmp_path / "b")["computed"] == ["eval/gqa-2/mean", "eval/source", "uptrain/gqa-2/mean/2"]
+
+
 def test_a_second_sweep_of_the_same_source_without_out_is_refused(tiny, tmp_path, monkeypatch):
     """Without --out, sweeps of one source share attnlab's job cache: a second one exits 2 naming the first, where
     it once ran, lost a job to the first's lock and exited 0 with that row's error."""

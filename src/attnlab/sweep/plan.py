@@ -501,8 +501,12 @@ def plan_jobs(
         speed = "speed" if together else f"speed/{v.name}"
         for m in methods_of(v, opts.methods):
             conv = f"convert/{v.name}/{m}"
-            args = {"src": src, "src_id": src_id, "kind": v.kind, "method": m, "calib": str(data["calib"]),
-                    "data_id": data["fingerprint"] if m in (*DATA_AWARE, "calib") else None}  # fmt: skip
+            # the text only where the method reads it: a mean conversion (and the variant's timing, which
+            # depends on it) ran again when the text changed
+            reads = m in (*DATA_AWARE, "calib")
+            args = {"src": src, "src_id": src_id, "kind": v.kind, "method": m,
+                    "calib": str(data["calib"]) if reads else None,
+                    "data_id": data["fingerprint"] if reads else None}  # fmt: skip
             if v.kind == "mla":
                 args |= {"kv_lora_rank": v.kv_lora_rank, "rope_dim": v.rope_dim, **device_args(opts)}
             else:  # only the fit methods run the model
