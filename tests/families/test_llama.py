@@ -194,6 +194,24 @@ def test_missing_kv_heads_and_positions_mean_what_transformers_defaults_to(confi
             {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention"]},
             "src/config.json: layer_types must list num_hidden_layers=2 of full_attention, sliding_attention",
         ),
+        # named ModelConfig.norm_eps and AttentionConfig.rope_theta, or "llama config.json" without the file
+        ("llama", {"rms_norm_eps": -1}, "src/config.json: field 'rms_norm_eps' must be >= 0, got -1"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_theta": 0}},
+            "src/config.json: field 'rope_theta' must be > 0, got 0",
+        ),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": -5}},
+            "'rope_theta' must be > 0, got -5",
+        ),
+        (
+            "llama",
+            {"rope_parameters": {"rope_theta": "1e4"}},
+            "src/config.json: field 'rope_theta' must be a number",
+        ),
+        ("olmo2", {"rms_norm_eps": -1e-6}, "src/config.json: field 'rms_norm_eps' must be >= 0, got -1e-06"),
     ],
 )
 def test_a_field_attnlab_does_not_model_is_refused_naming_it(tmp_path, model_type, change, named):
@@ -203,6 +221,42 @@ def test_a_field_attnlab_does_not_model_is_refused_naming_it(tmp_path, model_typ
     result = CliRunner().invoke(app, ["eval", str(src), "--data", str(src / "config.json")])
     assert result.exit_code == 2 and named in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("missing", "do not match its config.json: missing model.layers.1.self_attn.k_proj.weight"),
+        ("transposed", "model.layers.1.mlp.down_proj.weight (80, 48) where config.json gives (48, 80)"),
+        ("extra layer", "not in its model: model.layers.2.input_layernorm.weight, "),
+        ("nan", "the checkpoint's tensor model.layers.1.mlp.down_proj.weight holds NaN"),
+    ],
+)
+def test_a_damaged_checkpoint_is_named_by_its_own_tensor_names(tmp_path, damage, named):
+    """The errors named attnlab's internal names (layers.1.attention.wk.weight, output.weight), which no weight
+    file holds, and a misshapen tensor was torch's message for every layer on one line."""
+    from safetensors.torch import load_file, save_file
+
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL)
+    weights = src / "model.safetensors"
+    tensors = load_file(weights)
+    if damage == "missing":
+        del tensors["model.layers.1.self_attn.k_proj.weight"]
+    elif damage == "transposed":
+        for i in (0, 1):
+            name = f"model.layers.{i}.mlp.down_proj.weight"
+            tensors[name] = tensors[name].T.contiguous()
+    elif damage == "extra layer":
+        tensors |= {
+            k.replace("layers.1.", "layers.2."): v.clone() for k, v in tensors.items() if "layers.1." in k
+        }
+    else:
+        tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    result = CliRunner().invoke(app, ["eval", str(src), "--data", str(src / "config.json")])
+    assert result.exit_code == 2 and named in result.stderr, result.output
+    assert "layers.0.mlp.down_proj" not in result.stderr or damage == "transposed"
+    assert "wk.weight" not in result.stderr and "feed_forward" not in result.stderr
 
 
 def test_pretraining_tp_is_read_as_the_model_it_sliced(tmp_path):

@@ -648,10 +648,11 @@ def test_source_weights_no_job_can_load_are_refused_before_any_job(tiny, tmp_pat
     shutil.rmtree(src)
     shutil.copytree(tiny["src"], src)
     tensors = load_file(weights)
-    del tensors[next(k for k in sorted(tensors) if k.endswith("v_proj.weight"))]
+    gone = next(k for k in sorted(tensors) if k.endswith("v_proj.weight"))
+    del tensors[gone]
     save_file(tensors, weights, metadata={"format": "pt"})
     result = runner.invoke(app, ["sweep", str(src), "--data", str(tiny["corpus"]), *FAST, "--out", str(out)])
-    assert result.exit_code == 2 and "checkpoint does not match its config; missing" in result.stderr
+    assert result.exit_code == 2 and f"do not match its config.json: missing {gone}\n" in result.stderr
     assert not out.exists()
 
 

@@ -45,7 +45,7 @@ def test_non_finite_weights_are_refused_by_every_command(nan_llama, corpus, tmp_
     result = run_cli(*args)
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
-    assert "layers.1.feed_forward.w3.weight holds NaN or inf values" in lines[0]
+    assert "tensor model.layers.1.mlp.up_proj.weight holds NaN or inf values" in lines[0]  # its own name
     assert not (tmp_path / "up").exists() and not (tmp_path / "gqa").exists()
 
 

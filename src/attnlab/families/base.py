@@ -79,7 +79,8 @@ class Fields:
     def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
         return None if self.raw.get(key) is None else self.int(key, minimum=minimum)
 
-    def float(self, key: str, default: Any = _MISSING) -> float:
+    def float(self, key: str, default: Any = _MISSING, *, above: float | None = None) -> float:
+        """A finite number (greater than ``above`` where given)."""
         value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{self.label}: field {key!r} must be a number, got {value!r}")
@@ -89,6 +90,15 @@ class Fields:
             number = math.inf
         if not math.isfinite(number):
             raise ValueError(f"{self.label}: field {key!r} must be finite, got {value!r}")
+        if above is not None and not number > above:
+            raise ValueError(f"{self.label}: field {key!r} must be > {above:g}, got {value!r}")
+        return number
+
+    def eps(self, key: str, default: float) -> float:
+        """A norm's epsilon: a finite number >= 0."""
+        number = self.float(key, default)
+        if number < 0:
+            raise ValueError(f"{self.label}: field {key!r} must be >= 0, got {number!r}")
         return number
 
     def opt_float(self, key: str) -> float | None:
@@ -119,7 +129,7 @@ class Fields:
         (``rope_parameters``): plain RoPE has no scaling; any other type keeps its parameters (and the model's
         ``max_position_embeddings``, which yarn and longrope read) for transformers' ROPE_INIT_FUNCTIONS."""
         params = rope_parameters(self.raw, self.model_type, default_theta)
-        theta = Fields(params, self.model_type).float("rope_theta")
+        theta = Fields(params, self.model_type, self.label).float("rope_theta", above=0)
         kind = params.get("rope_type", "default")
         if kind == "default":
             return theta, ()
@@ -326,6 +336,16 @@ class TensorMap:
         if cfg.tie_embeddings and "tok_embeddings.weight" in state:
             state.setdefault("output.weight", state["tok_embeddings.weight"])
         return state
+
+    def theirs(self, name: str) -> str:
+        """The checkpoint tensor that holds attnlab's tensor ``name`` (a fused one for a part of it), for errors
+        that name what the user can find in the weight files; ``name`` itself where no rule writes it."""
+        for rule in self.rules:
+            for template in rule.ours:
+                m = _pattern(template).fullmatch(name)
+                if m is not None:
+                    return rule.theirs.format(**m.groupdict())
+        return name
 
     def to_checkpoint(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of an attnlab state dict of config ``cfg`` (``lm_head`` left out when tied)."""

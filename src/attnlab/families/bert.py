@@ -61,7 +61,7 @@ def read(f: Fields) -> ModelConfig:
         attention=AttentionConfig(d_model=d, n_heads=n_heads, bias=True, rope=False),
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=n_positions,
-        norm_eps=f.float("layer_norm_eps", 1e-12),
+        norm_eps=f.eps("layer_norm_eps", 1e-12),
         mlp="gelu",
         mlp_bias=True,
         tie_embeddings=True,

@@ -146,7 +146,7 @@ def read(f: Fields) -> ModelConfig:
         attention=attention,
         ffn_dim=f.int("ffn_hidden_size"),
         max_seq_len=f.int("seq_length", DEFAULT_SEQ_LENGTH),
-        norm_eps=f.float("layernorm_epsilon", DEFAULT_EPS),
+        norm_eps=f.eps("layernorm_epsilon", DEFAULT_EPS),
         mlp_bias=linear_bias,
         tie_embeddings=False,  # THUDM's class has no output embeddings to tie: output_layer is its own
     )

@@ -136,7 +136,7 @@ def read(f: Fields) -> ModelConfig:
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=f.int("max_position_embeddings", _absent(f, "max_position_embeddings", 4096)),
-        norm_eps=f.float("rms_norm_eps", 1e-6),
+        norm_eps=f.eps("rms_norm_eps", 1e-6),
         tie_embeddings=f.bool("tie_word_embeddings", False),
         **moe,
     )

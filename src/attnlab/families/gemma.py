@@ -195,7 +195,7 @@ def read(f: Fields) -> ModelConfig:
     _activation(f)
     if f.raw.get("use_bidirectional_attention"):
         f.unsupported("use_bidirectional_attention", "attnlab's decoder is causal")
-    eps = f.float("rms_norm_eps", EPS)
+    eps = f.eps("rms_norm_eps", EPS)
     if kind == "gemma3_text":
         rope = _gemma3_rope(f)
     else:  # one RoPE for every layer

@@ -144,7 +144,7 @@ def read(f: Fields) -> ModelConfig:
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=positions,
-        norm_eps=f.float("rms_norm_eps", DEFAULT_EPS),
+        norm_eps=f.eps("rms_norm_eps", DEFAULT_EPS),
         tie_embeddings=f.bool("tie_word_embeddings", False),
         norm_placement=PLACEMENT[f.model_type],
     )

@@ -18,7 +18,7 @@ def read(f: Fields) -> ModelConfig:
         attention=AttentionConfig(d_model=d, n_heads=n_heads, bias=True, rope=False),
         ffn_dim=inner or 4 * d,
         max_seq_len=n_positions,
-        norm_eps=f.float("layer_norm_epsilon", 1e-5),
+        norm_eps=f.eps("layer_norm_epsilon", 1e-5),
         mlp="gelu_tanh",
         mlp_bias=True,
         tie_embeddings=f.bool("tie_word_embeddings", True),

@@ -133,7 +133,7 @@ def read(f: Fields) -> ModelConfig:
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=f.int("max_position_embeddings", 2048),
-        norm_eps=f.float("layer_norm_eps", 1e-5),
+        norm_eps=f.eps("layer_norm_eps", 1e-5),
         mlp=ACTIVATIONS[act],
         mlp_bias=True,  # GPTNeoXMLP's nn.Linear layers always have biases
         tie_embeddings=f.bool("tie_word_embeddings", False),

@@ -141,7 +141,7 @@ def read(f: Fields) -> ModelConfig:
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=f.int("max_position_embeddings", _POSITIONS.get(f.model_type, 4096)),
-        norm_eps=f.float("rms_norm_eps", 1e-6),
+        norm_eps=f.eps("rms_norm_eps", 1e-6),
         mlp_bias=f.bool("mlp_bias", False),
         tie_embeddings=f.bool("tie_word_embeddings", False),
         sliding=None if window is None else attention.replace(window=window),

@@ -113,7 +113,7 @@ def _factors(f: Fields, params: dict[str, Any], key: str, rotary_dim: int) -> tu
 def _rope(f: Fields, head_dim: int) -> tuple[float, tuple[tuple[str, Any], ...], int]:
     """(rope_theta, rope_scaling, rotary dim) as transformers' Phi3Config reads them (see the module docstring)."""
     params = rope_parameters(f.raw, f.model_type)
-    theta = Fields(params, f.model_type).float("rope_theta")
+    theta = Fields(params, f.model_type, f.label).float("rope_theta", above=0)
     rotary_dim = _rotary_dim(f, params, head_dim)
     kind = params["rope_type"]
     if kind == "default":
@@ -163,7 +163,7 @@ def read(f: Fields) -> ModelConfig:
         attention=attention,
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=f.int("max_position_embeddings", DEFAULT_POSITIONS),
-        norm_eps=f.float("rms_norm_eps", 1e-5),
+        norm_eps=f.eps("rms_norm_eps", 1e-5),
         tie_embeddings=f.bool("tie_word_embeddings", False),
         sliding=None if window is None else attention.replace(window=window),
     )

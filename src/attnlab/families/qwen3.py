@@ -60,7 +60,7 @@ def read(f: Fields) -> ModelConfig:
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":
         f.unsupported("hidden_act", "the MLP is SwiGLU: only 'silu'")
-    eps = f.float("rms_norm_eps", 1e-6)
+    eps = f.eps("rms_norm_eps", 1e-6)
     theta, scaling = f.rope()
     attention = AttentionConfig(
         d_model=d,

@@ -15,6 +15,7 @@ by the family's writer).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,9 @@ def load_causal_lm(src: str | Path) -> nn.Module:
     state = _attnlab_state(src, hf, cfg, tensors)
     if fam.gqa == "repeated":  # a GQA model in the MHA layout is loaded as the GQA model it computes
         cfg, state = collapse_repeated_kv_heads(cfg, state)
-    model = model_from_state(src, cfg, state)
-    io.check_finite(model, src)
+    theirs = fam.tensor_map(hf).theirs
+    model = model_from_state(src, cfg, state, theirs)
+    io.check_finite(model, src, theirs)
     return model
 
 
@@ -89,17 +91,23 @@ def check_causal_lm(src: str | Path, hf: dict | None = None) -> None:
     hf = io.read_config(src) if hf is None else hf
     cfg = model_config(src, hf)
     state = _attnlab_state(src, hf, cfg, io.check_weights(src))
-    io.assign(src, lambda: Transformer(cfg), state)
+    io.assign(src, lambda: Transformer(cfg), state, family(hf["model_type"]).tensor_map(hf).theirs)
 
 
-def model_from_state(src: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
-    """A ``Transformer`` holding ``state`` (read from ``src``), whose key set must be exactly the model's."""
+def model_from_state(
+    src: str | Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    theirs: Callable[[str], str] | None = None,
+) -> Transformer:
+    """A ``Transformer`` holding ``state`` (read from ``src``), whose key set must be exactly the model's (errors
+    name the checkpoint's tensors by ``theirs``, as ``io.assign``)."""
     head, table = state.get("output.weight"), state.get("tok_embeddings.weight")
     if cfg.tie_embeddings and head is not None and head is not table and not torch.equal(head, table):
         # transformers' rule: tie_word_embeddings with a separate LM head that differs from the embeddings keeps the
         # head (it does not tie them), so the checkpoint computes what transformers computes with it
         cfg = cfg.replace(tie_embeddings=False)
-    model = io.assign(src, lambda: Transformer(cfg), state)
+    model = io.assign(src, lambda: Transformer(cfg), state, theirs)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model.eval()

@@ -230,30 +230,49 @@ def write_checkpoint(
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def assign(src: str | Path, build: Callable[[], M], state: dict[str, torch.Tensor]) -> M:
+def _some(names: list[str], shown: int = 4) -> str:
+    """Up to ``shown`` names, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{', '.join(names[:shown])}{more}"
+
+
+def assign(
+    src: str | Path,
+    build: Callable[[], M],
+    state: dict[str, torch.Tensor],
+    theirs: Callable[[str], str] | None = None,
+) -> M:
     """The module ``build()`` makes (on the meta device, so nothing is allocated twice) holding the tensors of
     ``state`` read from ``src``: its key set must be exactly the module's and each shape its parameter's, else a
-    ValueError naming what differs. The one load body behind every family's loader (causal LMs and BERT)."""
+    ValueError naming what differs, by the checkpoint's own tensor names where ``theirs`` maps attnlab's to them
+    (the family's ``TensorMap.theirs``). The one load body behind every family's loader (causal LMs and BERT)."""
+    theirs = theirs or str
     with torch.device("meta"):
         model = build()
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(
-            f"{src}: checkpoint does not match its config; missing {missing[:4]}, extra {extra[:4]}"
+    expected = model.state_dict()
+    if set(state) != set(expected):
+        missing = sorted(dict.fromkeys(theirs(n) for n in expected if n not in state))
+        extra = sorted(dict.fromkeys(theirs(n) for n in state if n not in expected))
+        said = [f"missing {_some(missing)}"] * bool(missing) + [f"not in its model: {_some(extra)}"] * bool(
+            extra
         )
+        raise ValueError(f"{src}: the checkpoint's tensors do not match its config.json: {'; '.join(said)}")
     # float8 failed in check_finite; complex64 loaded, and failed later
     for name, _ in model.named_parameters():
         if state[name].dtype not in FLOAT_DTYPES.values():
             raise ValueError(
-                f"{src}: weight {name} has dtype {state[name].dtype}; attnlab reads float16, bfloat16, float32 and "
-                "float64 weights (an fp8 or other quantized checkpoint: dequantize it first)"
+                f"{src}: weight {theirs(name)} has dtype {state[name].dtype}; attnlab reads float16, bfloat16, "
+                "float32 and float64 weights (an fp8 or other quantized checkpoint: dequantize it first)"
             )
-    try:
-        model.load_state_dict(state, assign=True)
-    except RuntimeError as err:  # a tensor whose shape contradicts config.json
-        detail = " ".join(str(err).split("\n", 1)[-1].split())
-        raise ValueError(f"{src}: tensors do not match config.json: {detail}") from None
+    # a tensor whose shape contradicts config.json (torch's message named attnlab's names, every layer on one line)
+    wrong = [
+        f"{theirs(n)} {tuple(state[n].shape)} where config.json gives {tuple(t.shape)}"
+        for n, t in expected.items()
+        if state[n].shape != t.shape
+    ]
+    if wrong:
+        raise ValueError(f"{src}: tensors do not match config.json: {_some(wrong, 2)}")
+    model.load_state_dict(state, assign=True)
     return model
 
 
@@ -306,12 +325,13 @@ def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) 
     return left_out
 
 
-def check_finite(model: torch.nn.Module, src: str | Path) -> None:
+def check_finite(model: torch.nn.Module, src: str | Path, theirs: Callable[[str], str] | None = None) -> None:
     """Refuse a model with a NaN or inf weight: it would be averaged into every head of its group by a conversion,
-    make every loss NaN in training and evaluation, and turn generation into empty text."""
+    make every loss NaN in training and evaluation, and turn generation into empty text. ``theirs``: as
+    ``assign``'s."""
     for name, p in model.named_parameters():
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):
             raise ValueError(
-                f"{src}: the checkpoint's tensor {name} holds NaN or inf values; a damaged (or diverged) checkpoint "
-                "cannot be converted, trained, evaluated or sampled"
+                f"{src}: the checkpoint's tensor {(theirs or str)(name)} holds NaN or inf values; a damaged (or "
+                "diverged) checkpoint cannot be converted, trained, evaluated or sampled"
             )
