@@ -539,7 +539,7 @@ def _library() -> Ops | None:
             warnings.warn(
                 f"attnlab: the fused C++ decode kernel could not be built ({reason}); using the PyTorch kernels",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_outside_attnlab(),
             )
             return None
         seconds = time.perf_counter() - start
@@ -547,6 +547,17 @@ def _library() -> Ops | None:
             ops.amx(0)
         _state.update(tried=True, ops=ops, build_s=seconds, status=_describe(ops, seconds))
         return ops
+
+
+def _outside_attnlab() -> int:
+    """The ``stacklevel`` (for a warning raised by the caller) of the first frame outside attnlab's and torch's
+    packages, so that the warning names the user's line: a fixed level named attnlab's own code, the depth varying
+    with the path that first asked for the kernels (a module's forward, through torch's ``Module.__call__``)."""
+    packages = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(packages):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _describe(ops: Ops, seconds: float) -> str:
