@@ -333,3 +333,15 @@ def test_a_cache_of_a_dtype_that_holds_no_keys_is_refused_when_made(dtype):
         StaticKVCache(1, 2, 8, 16, dtype=dtype)
     with pytest.raises(TypeError, match=r"PagedKVCache.dtype must be a floating-point"):
         PagedKVCache(4, 4, 2, 16, batch_size=1, dtype=dtype)
+
+
+def test_a_wrapped_ring_refuses_a_crop_saying_why_and_crops_before_it_wraps():
+    # the refusal said the ring "no longer holds token 9", which it held (tokens 6-9 of 10 in 4 slots)
+    cache = KVCache(1, 2, 32, 8, window=4)
+    cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    cache.crop(2)  # not wrapped yet: cropped
+    assert len(cache) == 2
+    cache.update(torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8))
+    with pytest.raises(ValueError, match=r"ring of 4 slots \(a window of 4\) has wrapped, 10 tokens in"):
+        cache.crop(9)
+    assert len(cache) == 10

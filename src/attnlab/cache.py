@@ -145,6 +145,16 @@ class _Cache:
         return start, self.pos
 
 
+def storage_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a module's new cache holds by default: its projections' output, the weights' dtype, or under
+    ``torch.autocast`` on the weights' device autocast's (a float32 model's keys are bfloat16 there: a cache of the
+    weights' dtype refused every step)."""
+    device = weight.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 def _check_rows(
     owner: str, batch_size: int, dtype: torch.dtype, batch: int, got: torch.dtype, name: str
 ) -> None:
@@ -253,8 +263,11 @@ class KVCache(_Cache):
 
     def crop(self, length: int) -> None:
         if self.wrapped and length < self.pos:
+            # (it named a token the ring still held: the refusal is for what the ring holds beyond it)
             raise ValueError(
-                f"KVCache.crop: the ring of a window of {self.window} no longer holds token {length}"
+                f"KVCache.crop: this cache's ring of {self.capacity} slots (a window of {self.window}) has wrapped, "
+                f"{self.pos} tokens in: its slots of the tokens from {length} on would be read again until written "
+                "over, so it cannot be cropped; a StaticKVCache (a window is a mask over all its slots) can"
             )
         super().crop(length)
 

@@ -123,12 +123,18 @@ def test_under_autocast_a_decode_step_computes_in_autocasts_dtype_at_any_row_cou
             x = torch.randn(rows, 32)
             assert layer(x).dtype == plain(x).dtype == torch.bfloat16, rows
             torch.testing.assert_close(layer(x), plain(x), rtol=0, atol=0)
-        caches = model.new_caches(2, 16, dtype=torch.bfloat16)
+        caches = model.new_caches(2, 16)  # autocast's dtype (the weights' failed every step)
+        assert {c.dtype for c in caches} == {torch.bfloat16}
         prefill = model(tokens[:, :6], caches=caches)
         step = model(tokens[:, 6:], caches=caches)
         whole = model(tokens)
     torch.testing.assert_close(step[:, -1], whole[:, -1], rtol=0.05, atol=0.05)
     assert prefill.dtype == step.dtype
+    assert model.new_caches(2, 16)[0].dtype == torch.float32  # outside autocast, the weights'
+    # a bfloat16 model under float16 autocast: its norms' float32 output was refused as x's dtype
+    half = Transformer(MODEL).eval().to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert half(tokens[:, :6], caches=half.new_caches(2, 16)).isfinite().all()
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -407,6 +413,35 @@ def test_an_operator_called_to_record_gradients_is_refused_naming_the_operand(ca
         getattr(OPS, case)(*args)
     with torch.no_grad():
         assert not getattr(OPS, case)(*args).requires_grad
+
+
+def test_the_block_step_marks_the_caches_it_writes_so_a_backward_that_saved_them_says_so():
+    # under the Autograd-key kernel the caches' versions stayed 0: a backward through a product that had saved a
+    # cache then ran on the overwritten values
+    args = list(_block_operands())
+    cache_k = args[-5]
+    weight = torch.randn(cache_k.shape, requires_grad=True)
+    saved = (weight * cache_k).sum()
+    with torch.no_grad():
+        OPS.block_step(*args)
+    assert cache_k._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
+def test_a_forward_mode_tangent_is_refused_not_dropped():
+    """torch.func.jvp gave a tangent of zeros, forward_ad one of None: the kernels have no derivatives."""
+    import torch.autograd.forward_ad as fwd
+
+    q, k, v = _decode_operands()
+    with pytest.raises(ValueError, match=r"attnlab\.decode: q carries a forward-mode tangent"):
+        torch.func.jvp(lambda a: OPS.decode(a, k, v, 0.25), (q,), (torch.randn_like(q),))
+    with fwd.dual_level(), pytest.raises(ValueError, match="k carries a forward-mode tangent"):
+        OPS.decode(q, fwd.make_dual(k, torch.randn_like(k)), v, 0.25)
+    with fwd.dual_level():  # a dual level with no tangent on the operands: it runs
+        assert OPS.decode(q, k, v, 0.25).shape == (2, 6, 1, 16)
+    batched = torch.vmap(lambda a: OPS.decode(a, k, v, 0.25))(q[None].expand(3, -1, -1, -1, -1).contiguous())
+    torch.testing.assert_close(batched[1], OPS.decode(q, k, v, 0.25))
 
 
 ZERO_CASES = {

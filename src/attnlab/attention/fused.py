@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils.flop_counter import register_flop_formula
 
 from ..config import env_switch
@@ -434,25 +435,54 @@ def _unbuilt(namespace: str, name: str):
 
 
 def _no_backward(namespace: str, name: str):
-    """The kernel of ``torch.ops.<namespace>.<name>`` on the Autograd key. The kernels have no backward: a call that
-    would record one is refused, naming the operand (PyTorch's fallback gave outputs whose gradients were silently
-    None, with a warning only at ``backward``). Any other call goes on to the kernel below."""
+    """The kernel of ``torch.ops.<namespace>.<name>`` on the Autograd key. The kernels have no derivatives: a call
+    that would record a backward, or carry a forward-mode tangent (``torch.func.jvp``, ``forward_ad``), is refused,
+    naming the operand (PyTorch's fallback gave gradients of None, with a warning only at ``backward``, and zero
+    tangents). Any other call goes on to the kernel below, and the tensors it writes (``block_step``'s caches) get
+    their version bumped, as PyTorch does for an in-place op, so that a backward that saved them says so."""
+    resolved: list = []
 
     def kernel(*args):
-        if torch.is_grad_enabled():
+        if not resolved:
             op = getattr(getattr(torch.ops, namespace), name).default
-            for argument, value in zip(op._schema.arguments, args, strict=False):
-                values = value if isinstance(value, (list, tuple)) else [value]
-                if any(isinstance(t, torch.Tensor) and t.requires_grad for t in values):
-                    raise ValueError(
-                        f"torch.ops.{namespace}.{name}: {argument.name} requires grad, and the attnlab kernels have "
-                        "no backward; call it under torch.no_grad() (attnlab.attention.attend sends calls that "
-                        "need gradients to a backend that has one)"
-                    )
+            arguments = op._schema.arguments
+            written = [
+                i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+            ]
+            resolved.extend((op, arguments, written))
+        op, arguments, written = resolved
+        grad = torch.is_grad_enabled()
+        tangents = forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+        if grad or tangents:
+            for argument, value in zip(arguments, args, strict=False):
+                for t in value if isinstance(value, (list, tuple)) else [value]:
+                    why = _differentiated(t, grad, tangents) if isinstance(t, torch.Tensor) else None
+                    if why:
+                        raise ValueError(
+                            f"torch.ops.{namespace}.{name}: {argument.name} {why}, and the attnlab kernels have no "
+                            "derivatives; call it under torch.no_grad() (attnlab.attention.attend sends calls that "
+                            "need gradients to a backend that has one)"
+                        )
         with torch._C._AutoDispatchBelowAutograd():
-            return getattr(getattr(torch.ops, namespace), name).default(*args)
+            out = op(*args)
+        for i in written:
+            if not args[i].is_inference():
+                torch.autograd.graph.increment_version(args[i])
+        return out
 
     return kernel
+
+
+def _differentiated(t: torch.Tensor, grad: bool, tangents: bool) -> str | None:
+    """Why an operand would be differentiated (None: it would not): it requires grad, carries ``forward_ad``'s
+    tangent, or is tracked by ``torch.func``'s grad or jvp transform."""
+    if grad and t.requires_grad:
+        return "requires grad"
+    if tangents and forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None:
+        return "carries a forward-mode tangent"
+    if tangents and torch._C._functorch.is_gradtrackingtensor(t):
+        return "is tracked by torch.func's grad or jvp transform"
+    return None
 
 
 define()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache
+from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache, storage_dtype
 from ..config import AttentionConfig
 from .kernels import attend, check_mask
 from .linear import Linear, project
@@ -27,7 +27,11 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
         raise TypeError(f"{owner}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.ndim != 3 or x.shape[-1] != d_model:
         raise ValueError(f"{owner}: x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
-    if x.dtype != weight.dtype:
+    # under autocast the projections cast their input (a float32 norm output beside bfloat16 weights is its rule)
+    device = x.device.type
+    if x.dtype != weight.dtype and not (
+        torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    ):
         raise TypeError(f"{owner}: x has dtype {x.dtype} but the weights are {weight.dtype}")
 
 
@@ -168,9 +172,9 @@ class GroupedQueryAttention(nn.Module):
     ) -> KVCache | StaticKVCache:
         """A cache for this module's KV heads (a ring of the window's size for a sliding-window layer), or with
         ``static`` one of fixed shapes for compiled decode steps (``StaticKVCache``: a window is a mask over every
-        slot, not a ring); dtype and device default to the weights'."""
+        slot, not a ring); dtype and device default to the weights' (the dtype: autocast's under it)."""
         weight = self.wq.weight
-        dtype, device = dtype or weight.dtype, device if device is not None else weight.device
+        dtype, device = dtype or storage_dtype(weight), device if device is not None else weight.device
         if static:
             return StaticKVCache(
                 batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype=dtype, device=device
@@ -189,7 +193,7 @@ class GroupedQueryAttention(nn.Module):
         self, n_blocks: int, block_size: int, batch_size: int, dtype: torch.dtype | None = None
     ) -> PagedKVCache:
         """A block-table cache for ragged batches (``PagedKVCache``; a sliding-window layer's gives blocks back once
-        they fall out of the window); dtype and device default to the weights'."""
+        they fall out of the window); dtype and device default to the weights' (the dtype: autocast's under it)."""
         weight = self.wq.weight
         return PagedKVCache(
             n_blocks,
@@ -197,7 +201,7 @@ class GroupedQueryAttention(nn.Module):
             self.n_kv_heads,
             self.head_dim,
             batch_size=batch_size,
-            dtype=dtype or weight.dtype,
+            dtype=dtype or storage_dtype(weight),
             device=weight.device,
             window=self.cfg.window,
         )

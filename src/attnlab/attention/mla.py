@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, LatentCache, PagedKVCache, StaticKVCache
+from ..cache import Cache, LatentCache, PagedKVCache, StaticKVCache, storage_dtype
 from ..config import MLA_MODES, MLAConfig
 from .gqa import cache_rule, check_input, check_step, local_weight, merge_heads, split_heads
 from .kernels import attend
@@ -88,9 +88,9 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> LatentCache | StaticKVCache:
         """A cache of latent rows (``LatentCache``), or with ``static`` one of fixed shapes for compiled decode steps
         (``StaticKVCache`` of one KV "head" of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values
-        are also the values); dtype and device default to the weights'."""
+        are also the values); dtype and device default to the weights' (the dtype: autocast's under it)."""
         weight = self.wkv_a.weight
-        dtype, device = dtype or weight.dtype, device if device is not None else weight.device
+        dtype, device = dtype or storage_dtype(weight), device if device is not None else weight.device
         cfg = self.cfg
         if static:
             return StaticKVCache(
@@ -113,7 +113,7 @@ class MultiHeadLatentAttention(nn.Module):
             1,
             self.cfg.cache_dim,
             batch_size=batch_size,
-            dtype=dtype or weight.dtype,
+            dtype=dtype or storage_dtype(weight),
             device=weight.device,
             values_in_keys=True,
             value_dim=self.cfg.kv_lora_rank,
