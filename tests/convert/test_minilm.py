@@ -152,3 +152,30 @@ def test_padded_calibration_rows_equal_unpadded(minilm):
     padded = attention_inputs(model, 2, [encode(tok, lines)])
     single = attention_inputs(model, 2, [encode(tok, [line])[0] for line in lines])
     torch.testing.assert_close(padded, single, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("missing", "missing encoder.layer.0.attention.self.key.weight"),
+        ("nan", "tensor encoder.layer.0.attention.self.key.weight holds NaN"),
+    ],
+)
+def test_a_damaged_bert_is_named_by_its_own_tensors(tmp_path, damage, named):
+    """load_bert named attnlab's layers.0.attention.wk.weight, and loaded a NaN weight without a word."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "bert"
+    shutil.copytree(MODEL, src)
+    tensors = load_file(src / "model.safetensors")
+    key = next(k for k in tensors if k.endswith("layer.0.attention.self.key.weight"))
+    if damage == "missing":
+        del tensors[key]
+    else:
+        tensors[key][0, 0] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=named) as err:
+        load_bert(src)
+    assert "wk.weight" not in str(err.value)

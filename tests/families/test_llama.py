@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -230,6 +231,9 @@ def test_a_field_attnlab_does_not_model_is_refused_naming_it(tmp_path, model_typ
         ("transposed", "model.layers.1.mlp.down_proj.weight (80, 48) where config.json gives (48, 80)"),
         ("extra layer", "not in its model: model.layers.2.input_layernorm.weight, "),
         ("nan", "the checkpoint's tensor model.layers.1.mlp.down_proj.weight holds NaN"),
+        # a tied model's head is its embedding: lm_head.weight, which no file of it holds, was named too
+        ("tied vocab", "model.embed_tokens.weight (97, 48) where config.json gives (96, 48)\n"),
+        ("tied missing", "do not match its config.json: missing model.embed_tokens.weight\n"),
     ],
 )
 def test_a_damaged_checkpoint_is_named_by_its_own_tensor_names(tmp_path, damage, named):
@@ -237,10 +241,16 @@ def test_a_damaged_checkpoint_is_named_by_its_own_tensor_names(tmp_path, damage,
     file holds, and a misshapen tensor was torch's message for every layer on one line."""
     from safetensors.torch import load_file, save_file
 
-    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL)
+    tied = damage.startswith("tied")
+    src = build(transformers.LlamaConfig, tmp_path / "src", **SMALL, vocab_size=97, tie_word_embeddings=tied)
     weights = src / "model.safetensors"
     tensors = load_file(weights)
-    if damage == "missing":
+    if damage == "tied vocab":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(cfg | {"vocab_size": 96}))
+    elif damage == "tied missing":
+        del tensors["model.embed_tokens.weight"]
+    elif damage == "missing":
         del tensors["model.layers.1.self_attn.k_proj.weight"]
     elif damage == "transposed":
         for i in (0, 1):
@@ -257,6 +267,12 @@ def test_a_damaged_checkpoint_is_named_by_its_own_tensor_names(tmp_path, damage,
     assert result.exit_code == 2 and named in result.stderr, result.output
     assert "layers.0.mlp.down_proj" not in result.stderr or damage == "transposed"
     assert "wk.weight" not in result.stderr and "feed_forward" not in result.stderr
+    assert "lm_head" not in result.stderr
+    if not tied:  # the public Llama loader names them the same way
+        from attnlab.hf import load_llama
+
+        with pytest.raises(ValueError, match=re.escape(named.strip())):
+            load_llama(src)
 
 
 def test_pretraining_tp_is_read_as_the_model_it_sliced(tmp_path):

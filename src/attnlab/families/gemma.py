@@ -167,7 +167,7 @@ def _gemma3_rope(f: Fields) -> dict[str, tuple[float, tuple]]:
             entry.update(scaling)
         entry.setdefault("rope_theta", f.raw.get(theta_key, theta))
         raw = {"rope_parameters": entry, "max_position_embeddings": _max_positions(f)}
-        out[kind] = Fields(raw, f"{f.model_type} ({kind})").rope()
+        out[kind] = Fields(raw, f.model_type, f"{f.label} ({kind})").rope()
     return out
 
 
@@ -200,7 +200,7 @@ def read(f: Fields) -> ModelConfig:
         rope = _gemma3_rope(f)
     else:  # one RoPE for every layer
         rope = dict.fromkeys(
-            LAYER_TYPES, Fields({"max_position_embeddings": _max_positions(f)} | f.raw, kind).rope()
+            LAYER_TYPES, Fields({"max_position_embeddings": _max_positions(f)} | f.raw, kind, f.label).rope()
         )
     theta, scaling = rope["full_attention"]
     # Gemma 3 has an attn_logit_softcapping field but Gemma3Attention never applies it

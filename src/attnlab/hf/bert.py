@@ -156,7 +156,9 @@ def load_bert(src: str | Path, n_kv_heads: int | None = None) -> tuple[BertEncod
     elif cfg.attention.n_kv_heads != cfg.attention.n_heads:
         for name in [n for n in state if re.search(r"attention\.w[kv]\.", n)]:
             state[name] = _take_one_head_per_group(state[name], cfg.attention)
-    return io.assign(src, lambda: BertEncoder(cfg), state).eval(), extra
+    model = io.assign(src, lambda: BertEncoder(cfg), state, TENSORS.theirs)
+    io.check_finite(model, src, TENSORS.theirs)
+    return model.eval(), extra
 
 
 def mha_tensors(model: BertEncoder) -> dict[str, torch.Tensor]:

@@ -107,6 +107,9 @@ def model_from_state(
         # transformers' rule: tie_word_embeddings with a separate LM head that differs from the embeddings keeps the
         # head (it does not tie them), so the checkpoint computes what transformers computes with it
         cfg = cfg.replace(tie_embeddings=False)
+    if cfg.tie_embeddings and theirs is not None:  # the head is the embedding: no file holds lm_head
+        embedding, named = theirs("tok_embeddings.weight"), theirs
+        theirs = lambda name: embedding if name == "output.weight" else named(name)  # noqa: E731
     model = io.assign(src, lambda: Transformer(cfg), state, theirs)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

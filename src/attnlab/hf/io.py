@@ -265,11 +265,13 @@ def assign(
                 "float32 and float64 weights (an fp8 or other quantized checkpoint: dequantize it first)"
             )
     # a tensor whose shape contradicts config.json (torch's message named attnlab's names, every layer on one line)
-    wrong = [
-        f"{theirs(n)} {tuple(state[n].shape)} where config.json gives {tuple(t.shape)}"
-        for n, t in expected.items()
-        if state[n].shape != t.shape
-    ]
+    wrong = list(
+        dict.fromkeys(  # a tied head is its embedding: said once
+            f"{theirs(n)} {tuple(state[n].shape)} where config.json gives {tuple(t.shape)}"
+            for n, t in expected.items()
+            if state[n].shape != t.shape
+        )
+    )
     if wrong:
         raise ValueError(f"{src}: tensors do not match config.json: {_some(wrong, 2)}")
     model.load_state_dict(state, assign=True)

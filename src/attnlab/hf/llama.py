@@ -89,8 +89,9 @@ def load_llama(src: str | Path, layout: str = "half_split") -> Transformer:
     hf = io.read_config(src)
     cfg = model_config_from_hf(hf)
     tensors, _ = io.read_tensors(src)
-    model = causal_lm.model_from_state(src, cfg, state_from_hf(tensors, cfg, layout))
-    io.check_finite(model, src)
+    theirs = family(hf["model_type"]).tensor_map(hf).theirs
+    model = causal_lm.model_from_state(src, cfg, state_from_hf(tensors, cfg, layout), theirs)
+    io.check_finite(model, src, theirs)
     return model
 
 
