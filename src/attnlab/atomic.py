@@ -801,7 +801,7 @@ def remove_or_keep(path: PathLike, kind: str, what: str = "directory", said: set
         remove_owned(path, kind, what)
     except FileExistsError as err:
         if said is None or Path(path) not in said:
-            print(f"attnlab: kept {err}", file=sys.stderr, flush=True)
+            print(f"attnlab: kept, since {err}", file=sys.stderr, flush=True)
         if said is not None:
             said.add(Path(path))
         return False

@@ -119,8 +119,8 @@ def _check_paths(opts: UptrainOptions) -> None:
         if not opts.overwrite and atomic.marker_kind(run) == "run" and (opts.dst / "uptrain.json").is_file():
             # a run killed between writing DST and deleting its run directory: checkpoints of ~3x the model
             raise FileExistsError(
-                f"{err}; {_run_name(opts)} {run} is left over from the run that wrote it (stopped before it was "
-                "deleted): delete it yourself once DST is what you want"
+                f"{err}; {_run_name(opts)} {run} is left over from the run that wrote it (kept for files added to "
+                "it, or stopped before it was deleted): delete it yourself once DST is what you want"
             ) from None
         raise
     # DST gets SRC's other files after training: a broken link among them is refused now
