@@ -345,3 +345,33 @@ def test_a_wrapped_ring_refuses_a_crop_saying_why_and_crops_before_it_wraps():
     with pytest.raises(ValueError, match=r"ring of 4 slots \(a window of 4\) has wrapped, 10 tokens in"):
         cache.crop(9)
     assert len(cache) == 10
+
+
+@pytest.mark.parametrize("layer", ["gqa q/k norm", "mla"])
+@pytest.mark.parametrize("kind", ["contiguous", "static", "paged"])
+def test_under_autocast_every_cache_takes_the_rows_its_layer_makes(layer, kind):
+    """A float32 model under bfloat16 autocast: its caches take autocast's dtype, but a q/k norm's keys (Qwen 3,
+    OLMo 2) and MLA's latent rows leave their float32 norms in float32, and every cache refused them ("k has dtype
+    torch.float32, the cache holds torch.bfloat16"). A decode step over the cache equals the whole forward."""
+    torch.manual_seed(0)
+    if layer == "mla":
+        module = MultiHeadLatentAttention(
+            MLAConfig(
+                d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+            )
+        )
+    else:
+        module = GroupedQueryAttention(AttentionConfig(d_model=64, n_heads=4, n_kv_heads=2, qk_norm="head"))
+    module.init_weights(std=0.2)
+    module.eval()
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        if kind == "paged":
+            cache = module.new_paged_cache(4, 4, 1)
+        else:
+            cache = module.new_cache(1, 16, static=kind == "static")
+        assert cache.dtype == torch.bfloat16
+        module(x[:, :6], cache=cache)
+        step = module(x[:, 6:], cache=cache)
+        whole = module(x)
+    torch.testing.assert_close(step.float(), whole[:, 6:].float(), rtol=0.03, atol=0.03)

@@ -163,13 +163,18 @@ def foreign(directory: PathLike) -> list[str]:
     return found
 
 
-def _check_foreign(path: Path, shown: str, what: str) -> None:
-    """An attnlab directory about to be replaced or deleted may hold only what attnlab wrote there."""
+def _added(path: Path) -> str:
+    """What a user added to an attnlab directory (``foreign``), a few names for a message; "" for nothing."""
     found = foreign(path)
     added = set(found)
     extra = [name for name in found if name.rpartition("/")[0] not in added]  # a new folder, not its files
-    if extra:
-        named = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+    return ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+
+
+def _check_foreign(path: Path, shown: str, what: str) -> None:
+    """An attnlab directory about to be replaced or deleted may hold only what attnlab wrote there."""
+    named = _added(path)
+    if named:
         raise FileExistsError(
             f"{what} {shown} holds what attnlab did not write there ({named}): it is not replaced or deleted; "
             "move those away yourself or choose another path"
@@ -801,7 +806,14 @@ def remove_or_keep(path: PathLike, kind: str, what: str = "directory", said: set
         remove_owned(path, kind, what)
     except FileExistsError as err:
         if said is None or Path(path) not in said:
-            print(f"attnlab: kept, since {err}", file=sys.stderr, flush=True)
+            named = _added(_absolute(path)) if Path(path).is_dir() else ""
+            # the deletion was attnlab's own choice: nothing to move or choose, only what is left and why
+            why = (
+                f"it holds what attnlab did not write there ({named}), with all it holds"
+                if named
+                else str(err)
+            )
+            print(f"attnlab: kept {what} {path}: {why}", file=sys.stderr, flush=True)
         if said is not None:
             said.add(Path(path))
         return False

@@ -155,6 +155,21 @@ def storage_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def _autocast_rows(dtype: torch.dtype, *rows: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """New rows in the cache's ``dtype`` under ``torch.autocast`` (where autocast's ops give its dtype, but a norm
+    keeps float32: a q/k norm's keys, MLA's latent rows; and a cache made outside autocast holds the weights'), as
+    attention casts its operands there (``kernels._autocast``). Outside autocast, as given: another dtype is
+    refused."""
+    out = []
+    for x in rows:
+        if x is not None and x.dtype != dtype and x.is_floating_point():
+            device = x.device.type
+            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+                x = x.to(dtype)
+        out.append(x)
+    return out
+
+
 def _check_rows(
     owner: str, batch_size: int, dtype: torch.dtype, batch: int, got: torch.dtype, name: str
 ) -> None:
@@ -274,6 +289,7 @@ class KVCache(_Cache):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k``, ``v`` (B, n_kv_heads, T, head_dim); return the keys and values attention reads (see the
         class docstring): the live (B, n_kv_heads, len, head_dim) until a window's ring wraps."""
+        k, v = _autocast_rows(self.dtype, k, v)
         b, h, t, d = k.shape
         if v is None or (h, d) != (self.n_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(
@@ -362,6 +378,7 @@ class LatentCache(_Cache):
 
     def update(self, kv: torch.Tensor) -> torch.Tensor:
         """Append ``kv`` (B, T, kv_lora_rank + qk_rope_head_dim); return the live (B, len, same)."""
+        (kv,) = _autocast_rows(self.dtype, kv)
         b, t, d = kv.shape
         if d != self.kv.shape[-1]:
             raise ValueError(
@@ -506,6 +523,7 @@ class StaticKVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` (B, n_kv_heads, T, head_dim; ``v`` None with ``values_in_keys``) at each row's length and
         advance it; return the whole buffers (B, n_kv_heads, max_seq_len, head_dim / value_dim)."""
+        k, v = _autocast_rows(self.dtype, k, v)
         b, h, t, d = k.shape
         if (
             (v is None) != self.values_in_keys
@@ -672,6 +690,7 @@ class PagedKVCache:
 
         Raises ``OutOfBlocksError`` before writing anything when the pool cannot hold the new tokens.
         """
+        k, v = _autocast_rows(self.dtype, k, v)
         b, h, t, d = k.shape
         if b != len(self.active):
             raise ValueError(f"PagedKVCache: batch of {b} but the active rows are {self.active}")

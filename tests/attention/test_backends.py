@@ -317,3 +317,15 @@ def test_a_call_of_no_phase_is_named():
     for ask in (choose, explain):
         with pytest.raises(ValueError, match=r"Call\.phase must be one of prefill, decode; got 'decoding'"):
             ask(Call("cpu", torch.float32, "decoding"))
+
+
+def test_a_forward_mode_tangent_picks_a_backend_with_derivatives():
+    """attend sent a decode step carrying torch.func.jvp's tangent to the fused kernel, which refused it (and before
+    it had that check, returned a tangent of zeros)."""
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    t = torch.randn_like(q)
+    _, tangent = torch.func.jvp(lambda a: kernels.attend(a, k, v), (q,), (t,))
+    eps = 1e-3
+    finite = (kernels.attend(q + eps * t, k, v) - kernels.attend(q - eps * t, k, v)) / (2 * eps)
+    torch.testing.assert_close(tangent, finite, rtol=1e-2, atol=1e-3)
+    assert tangent.abs().max() > 1e-3

@@ -219,10 +219,8 @@ def test_a_report_the_user_edited_and_files_added_to_a_checkpoint_are_kept(first
     (kept / "NOTES.md").write_text("ask Bob")
     again = sweep(tiny, "--variants", "gqa:2 mla:28,500", "--out", out, "--json", "--keep", "none")
     assert again.exit_code == 0, again.output
-    assert (
-        f"attnlab: kept, since checkpoint {kept} holds what attnlab did not write there (NOTES.md)"
-        in again.stderr
-    )
+    said = f"attnlab: kept checkpoint {kept}: it holds what attnlab did not write there (NOTES.md), with all it holds"
+    assert said in again.stderr
     assert (kept / "NOTES.md").read_text() == "ask Bob"
     left = {r["checkpoint"] for r in json.loads(again.stdout)["rows"] if r["kind"] != "source"} - {None}
     assert left == {str(kept)}

@@ -460,8 +460,8 @@ def _no_backward(namespace: str, name: str):
                     if why:
                         raise ValueError(
                             f"torch.ops.{namespace}.{name}: {argument.name} {why}, and the attnlab kernels have no "
-                            "derivatives; call it under torch.no_grad() (attnlab.attention.attend sends calls that "
-                            "need gradients to a backend that has one)"
+                            "derivatives; call it where nothing is differentiated, or through "
+                            "attnlab.attention.attend, which sends such calls to a backend that has them"
                         )
         with torch._C._AutoDispatchBelowAutograd():
             out = op(*args)
@@ -696,12 +696,13 @@ def _plain_operands(tensors, dtypes) -> bool:
     """Every tensor (None skipped) a plain CPU tensor or parameter (no subclass: not a DTensor) of one of
     ``dtypes``, with no gradient to record."""
     grad = torch.is_grad_enabled()
+    tangents = forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
     for t in tensors:
         if t is None:
             continue
         if type(t) not in _PLAIN_TYPES or t.device.type != "cpu" or t.dtype not in dtypes:
             return False
-        if grad and t.requires_grad:
+        if (grad and t.requires_grad) or (tangents and _differentiated(t, False, True)):
             return False
     return True
 

@@ -67,6 +67,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 
 from ..cache import PagedView
 from . import flashinfer_decode, flex, fused
@@ -166,7 +167,7 @@ def call_of(
         paged=paged,
         mask=attn_mask is not None,
         dropout=dropout_p > 0.0,
-        grad=torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad or vt.requires_grad),
+        grad=_differentiated(q, kt, vt),
         softcap=softcap is not None,
         subclass=type(q) not in _PLAIN or type(kt) not in _PLAIN or type(vt) not in _PLAIN,
         # MLA's absorbed form: one KV head, the values a view of the keys' first columns (the shape test first: a
@@ -175,6 +176,16 @@ def call_of(
         wide=vt.shape[-1] > kt.shape[-1],
         counting=_flop_counting(),
     )
+
+
+def _differentiated(*tensors: torch.Tensor) -> bool:
+    """Whether a call needs a backend with derivatives: gradients to record, or a forward-mode tangent to carry
+    (``torch.func.jvp``, ``forward_ad``), which the kernels refuse."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    if forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active():
+        return False
+    return any(fused._differentiated(t, False, True) for t in tensors)
 
 
 def _flop_counting() -> bool:
