@@ -145,14 +145,19 @@ class _Cache:
         return start, self.pos
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype of ``torch.autocast`` on ``device``'s type where it is on, else None (the meta device has none)."""
+    kind = device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return None
+
+
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype a module's new cache holds by default: its projections' output, the weights' dtype, or under
     ``torch.autocast`` on the weights' device autocast's (a float32 model's keys are bfloat16 there: a cache of the
     weights' dtype refused every step)."""
-    device = weight.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
+    return autocast_dtype(weight.device) or weight.dtype
 
 
 def _autocast_rows(dtype: torch.dtype, *rows: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -162,10 +167,8 @@ def _autocast_rows(dtype: torch.dtype, *rows: torch.Tensor | None) -> list[torch
     refused."""
     out = []
     for x in rows:
-        if x is not None and x.dtype != dtype and x.is_floating_point():
-            device = x.device.type
-            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-                x = x.to(dtype)
+        if x is not None and x.dtype != dtype and x.is_floating_point() and autocast_dtype(x.device):
+            x = x.to(dtype)
         out.append(x)
     return out
 

@@ -452,7 +452,7 @@ def _no_backward(namespace: str, name: str):
             resolved.extend((op, arguments, written))
         op, arguments, written = resolved
         grad = torch.is_grad_enabled()
-        tangents = forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+        tangents = tangents_on()
         if grad or tangents:
             for argument, value in zip(arguments, args, strict=False):
                 for t in value if isinstance(value, (list, tuple)) else [value]:
@@ -471,6 +471,12 @@ def _no_backward(namespace: str, name: str):
         return out
 
     return kernel
+
+
+def tangents_on() -> bool:
+    """Whether any operand may carry a forward-mode tangent: a ``forward_ad`` dual level is open, or ``torch.func``'s
+    transforms run (two cheap reads; ``_differentiated`` then looks at each operand)."""
+    return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
 def _differentiated(t: torch.Tensor, grad: bool, tangents: bool) -> str | None:
@@ -696,7 +702,7 @@ def _plain_operands(tensors, dtypes) -> bool:
     """Every tensor (None skipped) a plain CPU tensor or parameter (no subclass: not a DTensor) of one of
     ``dtypes``, with no gradient to record."""
     grad = torch.is_grad_enabled()
-    tangents = forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+    tangents = tangents_on()
     for t in tensors:
         if t is None:
             continue

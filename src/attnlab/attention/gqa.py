@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache, storage_dtype
+from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache, autocast_dtype, storage_dtype
 from ..config import AttentionConfig
 from .kernels import attend, check_mask
 from .linear import Linear, project
@@ -28,10 +28,7 @@ def check_input(owner: str, x: torch.Tensor, d_model: int, weight: torch.Tensor)
     if x.ndim != 3 or x.shape[-1] != d_model:
         raise ValueError(f"{owner}: x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
     # under autocast the projections cast their input (a float32 norm output beside bfloat16 weights is its rule)
-    device = x.device.type
-    if x.dtype != weight.dtype and not (
-        torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    ):
+    if x.dtype != weight.dtype and not autocast_dtype(x.device):
         raise TypeError(f"{owner}: x has dtype {x.dtype} but the weights are {weight.dtype}")
 
 

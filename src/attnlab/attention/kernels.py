@@ -67,9 +67,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.autograd import forward_ad
 
-from ..cache import PagedView
+from ..cache import PagedView, autocast_dtype
 from . import flashinfer_decode, flex, fused
 from .backends import AUTO, Backend, Call, choose, register
 from .decode import grouped_decode, paged_decode, widened
@@ -81,10 +80,9 @@ def _autocast(q: torch.Tensor, k, v):
     """Under ``torch.autocast`` the operands in its dtype, as SDPA takes them there. Norms keep float32 gains under
     autocast, so a q/k norm (Qwen3, OLMo 2, Gemma 3) or MLA's latent norm gave float32 queries or keys beside
     bfloat16 values, and ``uptrain --dtype bf16`` of those families failed ("q, k, v must share a dtype")."""
-    device = q.device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):  # meta has none
+    dt = autocast_dtype(q.device)
+    if dt is None:
         return q, k, v
-    dt = torch.get_autocast_dtype(device)
 
     def cast(t):
         return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
@@ -128,11 +126,10 @@ def attend(
             return chosen.run(q, k, v, None, False, scale, dropout_p, window, softcap, lengths=lengths)  # type: ignore[union-attr]
         offset = 0
         if _may_sync(q):
-            _check_length_range(lengths, k.shape[2])
+            low, hi = _length_range(lengths, k.shape[2])
             # The slots some row attends, not the whole buffer: what the lengths kernel reads, and so what a FLOP
             # counter counts, with or without gradients (rows of one length).
-            hi = int(lengths.max())
-            lo = 0 if window is None else max(0, int(lengths.min()) - window)
+            lo = 0 if window is None else max(0, low - window)
             if hi > lo:
                 offset, k, v = lo, k[:, :, lo:hi], v[:, :, lo:hi]
         attn_mask = length_mask(lengths - offset, k.shape[2], window)
@@ -183,9 +180,7 @@ def _differentiated(*tensors: torch.Tensor) -> bool:
     (``torch.func.jvp``, ``forward_ad``), which the kernels refuse."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True
-    if forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active():
-        return False
-    return any(fused._differentiated(t, False, True) for t in tensors)
+    return fused.tangents_on() and any(fused._differentiated(t, False, True) for t in tensors)
 
 
 def _flop_counting() -> bool:
@@ -521,17 +516,19 @@ def _check_lengths(
         )
 
 
-def _check_length_range(lengths: torch.Tensor, slots: int) -> None:
-    """What the lengths kernel refuses, refused by the masked path too (a length past the buffer attended every
-    slot, a negative one none); called where reading the lengths costs no host sync."""
+def _length_range(lengths: torch.Tensor, slots: int) -> tuple[int, int]:
+    """The shortest and longest of ``lengths`` (0, 0 for none), after refusing what the lengths kernel refuses, on
+    the masked path too (a length past the buffer attended every slot, a negative one none); called where reading
+    the lengths costs no host sync."""
     if not lengths.numel():
-        return
-    low, high = lengths.aminmax()
+        return 0, 0
+    low, high = (int(x) for x in lengths.aminmax())
     if low < 0 or high > slots:
         row = int(((lengths < 0) | (lengths > slots)).nonzero()[0, 0])
         raise ValueError(
             f"attend: lengths[{row}] is {int(lengths[row])}, outside 0 .. {slots} (the buffer's slots)"
         )
+    return low, high
 
 
 def length_mask(lengths: torch.Tensor, t_k: int, window: int | None = None) -> torch.Tensor:
