@@ -163,7 +163,7 @@ def foreign(directory: PathLike) -> list[str]:
     return found
 
 
-def _added(path: Path) -> str:
+def added(path: Path) -> str:
     """What a user added to an attnlab directory (``foreign``), a few names for a message; "" for nothing."""
     found = foreign(path)
     added = set(found)
@@ -173,7 +173,7 @@ def _added(path: Path) -> str:
 
 def _check_foreign(path: Path, shown: str, what: str) -> None:
     """An attnlab directory about to be replaced or deleted may hold only what attnlab wrote there."""
-    named = _added(path)
+    named = added(path)
     if named:
         raise FileExistsError(
             f"{what} {shown} holds what attnlab did not write there ({named}): it is not replaced or deleted; "
@@ -806,7 +806,7 @@ def remove_or_keep(path: PathLike, kind: str, what: str = "directory", said: set
         remove_owned(path, kind, what)
     except FileExistsError as err:
         if said is None or Path(path) not in said:
-            named = _added(_absolute(path)) if Path(path).is_dir() else ""
+            named = added(_absolute(path)) if Path(path).is_dir() else ""
             # the deletion was attnlab's own choice: nothing to move or choose, only what is left and why
             why = (
                 f"it holds what attnlab did not write there ({named}), with all it holds"

@@ -266,6 +266,28 @@ def test_resume_tolerates_a_log_cut_by_the_kill(work, monkeypatch):
     ).read_bytes()
 
 
+def test_a_rerun_over_an_interrupted_run_holding_a_users_file_offers_only_what_it_would_do(work, monkeypatch):
+    """A plain rerun advised "--resume ... or --overwrite to start over", and --overwrite was then refused for the
+    user's file: the advice now says what to move first, and --resume still continues the run."""
+    interrupted_after_step_3(work, monkeypatch)
+    plain = run_cli("uptrain", "gqa2", "up", *BASE)
+    one_line_error(plain, "pass --resume to continue it or --overwrite to start over")
+    (work / "up.run" / "NOTES.txt").write_text("mine")
+    before = tree(work)
+    advised = run_cli("uptrain", "gqa2", "up", *BASE)
+    one_line_error(
+        advised,
+        "pass --resume to continue it; to start over, first move away what attnlab did not write there "
+        "(NOTES.txt) and pass --overwrite",
+    )
+    assert tree(work) == before
+    resumed = run_cli("uptrain", "gqa2", "up", *BASE, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert (work / "up.run" / "NOTES.txt").read_text() == "mine" and (
+        work / "up" / "model.safetensors"
+    ).is_file()
+
+
 def test_a_damaged_log_line_before_the_last_names_the_file(tmp_path):
     from attnlab.train.progress import read_log
 
