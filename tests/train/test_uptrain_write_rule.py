@@ -271,16 +271,20 @@ def test_a_rerun_over_an_interrupted_run_holding_a_users_file_offers_only_what_i
     user's file: the advice now says what to move first, and --resume still continues the run."""
     interrupted_after_step_3(work, monkeypatch)
     plain = run_cli("uptrain", "gqa2", "up", *BASE)
-    one_line_error(plain, "pass --resume to continue it or --overwrite to start over")
+    one_line_error(plain, "pass --resume to continue it, or pass --overwrite to start over")
     (work / "up.run" / "NOTES.txt").write_text("mine")
     before = tree(work)
     advised = run_cli("uptrain", "gqa2", "up", *BASE)
     one_line_error(
         advised,
-        "pass --resume to continue it; to start over, first move away what attnlab did not write there "
+        "pass --resume to continue it, or to start over, first move away what attnlab did not write there "
         "(NOTES.txt) and pass --overwrite",
     )
     assert tree(work) == before
+    (work / "up.run" / "step-00000002" / "rng.json").write_text("[1]")  # damaged: the same advice
+    damaged = run_cli("uptrain", "gqa2", "up", *BASE, "--resume")
+    one_line_error(damaged, "or to start over, first move away what attnlab did not write there (NOTES.txt)")
+    (work / "up.run" / "step-00000002" / "rng.json").write_bytes(before["up.run/step-00000002/rng.json"])
     resumed = run_cli("uptrain", "gqa2", "up", *BASE, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert (work / "up.run" / "NOTES.txt").read_text() == "mine" and (

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..atomic import atomic_dir, read_json, remove_or_keep
+from ..atomic import added, atomic_dir, read_json, remove_or_keep
 from ..hf.io import _open, save_safetensors
 from .distributed import Env, barrier, broadcast_object, gather_objects
 
@@ -176,6 +176,17 @@ def remove_partial(run: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def start_over(run: Path) -> str:
+    """How to start a run over in run directory ``run``: --overwrite empties it, but not while it holds what a
+    user added (``atomic.added``), and advice that is then refused sends the user round in a circle."""
+    named = added(run) if run.is_dir() else ""
+    if named:
+        return (
+            f"to start over, first move away what attnlab did not write there ({named}) and pass --overwrite"
+        )
+    return "pass --overwrite to start over"
+
+
 def read_state(path: Path) -> dict:
     state = read_json(path / "state.json")
     if not (isinstance(state.get("options"), dict) and isinstance(state.get("step"), int)
@@ -201,7 +212,7 @@ def verify(path: Path) -> dict:
     except ValueError as err:
         raise ValueError(
             f"--resume: the newest checkpoint is damaged ({err}); delete {path} to resume from the one before, "
-            "or pass --overwrite to start over"
+            f"or {start_over(path.parent)}"
         ) from None
     return state
 

@@ -269,17 +269,9 @@ def _claim(
                 )
             return str(found[-1])
         if found and not opts.overwrite:
-            # --overwrite is offered only where it would be taken: a run directory holding a user's files is not
-            # emptied (check_claim below), and advice that is then refused sends the user round in a circle
-            added = atomic.added(opts.run_path)
-            start_over = (
-                f"; to start over, first move away what attnlab did not write there ({added}) and pass --overwrite"
-                if added
-                else " or --overwrite to start over"
-            )
             raise ValueError(
                 f"{opts.run_path} holds checkpoints of an interrupted run (newest {found[-1].name}): pass --resume to "
-                f"continue it{start_over}"
+                f"continue it, or {checkpoint.start_over(opts.run_path)}"
             )
         # started over: the run directory is emptied, which a file a user added there stops now, before loading
         atomic.check_claim(opts.run_path, "run", sources=_inputs(opts), fresh=True, what=_run_name(opts))
