@@ -202,7 +202,8 @@ def mla(cfg: ModelConfig) -> MLASupport:
         obstacles.append(f"rope_parameters.rope_type={kind!r}: {ROPE_WITHOUT_PLAIN_PLANES[kind]}")
     if cfg.sliding is not None and cfg.sliding.window < cfg.max_seq_len:
         obstacles.append(
-            f"a sliding window of {cfg.sliding.window} tokens: DeepSeek-V3 attends to the whole context"
+            f"a sliding window of {cfg.sliding.window} tokens: DeepSeek-V3 attends to the whole context (a config "
+            "without one, sliding_window null as Mistral NeMo's, or one past every position, converts)"
         )
     if attn.bias:
         obstacles.append(

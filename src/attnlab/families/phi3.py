@@ -259,7 +259,7 @@ def mla(cfg: ModelConfig) -> MLASupport:
     if cfg.sliding is not None and cfg.sliding.window < cfg.max_seq_len:
         obstacles.append(
             f"a sliding window of {cfg.sliding.window} tokens, shorter than its {cfg.max_seq_len} positions "
-            "(DeepSeek-V3 attends to the whole context)"
+            "(DeepSeek-V3 attends to the whole context; a config without one, sliding_window null, converts)"
         )
     if obstacles:
         return MLASupport("refused", "; ".join(obstacles))
