@@ -89,3 +89,25 @@ def test_a_name_that_is_no_string_gives_the_folders(tmp_path, given):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(HF_CONFIGS["gpt2"] | {"_name_or_path": given}))
     assert from_hf_config(folder).name == "my-model"
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"model_type": "llama9"}, "model_type='llama9' is not supported"),  # named "config.json", not the file
+        (  # the config class's own check (an odd head_dim under RoPE) named no file
+            {"model_type": "llama", "hidden_size": 254, "num_attention_heads": 2, "num_hidden_layers": 2,
+             "intermediate_size": 64, "vocab_size": 100, "head_dim": 127},
+            "AttentionConfig.head_dim=127 must be even when rope=True",
+        ),
+    ],
+)  # fmt: skip
+def test_every_config_error_names_the_file_read(tmp_path, raw, message):
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        from_hf_config(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=message) as bare:  # a dict has no file to name
+        from_hf_config(raw)
+    assert not str(bare.value).startswith(str(tmp_path))
