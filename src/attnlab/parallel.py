@@ -33,8 +33,11 @@ bad launch fails on every rank instead of hanging.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -53,6 +56,7 @@ from .cost.parallel import check_tp, kv_heads_per_rank, kv_replicas
 from .model import FeedForward, Transformer
 
 __all__ = [
+    "VocabParallelEmbedding",
     "apply_tp",
     "attention_plan",
     "check_shardable",
@@ -134,6 +138,37 @@ class ColwiseFromReplicated(ParallelStyle):
             lambda _mod, inputs, m: (_replicated_input(inputs[0], m), *inputs[1:]),
             lambda _mod, out, m: out.to_local(),
         )
+
+
+def _vocab_parallel_lookup(self: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """``VocabParallelEmbedding``'s forward, bound to the module (a deep copy of the model binds it to the copy)."""
+    rows, mesh = self.weight.to_local(), self.weight.device_mesh
+    local = tokens - self.vocab_start
+    outside = (local < 0) | (local >= rows.shape[0])
+    part = F.embedding(local.masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0.0)
+    # summed over the ranks; the gradient comes back whole (replicated) to every rank's rows
+    summed = DTensor.from_local(part, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+    return summed.to_local()
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """The token embedding split over the vocabulary (its rows, as torch.chunk splits them: ``Shard(0)``): each rank
+    looks the ids up in its own rows, zeros for the others, and the partial embeddings are summed (all-reduce), as
+    Megatron-LM's VocabParallelEmbedding. DTensor's rule for an embedding (``RowwiseParallel``) computes the same
+    forward, but its backward builds the whole (vocab, d_model) gradient on every rank and keeps it, replicated,
+    until the optimizer step; looked up in the local rows, each rank's gradient is its own rows."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding shards an nn.Embedding, got {type(module).__name__}")
+        _distribute_params(module, mesh, [Shard(0)])
+        vocab = module.num_embeddings
+        module.vocab_start = min(
+            mesh.get_local_rank() * -(-vocab // mesh.size()), vocab
+        )  # torch.chunk's split
+        # the instance's forward: nn.Embedding's would take DTensor's rule
+        module.forward = types.MethodType(_vocab_parallel_lookup, module)
+        return module
 
 
 class ReplicatedKVHeads(ParallelStyle):
@@ -314,7 +349,7 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
             module,
             mesh,
             {
-                "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "tok_embeddings": VocabParallelEmbedding(),
                 "output": ColwiseParallel(output_layouts=Replicate()),
             },
         )

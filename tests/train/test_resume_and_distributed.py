@@ -149,20 +149,25 @@ def test_fsdp2_killed_and_resumed_matches_one_process(tmp_path, tiny_llama, corp
     assert_same_run(dst, one_process)
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize(
+    "nproc, tp, expected",
+    [
+        (2, 4, "--tp 4 must divide the number of ranks (2); launch with torchrun --nproc-per-node 4"),
+        # the heads first: the ranks' message advised --nproc-per-node 3, which then failed on the heads
+        (2, 3, "--tp 3 must divide the model's 4"),
+        (3, 3, "--tp 3 must divide the model's 4"),
+    ],
+)
 def test_impossible_tensor_parallel_sizes_are_one_line_from_rank_0_and_exit_2_everywhere(
-    tmp_path, tiny_llama, corpus, nproc
+    tmp_path, tiny_llama, corpus, nproc, tp, expected
 ):
-    # Issue 29: every rank printed its own copy of the error (2 ranks, --tp 3: ranks do not divide; 3 ranks, --tp 3:
-    # the model's 4 heads do not split in 3). Rank 0 reports it once; every rank stops with 2 before a collective.
+    # Issue 29: every rank printed its own copy of the error. Rank 0 reports it once; every rank stops with 2 before
+    # a collective.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
            "attnlab", "uptrain", str(tiny_llama), str(tmp_path / "d"), "--data", str(corpus), "--steps", "1",
-           "--tp", "3"]  # fmt: skip
+           "--tp", str(tp)]  # fmt: skip
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("attnlab: error")]
-    expected = (
-        "--tp 3 must divide the number of ranks (2)" if nproc == 2 else "--tp 3 must divide the model's 4"
-    )
     assert len(errors) == 1 and expected in errors[0], done.stderr
     # torchrun reports each rank's exit: 2 (the rank stopped itself) or torchrun's SIGTERM once the first one had
     # stopped: -15, or 143 (128 + 15) when the rank's own SIGTERM handler turned it into an exit (seen once in a full

@@ -195,12 +195,32 @@ def model_checks(mesh) -> dict:
             "loss": worst(abs(losses[0] - losses[1])),
             "weight_grad": weight_grad_error(ref, sharded),
             "local_params": gathered(local_numel(sharded)),
+            # each gradient has its weight's placement: the embedding's was the whole table on every rank
+            # (DTensor's embedding rule), kept until the optimizer step
+            "pending_grads": sorted(
+                n
+                for n, p in sharded.named_parameters()
+                if isinstance(p, DTensor) and p.grad.placements != p.placements
+            ),
+            "grad_numel": gathered(
+                sum(
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).numel()
+                    for p in sharded.parameters()
+                )
+            ),
+            # a deep copy's embedding looks ids up in its own rows, not in the original's
+            "copy_embeds_itself": cfg.tie_embeddings or embeds_itself(copy.deepcopy(sharded)),
             "cache_bytes": gathered(sum(c.nbytes for c in sharded.new_caches(2, 16))),
             "tokens_one_process": generate(ref, prompt, 11).tokens,
             "tokens_sharded": gathered(generate(sharded, prompt, 11).tokens),
             "tokens_sharded_no_cache": gathered(greedy_without_cache(sharded, prompt, 11)),
         }
     return out
+
+
+def embeds_itself(model: Transformer) -> bool:
+    """Whether a sharded model's embedding forward (VocabParallelEmbedding's) is bound to its own module."""
+    return model.tok_embeddings.forward.__self__ is model.tok_embeddings
 
 
 @torch.no_grad()
@@ -268,10 +288,13 @@ def uptrain_check(src: Path, data: Path, work: Path) -> dict:
         src=src, dst=work / "tp-dst", data=data, steps=2, batch_size=4 // (world // 2), seq_len=32, lr=3e-3,
         warmup=1, save_every=0, tp=2, overwrite=True,
     )  # fmt: skip
-    summary = uptrain(opts, progress=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        summary = uptrain(opts, progress=False)
     log = [json.loads(line) for line in (opts.dst / "uptrain_log.jsonl").read_text().splitlines()]
     return {"summary": {k: summary[k] for k in ("tp", "world_size", "fsdp", "global_batch")},
-            "losses": [r["loss"] for r in log], "grad_norms": [r["grad_norm"] for r in log]}  # fmt: skip
+            "losses": [r["loss"] for r in log], "grad_norms": [r["grad_norm"] for r in log],
+            "warnings": sorted({str(w.message).splitlines()[0][:120] for w in said})}  # fmt: skip
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,13 @@ def parallelize(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:
 
         apply_tp(model, env.mesh["tp"])
     if uses_fsdp(env, fsdp):
+        if env.tp > 1:
+            # Split by heads, the model returns the output head's gathered logits as DTensor.to_local() gives them: a
+            # view, which FSDP2 warns may lose its pre-backward hook if changed in place. The loop only reads them
+            # (cross-entropy, the distillation loss), so the warning, printed by every rank, is no news to a user.
+            warnings.filterwarnings(
+                "ignore", r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor", UserWarning
+            )
         return _fully_shard(model, env)
     if env.world_size == 1 or env.tp > 1:
         return model

@@ -318,6 +318,12 @@ def _batch(
 
 def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
     """Run (or resume) an uptraining; returns the summary (also written to DST/uptrain.json)."""
+    if opts.tp > 1 and (opts.src / "config.json").is_file():
+        # the model's heads before the ranks: "launch with --nproc-per-node 3" is no advice for a --tp 3 that
+        # cannot split the heads either (_check_sizes checks it again, with the rest, after the setup)
+        from ..parallel import check_shardable
+
+        check_shardable(from_hf_config(opts.src), opts.tp, flag="--tp")
     env = distributed.setup(opts.tp, opts.device)
     try:
         # DST's and the run directory's locks (rank 0), for the whole run
