@@ -85,7 +85,7 @@ def support(fam: Family) -> dict[str, Cell]:
             uptrain = Cell(True, "yes", "data parallel, FSDP2 and tensor parallel (--tp)")
         except ValueError as err:
             uptrain = Cell(True, "yes, no --tp", str(err).split(": ", 1)[-1])
-        generate = Cell(True, "yes", "contiguous and paged caches")
+        generate = Cell(True, "yes", "contiguous, paged and static caches")
     else:
         mla = uptrain = generate = cost_only
     compare = Cell(True, "yes", f"{cfg.n_layers}-layer example read: KV cache, FLOPs, parameters")
@@ -149,8 +149,10 @@ def markdown() -> str:
         "encoder, whose weights `convert` alone reads); **convert GQA**",
         "is `attnlab convert --kv-heads N` (mean, fit, grouped-fit); **convert MLA** is `attnlab convert --to mla`",
         "(a DeepSeek-V3 checkpoint: *exact*, *approximate*, or *refused* with the reason); **uptrain** is",
-        "`attnlab uptrain`; **generate** is `attnlab generate`; **compare** is `attnlab compare --model",
-        "config.json`. Adding a family: its module in `src/attnlab/families/`, its test file in `tests/families/`,",
+        "`attnlab uptrain`; **generate** is `attnlab generate` (a longrope config, as Phi-3's 128k models, takes",
+        "the contiguous and paged caches, not `--cache static`: its keys are computed again, whole, once a sequence",
+        "passes original_max_position_embeddings); **compare** is `attnlab compare --model config.json`.",
+        "Adding a family: its module in `src/attnlab/families/`, its test file in `tests/families/`,",
         'its entry in `REGISTERED`; this page is then regenerated (docs/architecture.md, "How to add ... A model family").',
         "",
     ]
