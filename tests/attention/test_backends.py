@@ -329,3 +329,35 @@ def test_a_forward_mode_tangent_picks_a_backend_with_derivatives():
     finite = (kernels.attend(q + eps * t, k, v) - kernels.attend(q - eps * t, k, v)) / (2 * eps)
     torch.testing.assert_close(tangent, finite, rtol=1e-2, atol=1e-3)
     assert tangent.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_mla_latent_rows_are_recognised_under_inference_mode_as_under_no_grad(grad_mode):
+    """generate runs under inference_mode, whose views record no base: MLA's values, the first columns of its latent
+    rows, were taken for other rows, so its decode skipped the latent kernels (fused's mla_decode on the CPU, the
+    Triton kernel on CUDA) and read the latent twice."""
+    from attnlab import MLAConfig, MultiHeadLatentAttention
+
+    cfg = MLAConfig(
+        d_model=48, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12
+    )
+    mla = MultiHeadLatentAttention(cfg).eval()
+    x = torch.randn(2, 10, 48, generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = kernels.call_of
+
+    def recorded(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    with grad_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "call_of", recorded)
+        cache = mla.new_cache(2, 16)
+        mla(x[:, :9], cache=cache)
+        mla(x[:, 9:], cache=cache)
+    decodes = [c for c in calls if c.phase == "decode"]
+    assert decodes and all(c.latent for c in decodes), decodes
+    # a view of other memory, or of other columns, is no latent
+    kv = torch.randn(1, 1, 5, 40)
+    assert fused._first_columns(kv[..., :24], kv) and not fused._first_columns(kv.clone()[..., :24], kv)
+    assert not fused._first_columns(kv[..., 8:32], kv)

@@ -231,6 +231,20 @@ def test_bfloat16_agrees_with_float64(backend):
     assert _err(got, exact_on_rounded) <= 1.6e-2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t_q", [1, 5])  # a decode step (grouped's split-K kernel) and a prefill
+def test_float16_products_past_its_range_with_small_scaled_scores_stay_finite(backend, t_q):
+    """64 dims of 40: the unscaled product 102400 passes float16's 65504, the scaled score 12800 does not. The
+    grouped kernels multiplied first and scaled after: NaN, and auto sends a CPU float16 decode there."""
+    q = torch.full((1, 4, t_q, 64), 40.0)
+    k = torch.full((1, 2, 7, 64), 40.0)
+    v = torch.randn(1, 2, 7, 64, generator=torch.Generator().manual_seed(0))
+    k[:, :, 3] = -40.0  # scores that differ: one key gets no weight
+    got = attend(q.half(), k.half(), v.half(), backend=backend)
+    assert got.dtype == torch.float16 and bool(torch.isfinite(got).all())
+    assert _err(got, oracle(q.half(), k.half(), v.half())) <= 2e-3
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     b=st.integers(1, 3),

@@ -184,6 +184,37 @@ def _module_cases() -> dict:
     return out
 
 
+def _edge_cases(tm) -> dict:
+    """An empty batch; lengths outside the buffers (refused by every other backend, read unchecked by the kernel);
+    and the module's decode under torch.inference_mode, as generate runs it, whose views record no base."""
+    out = {}
+    q, k = torch.randn(0, 4, 1, R + P), torch.randn(0, 1, 5, R + P)
+    out["empty"] = list(tm.decode(q, k, R, scale=SCALE).shape)
+    q, k = torch.randn(2, 4, 1, R + P), torch.randn(2, 1, 10, R + P)
+    for bad in ([3, 12], [-3, 3]):
+        try:
+            attend(q, k, k[..., :R], scale=SCALE, lengths=torch.tensor(bad), backend="triton_mla")
+            out[f"lengths {bad}"] = "taken"
+        except ValueError as err:
+            out[f"lengths {bad}"] = str(err)
+    chosen = []
+    real = kernels.choose
+    kernels.choose = lambda call, backend="auto": (
+        chosen.append(real(call, backend).backend.name) or real(call, backend)
+    )
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(MLA.replace(backend="triton_mla")).eval()
+    x = torch.randn(2, 10, MLA.d_model)
+    with torch.inference_mode():
+        cache = mla.new_cache(2, 16)
+        mla(x[:, :9], cache=cache)
+        chosen.clear()
+        mla(x[:, 9:], cache=cache)
+    kernels.choose = real
+    out["inference_mode_ran"] = chosen
+    return out
+
+
 def _measure() -> dict:
     """Everything the kernel computed (run in a subprocess with the interpreter on: see the module docstring)."""
     from attnlab.attention import triton_mla
@@ -191,7 +222,7 @@ def _measure() -> dict:
     assert triton_mla.INTERPRET and backends.BACKENDS["triton_mla"].devices == {"cuda", "cpu"}
     torch.set_num_threads(1)
     with torch.no_grad():
-        return {**_kernel_cases(triton_mla), **_module_cases()}
+        return {**_kernel_cases(triton_mla), **_module_cases(), "edges": _edge_cases(triton_mla)}
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +303,14 @@ def test_the_table_marks_mla_latent_rows_and_nothing_else():
     assert not call_of(q, k, k[..., P:]).latent  # the last columns, not the first
     k2 = torch.randn(2, 2, 3, R + P)
     assert not call_of(torch.randn(2, 4, 1, R + P), k2, k2[..., :R]).latent  # two KV heads: not MLA
+
+
+def test_an_empty_batch_bad_lengths_and_inference_mode(measured):
+    """Each failed before: a batch of 0 divided by zero in the grid's split; lengths past the buffer were read past
+    it (inf) and negative ones gave zeros, where every other backend refuses them; and under inference_mode
+    (generate's) the latent rows were not recognised, so the kernel never ran in generation."""
+    edges = measured["edges"]
+    assert edges["empty"] == [0, 4, 1, R]
+    assert edges["lengths [3, 12]"] == "attend: lengths[1] is 12, outside 0 .. 10 (the buffer's slots)"
+    assert edges["lengths [-3, 3]"] == "attend: lengths[0] is -3, outside 0 .. 10 (the buffer's slots)"
+    assert edges["inference_mode_ran"] == ["triton_mla"]

@@ -729,10 +729,10 @@ def _first_columns(v: torch.Tensor, k: torch.Tensor) -> bool:
     same kernel, under the other name)."""
     if torch.compiler.is_compiling():
         return False
-    root_v = v if v._base is None else v._base
-    root_k = k if k._base is None else k._base
+    # the storage, not the view's base: views made under torch.inference_mode (generate's) record no _base
     return (
-        root_v is root_k
+        v.dtype == k.dtype
+        and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
         and v.storage_offset() == k.storage_offset()
         and v.stride() == k.stride()
         and v.shape[:-1] == k.shape[:-1]

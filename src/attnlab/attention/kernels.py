@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from ..cache import PagedView, autocast_dtype
 from . import flashinfer_decode, flex, fused
 from .backends import AUTO, Backend, Call, choose, register
-from .decode import grouped_decode, paged_decode, widened
+from .decode import grouped_decode, paged_decode, prescaled, widened
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -286,6 +286,8 @@ def _fused_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap,
 def _triton_mla_run(q, k, v, attn_mask, is_causal, scale, dropout_p, window, softcap, lengths=None):
     from . import triton_mla  # imports triton: only when this backend runs
 
+    if lengths is not None and _may_sync(lengths):  # the kernel reads them unchecked (fused checks its own)
+        _length_range(lengths, k.shape[2])
     return triton_mla.decode(q, k, v.shape[-1], scale=scale, window=window, lengths=lengths)
 
 
@@ -639,7 +641,8 @@ def _grouped(q, k, v, mask, scale, dropout_p, softcap=None):
     n_kv_heads, t_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv_heads
     qg = q.reshape(b, n_kv_heads, group * t_q, d)  # a view when q is contiguous (always true for T_q == 1)
-    scores = widened(torch.matmul(qg, k.transpose(-2, -1))) * scale  # (B, n_kv_heads, group * T_q, T_k)
+    qg, after = prescaled(qg, scale)
+    scores = widened(torch.matmul(qg, k.transpose(-2, -1))) * after  # (B, n_kv_heads, group * T_q, T_k)
     if softcap is not None:  # before the mask: tanh would turn a masked -inf into -softcap
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:

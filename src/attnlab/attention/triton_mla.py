@@ -184,6 +184,8 @@ def decode(
             f"triton_mla.decode: latent rows must be one KV head of width {width} with unit last stride; got "
             f"shape {tuple(kv.shape)}, strides {kv.stride()}"
         )
+    if b == 0 or n_heads == 0:  # no program to launch (the grid's split would divide by zero)
+        return q.new_zeros(b, n_heads, 1, r)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if paged:
         slots, lens, first = _slot_table(k, window, q.device)
