@@ -111,3 +111,19 @@ def test_every_config_error_names_the_file_read(tmp_path, raw, message):
     with pytest.raises(ValueError, match=message) as bare:  # a dict has no file to name
         from_hf_config(raw)
     assert not str(bare.value).startswith(str(tmp_path))
+
+
+def test_the_loaders_config_errors_name_the_file_too(tmp_path):
+    """convert, generate, eval and sweep read a checkpoint through causal_lm.model_config, which named no file for
+    the config classes' own checks after compare's reader did."""
+    from attnlab.hf.causal_lm import model_config
+
+    raw = {"model_type": "llama", "hidden_size": 56, "num_attention_heads": 8, "num_hidden_layers": 2,
+           "intermediate_size": 64, "vocab_size": 100, "head_dim": 7}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        model_config(tmp_path)
+    assert (
+        str(err.value)
+        == f"{tmp_path / 'config.json'}: AttentionConfig.head_dim=7 must be even when rope=True"
+    )

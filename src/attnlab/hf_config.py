@@ -64,13 +64,7 @@ def from_hf_config(path_or_dict: str | Path | dict[str, Any], *, name: str | Non
     model_type = raw.get("model_type")
     where = _config_path(path_or_dict)
     fam = family(model_type, where or "config.json")
-    try:
-        cfg = fam.read(Fields(raw, str(model_type), where))
-    except ValueError as err:
-        # the config classes' own checks (an odd head_dim under RoPE) name their field, not the file
-        if where is None or where in str(err):
-            raise
-        raise ValueError(f"{where}: {err}") from None
+    cfg = fam.config(Fields(raw, str(model_type), where))
     # the folder's name unless a non-empty string is given (a list or a number reached compare's title)
     given = raw.get("_name_or_path")
     if name is None:

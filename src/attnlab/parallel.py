@@ -145,7 +145,10 @@ def _vocab_parallel_lookup(self: nn.Embedding, tokens: torch.Tensor) -> torch.Te
     rows, mesh = self.weight.to_local(), self.weight.device_mesh
     local = tokens - self.vocab_start
     outside = (local < 0) | (local >= rows.shape[0])
-    part = F.embedding(local.masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0.0)
+    if rows.shape[0]:
+        part = F.embedding(local.masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0.0)
+    else:  # torch.chunk left this rank no rows (a vocabulary of 9 over 4 ranks: 3, 3, 3, 0): zeros, tied to them
+        part = rows.sum(0).expand(*tokens.shape, rows.shape[1])
     # summed over the ranks; the gradient comes back whole (replicated) to every rank's rows
     summed = DTensor.from_local(part, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
     return summed.to_local()

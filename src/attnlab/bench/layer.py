@@ -3,7 +3,8 @@
 The prediction is the roofline of that layer on ``local`` hardware (``measure_local``): FLOPs of one new token
 per sequence attending to ``seq_len`` keys, bytes = the layer's weights plus its KV cache. The measurement
 builds the layer with random weights, a cache holding ``seq_len - 1`` tokens, and times the step that adds
-the ``seq_len``-th (best of several runs after a warm-up, as the local bandwidth and matmul rates are), through the module's default backend.
+the ``seq_len``-th (best of several runs after a warm-up, as the local bandwidth and matmul rates are), through the
+module's default backend, over a ring of such layers (``_time_step``) so that each step reads from memory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..config import AttentionConfig, MLAConfig
 from ..cost import Hardware, Variant, attention_flops, dtype_bits, dtype_name, kv_cache_bytes, param_count
 from ..cost.memory import TORCH_DTYPES
 from ..cost.roofline import step_seconds
+from .decode import ring_size
 from .machine import MEASURED_DTYPES, measure_local, memory_bytes
 
 
@@ -72,46 +74,69 @@ def predict_layer(
 ) -> tuple[int, int, float]:
     cfg, seq_len = timed_layer(variant, seq_len)
     flops = attention_flops(cfg, batch, 1, seq_len).total
-    nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, seq_len, dtype)
+    nbytes = _layer_bytes(cfg, batch, seq_len, dtype)
     return flops, nbytes, step_seconds(hw, flops, nbytes, dtype)
 
 
-def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, min_seconds: float) -> float:
-    cfg, seq_len = timed_layer(variant, seq_len)
+def _filled_layer(cfg: AttentionConfig | MLAConfig, batch: int, held: int, dtype: torch.dtype):
+    """A layer of ``cfg`` with random weights and a cache holding ``held`` tokens (zeros: their values do not change
+    the work)."""
     cls = GroupedQueryAttention if isinstance(cfg, AttentionConfig) else MultiHeadLatentAttention
     with torch.device("meta"):
         layer = cls(cfg)
     layer = layer.to_empty(device="cpu").to(dtype)
     layer.init_weights()
-    cache = layer.new_cache(batch, seq_len)
-    held = seq_len - 1  # cached tokens, zeros: their values do not change the work
+    cache = layer.new_cache(batch, held + 1)
     if isinstance(cache, KVCache):
         blank = torch.zeros(batch, cache.n_kv_heads, held, cache.head_dim, dtype=dtype)
         cache.update(blank, blank)
     else:
         cache.update(torch.zeros(batch, held, cache.kv.shape[-1], dtype=dtype))
+    return layer, cache
+
+
+def _time_step(variant: Variant, batch: int, seq_len: int, dtype: torch.dtype, min_seconds: float) -> float:
+    """The best time of one layer's decode step, over a ring of distinct layers and caches (``ring_size``), as a
+    model's layers run one after another: a layer whose weights and cache fit in the last-level cache, timed
+    again and again alone, read nothing from memory and ran faster than the roofline it is compared with."""
+    cfg, seq_len = timed_layer(variant, seq_len)
+    held = seq_len - 1  # the step adds the seq_len-th token
+    ring = [
+        _filled_layer(cfg, batch, held, dtype)
+        for _ in range(ring_size(_layer_bytes(cfg, batch, seq_len, dtype)))
+    ]
     x = torch.randn(batch, 1, cfg.d_model, dtype=dtype)
     times: list[float] = []
     with torch.inference_mode():
         for i in range(200):
-            cache.crop(held)  # drop the previous step's token
+            for _, cache in ring:
+                cache.crop(held)  # drop the previous step's token
             start = time.perf_counter()
-            layer(x, cache=cache)
-            elapsed = time.perf_counter() - start
-            if i >= 2:  # two warm-up steps
+            for layer, cache in ring:
+                layer(x, cache=cache)
+            elapsed = (time.perf_counter() - start) / len(ring)
+            if i >= 2:  # two warm-up passes
                 times.append(elapsed)
-            if len(times) >= 5 and sum(times) >= min_seconds:
+            if len(times) >= 5 and sum(times) * len(ring) >= min_seconds:
                 break
     return min(times)  # best of, like the bandwidth and matmul figures it is compared with
 
 
+def _layer_bytes(cfg: AttentionConfig | MLAConfig, batch: int, tokens: int, dtype: str | torch.dtype) -> int:
+    """What one decode step of the layer reads: its weights and its cache of ``tokens``."""
+    name = dtype_name(dtype)
+    return param_count(cfg) * dtype_bits(name) // 8 + kv_cache_bytes(cfg, batch, tokens, name)
+
+
 def check_fits(chosen: list[Variant], batch: int, seq_len: int, dtype: str) -> None:
-    """Refuse, before measuring anything, a layer that this machine could not hold (3x: weights, cache, work)."""
+    """Refuse, before measuring anything, a layer that this machine could not hold: the ring of copies it is timed
+    over (weights and cache each), and room to work."""
     memory = memory_bytes()
     for v in chosen:
         cfg, tokens = timed_layer(v, seq_len)
-        nbytes = param_count(cfg) * dtype_bits(dtype) // 8 + kv_cache_bytes(cfg, batch, tokens, dtype)
-        if memory and 3 * nbytes > memory:
+        nbytes = _layer_bytes(cfg, batch, tokens, dtype)
+        # the ring of layers it is timed over (_time_step), and room to work
+        if memory and (ring_size(nbytes) + 1) * nbytes > memory:
             raise ValueError(
                 f"one {v.label} layer at batch {batch} x {tokens} tokens needs {nbytes / 2**30:.1f} GiB; "
                 f"too large to time on this machine ({memory / 2**30:.1f} GiB)"

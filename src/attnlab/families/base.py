@@ -448,6 +448,16 @@ class Family:
         if self.gqa not in ("native", "repeated", None):
             raise ValueError(f"Family.gqa must be native, repeated or None; got {self.gqa!r}")
 
+    def config(self, fields: Fields) -> ModelConfig:
+        """``read``, whose errors name the file as ``Fields``' do: the config classes' own checks (an odd head_dim
+        under RoPE, an odd MLA rotary dim) name their field alone."""
+        try:
+            return self.read(fields)
+        except ValueError as err:
+            if fields.label in str(err):
+                raise
+            raise ValueError(f"{fields.label}: {err}") from None
+
     def tensor_map(self, hf: dict) -> TensorMap:
         """The tensor map of a checkpoint whose config.json is ``hf``."""
         if self.tensors is None:

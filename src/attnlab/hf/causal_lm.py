@@ -53,7 +53,7 @@ def model_config(src: str | Path, hf: dict | None = None) -> ModelConfig:
     fields = Fields(hf, model_type, str(Path(src) / "config.json"))
     if fam.check_load is not None:
         fam.check_load(fields)
-    return fam.read(fields)
+    return fam.config(fields)
 
 
 def load_causal_lm(src: str | Path) -> nn.Module:

@@ -32,7 +32,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {', '.join([*ARCHITECTURES, 'bert'])}"
         )
-    return family(model_type).read(Fields(hf, model_type))
+    return family(model_type).config(Fields(hf, model_type))
 
 
 def hf_config_from_model(cfg: ModelConfig, model_type: str = "llama", base: dict | None = None) -> dict:

@@ -146,6 +146,7 @@ def parallelize(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:
             # Split by heads, the model returns the output head's gathered logits as DTensor.to_local() gives them: a
             # view, which FSDP2 warns may lose its pre-backward hook if changed in place. The loop only reads them
             # (cross-entropy, the distillation loss), so the warning, printed by every rank, is no news to a user.
+            # The filter lasts as long as the run (train.loop.uptrain's warnings.catch_warnings).
             warnings.filterwarnings(
                 "ignore", r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor", UserWarning
             )

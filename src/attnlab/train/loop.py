@@ -23,6 +23,7 @@ import hashlib
 import math
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,7 +328,8 @@ def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
     env = distributed.setup(opts.tp, opts.device)
     try:
         # DST's and the run directory's locks (rank 0), for the whole run
-        with contextlib.ExitStack() as held:
+        # warnings.catch_warnings: the filters the run sets (distributed.parallelize's) end with it
+        with contextlib.ExitStack() as held, warnings.catch_warnings():
             return _uptrain(opts, env, progress, held)
     finally:
         # FSDP2's modules hold reference cycles to pending collective work; collected at interpreter exit, after the
