@@ -168,6 +168,10 @@ def test_compare_local_measures_the_machine_once(monkeypatch):
     native = next(r for r in doc["rows"] if r["native"])
     assert native["decode_step_bytes"] / native["decode_step_seconds"] == pytest.approx(7e9)
     assert doc["local_hardware"].startswith("bandwidth 7.00 GB/s")
+    # the rates as numbers (the string was all, and only with --measure)
+    assert doc["local_rates"]["bandwidth_bytes_per_s"] == 7e9
+    plain = json.loads(runner.invoke(app, [*args[:-3], "--dtype", "fp32", "--json"]).stdout)
+    assert "--measure" not in args[:-3] and plain["local_rates"]["bandwidth_bytes_per_s"] == 7e9
     assert result.stderr == ""  # the timing bar left a blank line on a pipe
 
 

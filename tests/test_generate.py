@@ -391,8 +391,11 @@ def test_the_command_stops_at_eos_and_prints_tables(checkpoint):
     result = CliRunner().invoke(app, ["generate", str(checkpoint), "--prompt", "To be", "--max-new", "3"])
     assert result.exit_code == 0, result.output
     assert "of the roofline" in result.stdout and "prefill" in result.stdout
-    # the bytes a step reads, in digits one can check (a tiny model's step printed "0.00 GB")
-    assert re.search(r"of the roofline \((\d+\.\d\d) (kB|MB) over", result.stdout), result.stdout
+    # the bytes the decode steps read, in digits one can check (a tiny model's step printed "0.00 GB"), said to be
+    # all the steps' (it read as a step's)
+    assert re.search(r"of the roofline \((\d+\.\d\d) (kB|MB) read in [12] steps, at ", result.stdout), (
+        result.stdout
+    )
     assert "0.00 GB" not in result.stdout
 
 

@@ -55,6 +55,8 @@ def test_every_contender_agrees_with_its_baseline(tiny_result):
     assert [r["n_kv_heads"] for r in layer] == [4, 2, 1]
     mla = next(r for r in tiny_result["rows"] if r["kind"] == "mla")
     assert set(mla["ms"]) == {"absorbed", "naive", "hf_deepseek_v3"}
+    # no K/V heads: its head_dim was a plausible-looking 0; the latent row's width instead
+    assert mla["head_dim"] is None and mla["latent_dim"] == TINY_MLA.kv_lora_rank + TINY_MLA.qk_rope_head_dim
     hw = tiny_result["machine"]["hardware"]
     assert hw["bandwidth"] > 0 and hw["peak_flops"]["fp32"] > 0
     json.dumps(tiny_result)  # JSON-ready

@@ -235,3 +235,24 @@ def test_a_disturbed_measurement_is_said_and_not_cached(tmp_path, monkeypatch, c
         Hardware(**json.loads((tmp_path / "attnlab" / "local_hardware.json").read_text())["hardware"])
         == at_rest
     )
+
+
+def test_a_measurement_under_half_of_this_boots_is_used_once_and_not_cached(tmp_path, monkeypatch, capsys):
+    """A busy moment measured 6.0 GB/s (not doubtful: over the floor) where the machine streamed 17-22 GB/s minutes
+    before and after; it replaced the boot's cache and the next command's roofline fraction came out 3x too high."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    hw_mod._local_cached.cache_clear()
+    at_rest = Hardware("local", {"fp32": 150e9, "bf16": 400e9, "fp16": 40e9}, 20e9, 2**34, "test")
+    monkeypatch.setattr(hw_mod, "_measure", lambda: at_rest)
+    assert measure_local(fresh=True) == at_rest
+    for busy in (
+        dataclasses.replace(at_rest, bandwidth=6e9),
+        dataclasses.replace(at_rest, peak_flops={"fp32": 60e9, "bf16": 400e9, "fp16": 40e9}),
+    ):
+        monkeypatch.setattr(hw_mod, "_measure", lambda busy=busy: busy)
+        assert measure_local(fresh=True) == busy  # this command reads its figures against what it measured
+        assert "later commands keep the earlier measurement" in capsys.readouterr().err
+        assert measure_local() == at_rest  # the next ones against the boot's
+    slower = dataclasses.replace(at_rest, bandwidth=12e9)  # within half: the machine as it is now, kept
+    monkeypatch.setattr(hw_mod, "_measure", lambda: slower)
+    assert measure_local(fresh=True) == slower and measure_local() == slower and capsys.readouterr().err == ""

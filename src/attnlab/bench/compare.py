@@ -221,6 +221,13 @@ def run_compare(
                 for t in timings
             ]  # fmt: skip
             doc["local_hardware"] = hw_source
+        if local is not None:  # the rates local figures were read against, as numbers (they move from run to run)
+            measured = hw if measure else local
+            doc["local_rates"] = {
+                "bandwidth_bytes_per_s": measured.bandwidth,
+                "peak_flops_per_s": dict(measured.peak_flops),
+                "measured": measured.source,
+            }
         print(json_text(doc, indent=1), end="")
         return
     print_grid(compare_table(comparison), out)

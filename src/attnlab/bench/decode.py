@@ -384,7 +384,14 @@ def mla_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int) ->
     n_bytes = kv_cache_bytes(cfg, b, context, dtype) + weights
     return _finish_row(
         dict(
-            kind="mla", dtype=dtype, batch=b, context=context, n_heads=cfg.n_heads, n_kv_heads=1, head_dim=0
+            kind="mla",
+            dtype=dtype,
+            batch=b,
+            context=context,
+            n_heads=cfg.n_heads,
+            n_kv_heads=1,
+            head_dim=None,  # no K/V heads: one latent row per token, of latent_dim values (it read as a 0)
+            latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
         ),
         hw,
         times,

@@ -283,8 +283,8 @@ def print_result(result: dict[str, Any]) -> None:
     per_s = result["decode_tokens_per_s"]
     fraction = result["roofline_fraction"]
     roof = (
-        f"{fraction:.2f} of the roofline ({_decimal_bytes(result['decode_bytes'])} over "
-        f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"{fraction:.2f} of the roofline ({_decimal_bytes(result['decode_bytes'])} read in "
+        f"{result['decode_steps']} steps, at {result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
         f"{'measured' if result['bandwidth_measured'] else 'given'})"
         if fraction is not None
         else "no decode step"

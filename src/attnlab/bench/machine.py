@@ -117,16 +117,33 @@ def _measure(rounds: int = 3) -> Hardware:
     )
 
 
-@functools.cache
-def _local_cached() -> Hardware:
-    key = _session_key()
+def _saved() -> Hardware | None:
+    """This boot's cached measurement (``_session_key``), or None: absent, stale or damaged (any JSON but ours)."""
     try:
         saved = json.loads(_cache_path().read_text())
-        if isinstance(saved, dict) and saved.get("key") == key:
+        if isinstance(saved, dict) and saved.get("key") == _session_key():
             return Hardware(**saved["hardware"])
     except (OSError, ValueError, TypeError, KeyError):
-        pass  # absent, stale or damaged (any JSON but ours): measure again
-    return _measure_and_save()
+        pass
+    return None
+
+
+@functools.cache
+def _local_cached() -> Hardware:
+    saved = _saved()
+    return saved if saved is not None else _measure_and_save()
+
+
+def _slowed(hw: Hardware, earlier: Hardware) -> str | None:
+    """Why ``hw`` reads as this machine under other work rather than as it is: a bandwidth or float32 peak under
+    half of what it measured earlier this boot (a busy moment gave 6.0 GB/s where it streamed 17-22 minutes
+    before and after, and the next command's roofline fraction came out 3x too high); None otherwise."""
+    if hw.bandwidth < earlier.bandwidth / 2:
+        return f"a streaming read of {hw.bandwidth / 1e9:.1f} GB/s (earlier this boot {earlier.bandwidth / 1e9:.1f})"
+    fp32, before = hw.peak_flops.get("fp32", 0.0), earlier.peak_flops.get("fp32", 0.0)
+    if fp32 < before / 2:
+        return f"an fp32 matmul peak of {fp32 / 1e9:.0f} GFLOP/s (earlier this boot {before / 1e9:.0f})"
+    return None
 
 
 def doubtful(hw: Hardware) -> str | None:
@@ -159,6 +176,15 @@ def _measure_and_save() -> Hardware:
         print(
             f"attnlab: warning: this machine measured {why}, which it cannot be at rest (is it busy?): the roofline "
             "figures of this run are unreliable, and the measurement is not cached",
+            file=sys.stderr,
+        )
+        return hw
+    earlier = _saved()
+    slowed = _slowed(hw, earlier) if earlier is not None else None
+    if slowed is not None:  # this run's figures are read against it; later commands keep the earlier one
+        print(
+            f"attnlab: note: this machine measured {slowed} now (is it busy?): this run's roofline figures use "
+            "it, and later commands keep the earlier measurement",
             file=sys.stderr,
         )
         return hw
