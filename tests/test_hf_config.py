@@ -127,3 +127,18 @@ def test_the_loaders_config_errors_name_the_file_too(tmp_path):
         str(err.value)
         == f"{tmp_path / 'config.json'}: AttentionConfig.head_dim=7 must be even when rope=True"
     )
+
+
+def test_a_deepseek_checkpoints_config_errors_name_the_file(tmp_path):
+    """DeepSeek's load checks read the config before Family.config could name the file: an odd rotary dim said
+    `MLAConfig.qk_rope_head_dim=7 must be even` in generate, eval, sweep and convert."""
+    from attnlab.hf.causal_lm import model_config
+
+    raw = {"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+           "intermediate_size": 64, "vocab_size": 100, "kv_lora_rank": 16, "q_lora_rank": None,
+           "qk_nope_head_dim": 8, "qk_rope_head_dim": 7, "v_head_dim": 8, "n_routed_experts": None,
+           "first_k_dense_replace": 1}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        model_config(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and "qk_rope_head_dim=7" in str(err.value)

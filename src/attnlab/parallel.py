@@ -72,10 +72,16 @@ def check_shardable(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int, *, 
     A per-head norm's gain would be trained on each rank's share of the heads' gradient alone (never summed), and a
     norm over all heads would normalise each rank's heads by their own RMS (and its gain does not match them)."""
     check_tp(cfg, tp, flag=flag)
+    given = f"{flag} {tp}" if flag.startswith("--") else f"{flag}={tp}"
+    if isinstance(cfg, ModelConfig) and not cfg.tie_embeddings and cfg.vocab_size < tp:
+        # DTensor gave such an output head's gradient another placement than its weight: every optimizer step failed
+        raise ValueError(
+            f"{given}: the vocabulary of {cfg.vocab_size} is split over the ranks, at least a row each; use tp <= "
+            f"{cfg.vocab_size}"
+        )
     attentions = cfg.layer_attentions if isinstance(cfg, ModelConfig) else (cfg,)
     norms = sorted({a.qk_norm for a in attentions if isinstance(a, AttentionConfig)} - {"none"})
     if tp > 1 and norms:
-        given = f"{flag} {tp}" if flag.startswith("--") else f"{flag}={tp}"
         raise ValueError(
             f"{given}: tensor parallelism does not shard q/k norms yet (qk_norm={norms[0]!r}); use tp 1 "
             "(data parallelism alone)"

@@ -361,3 +361,10 @@ def test_mla_latent_rows_are_recognised_under_inference_mode_as_under_no_grad(gr
     kv = torch.randn(1, 1, 5, 40)
     assert fused._first_columns(kv[..., :24], kv) and not fused._first_columns(kv.clone()[..., :24], kv)
     assert not fused._first_columns(kv[..., 8:32], kv)
+    # rows that are not contiguous (a transposed buffer) are read by no latent kernel: not latent (triton_mla, which
+    # auto picks for a CUDA latent call, refused them)
+    kt = torch.randn(2, 1, 40, 7).transpose(-1, -2)
+    assert not kernels.call_of(torch.randn(2, 4, 1, 40), kt, kt[..., :32]).latent
+    # nor tensors without memory, whose storages all start at 0
+    meta = torch.empty(2, 1, 5, 40, device="meta")
+    assert not fused._first_columns(torch.empty(2, 1, 5, 32, device="meta"), meta)

@@ -233,16 +233,29 @@ def test_bfloat16_agrees_with_float64(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("t_q", [1, 5])  # a decode step (grouped's split-K kernel) and a prefill
-def test_float16_products_past_its_range_with_small_scaled_scores_stay_finite(backend, t_q):
-    """64 dims of 40: the unscaled product 102400 passes float16's 65504, the scaled score 12800 does not. The
-    grouped kernels multiplied first and scaled after: NaN, and auto sends a CPU float16 decode there."""
-    q = torch.full((1, 4, t_q, 64), 40.0)
-    k = torch.full((1, 2, 7, 64), 40.0)
-    v = torch.randn(1, 2, 7, 64, generator=torch.Generator().manual_seed(0))
-    k[:, :, 3] = -40.0  # scores that differ: one key gets no weight
-    got = attend(q.half(), k.half(), v.half(), backend=backend)
+@pytest.mark.parametrize(
+    "q_value, k_value, scale",
+    [
+        (
+            40.0,
+            40.0,
+            None,
+        ),  # 64 dims of 40: the product 102400 passes float16's 65504, the scaled score 12800 not
+        (1000.0, 1e-3, 100.0),  # a scale above 1: the scaled queries pass it, the scores (~6400) do not
+        (1.0, 300.0, None),  # large scores keep few bits in float16: 0.05 off where SDPA is within 6e-4
+    ],
+)
+def test_float16_scores_are_computed_in_float32(backend, t_q, q_value, k_value, scale):
+    """The grouped kernels multiplied q and k in float16 (NaN past its range, and few bits of a large score), and
+    auto sends a CPU float16 decode there; scaling the queries first overflowed them for a scale above 1."""
+    g = torch.Generator().manual_seed(0)
+    q = q_value * (1 + 0.1 * torch.rand(1, 4, t_q, 64, generator=g))
+    k = k_value * torch.randn(1, 2, 7, 64, generator=g).sign()
+    v = torch.randn(1, 2, 7, 64, generator=g)
+    q, k, v = q.half(), k.half(), v.half()
+    got = attend(q, k, v, scale=scale, backend=backend)
     assert got.dtype == torch.float16 and bool(torch.isfinite(got).all())
-    assert _err(got, oracle(q.half(), k.half(), v.half())) <= 2e-3
+    assert _err(got, oracle(q, k, v, scale=scale)) <= 2e-3
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

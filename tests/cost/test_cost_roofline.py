@@ -256,3 +256,20 @@ def test_a_measurement_under_half_of_this_boots_is_used_once_and_not_cached(tmp_
     slower = dataclasses.replace(at_rest, bandwidth=12e9)  # within half: the machine as it is now, kept
     monkeypatch.setattr(hw_mod, "_measure", lambda: slower)
     assert measure_local(fresh=True) == slower and measure_local() == slower and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("bandwidth", [0, -5.0, "fast", 1e15, float("nan")])
+def test_a_cache_file_with_figures_no_measurement_gives_is_measured_again(tmp_path, monkeypatch, bandwidth):
+    """A hand-edited cache: 0 was a ZeroDivisionError traceback, "fast" a TypeError line, -5 a silently
+    compute-bound roofline, 1e15 a figure every later measurement fell "under half" of."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    hw_mod._local_cached.cache_clear()
+    at_rest = Hardware("local", {"fp32": 150e9, "bf16": 400e9, "fp16": 40e9}, 20e9, 2**34, "test")
+    monkeypatch.setattr(hw_mod, "_measure", lambda: at_rest)
+    assert measure_local(fresh=True) == at_rest
+    path = tmp_path / "attnlab" / "local_hardware.json"
+    saved = json.loads(path.read_text())
+    saved["hardware"]["bandwidth"] = bandwidth
+    path.write_text(json.dumps(saved))
+    hw_mod._local_cached.cache_clear()
+    assert measure_local() == at_rest  # measured again

@@ -254,3 +254,14 @@ def test_q_k_norms_are_refused_before_any_collective(tmp_path, tokenizer, corpus
     with pytest.raises(ValueError, match=r"--tp 2: tensor parallelism does not shard q/k norms yet"):
         uptrain(opts, progress=False)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_vocabulary_smaller_than_tp_is_refused_unless_tied():
+    """3 rows over 4 ranks: DTensor gave the output head's gradient another placement than its weight, and every
+    optimizer step failed (aten.add_: in-place operations that require placement changes). A tied table stays
+    whole, so it shards."""
+    small = MODELS["mqa"].replace(vocab_size=3)
+    with pytest.raises(ValueError, match=r"tp=4: the vocabulary of 3 is split over the ranks, at least a row each"):
+        check_shardable(small, 4)
+    check_shardable(small, 2)
+    check_shardable(small.replace(tie_embeddings=True), 4)

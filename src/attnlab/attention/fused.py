@@ -732,6 +732,7 @@ def _first_columns(v: torch.Tensor, k: torch.Tensor) -> bool:
     # the storage, not the view's base: views made under torch.inference_mode (generate's) record no _base
     return (
         v.dtype == k.dtype
+        and k.untyped_storage().data_ptr() != 0  # (meta and empty tensors have no memory to share)
         and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
         and v.storage_offset() == k.storage_offset()
         and v.stride() == k.stride()

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from ..cache import PagedView, autocast_dtype
 from . import flashinfer_decode, flex, fused
 from .backends import AUTO, Backend, Call, choose, register
-from .decode import grouped_decode, paged_decode, prescaled, widened
+from .decode import grouped_decode, paged_decode, score_operands, widened
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -167,9 +167,12 @@ def call_of(
         grad=_differentiated(q, kt, vt),
         softcap=softcap is not None,
         subclass=type(q) not in _PLAIN or type(kt) not in _PLAIN or type(vt) not in _PLAIN,
-        # MLA's absorbed form: one KV head, the values a view of the keys' first columns (the shape test first: a
-        # GQA call pays no more than it)
-        latent=kt.shape[-3] == 1 and vt.shape[-1] <= kt.shape[-1] and fused._first_columns(vt, kt),
+        # MLA's absorbed form: one KV head, the values a view of the keys' first columns, rows of unit stride (the
+        # latent kernels read whole rows). The shape tests first: a GQA call pays no more than them.
+        latent=kt.shape[-3] == 1
+        and vt.shape[-1] <= kt.shape[-1]
+        and kt.stride(-1) == 1
+        and fused._first_columns(vt, kt),
         wide=vt.shape[-1] > kt.shape[-1],
         counting=_flop_counting(),
     )
@@ -641,8 +644,8 @@ def _grouped(q, k, v, mask, scale, dropout_p, softcap=None):
     n_kv_heads, t_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv_heads
     qg = q.reshape(b, n_kv_heads, group * t_q, d)  # a view when q is contiguous (always true for T_q == 1)
-    qg, after = prescaled(qg, scale)
-    scores = widened(torch.matmul(qg, k.transpose(-2, -1))) * after  # (B, n_kv_heads, group * T_q, T_k)
+    qs, ks = score_operands(qg, k)
+    scores = widened(torch.matmul(qs, ks.transpose(-2, -1))) * scale  # (B, n_kv_heads, group * T_q, T_k)
     if softcap is not None:  # before the mask: tanh would turn a masked -inf into -softcap
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -122,10 +123,18 @@ def _saved() -> Hardware | None:
     try:
         saved = json.loads(_cache_path().read_text())
         if isinstance(saved, dict) and saved.get("key") == _session_key():
-            return Hardware(**saved["hardware"])
-    except (OSError, ValueError, TypeError, KeyError):
+            hw = Hardware(**saved["hardware"])
+            rates = [hw.bandwidth, *hw.peak_flops.values()]
+            # figures no measurement gives (a file edited by hand: 0, -5, "fast", 1e15 B/s) are measured again
+            if all(_rate(x) for x in rates) and hw.bandwidth < 1e13 and doubtful(hw) is None:
+                return hw
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     return None
+
+
+def _rate(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 @functools.cache

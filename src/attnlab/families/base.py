@@ -448,10 +448,12 @@ class Family:
         if self.gqa not in ("native", "repeated", None):
             raise ValueError(f"Family.gqa must be native, repeated or None; got {self.gqa!r}")
 
-    def config(self, fields: Fields) -> ModelConfig:
-        """``read``, whose errors name the file as ``Fields``' do: the config classes' own checks (an odd head_dim
-        under RoPE, an odd MLA rotary dim) name their field alone."""
+    def config(self, fields: Fields, *, loading: bool = False) -> ModelConfig:
+        """``read`` (after ``check_load`` when ``loading`` weights), whose errors name the file as ``Fields``' do:
+        the config classes' own checks (an odd head_dim under RoPE, an odd MLA rotary dim) name their field alone."""
         try:
+            if loading and self.check_load is not None:
+                self.check_load(fields)
             return self.read(fields)
         except ValueError as err:
             if fields.label in str(err):

@@ -51,9 +51,7 @@ def model_config(src: str | Path, hf: dict | None = None) -> ModelConfig:
     hf = io.read_config(src) if hf is None else hf
     model_type, fam = _family(hf, src)
     fields = Fields(hf, model_type, str(Path(src) / "config.json"))
-    if fam.check_load is not None:
-        fam.check_load(fields)
-    return fam.config(fields)
+    return fam.config(fields, loading=True)
 
 
 def load_causal_lm(src: str | Path) -> nn.Module:

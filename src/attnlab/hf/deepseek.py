@@ -29,8 +29,7 @@ def model_config_from_deepseek(hf: dict) -> ModelConfig:
     if hf.get("model_type") != "deepseek_v3":
         raise ValueError(f"model_type must be 'deepseek_v3', got {hf.get('model_type')!r}")
     fields = Fields(hf, "deepseek_v3")
-    DEEPSEEK_V3.check_load(fields)
-    return DEEPSEEK_V3.config(fields)  # check_load refused MoE layers by their field
+    return DEEPSEEK_V3.config(fields, loading=True)  # check_load refuses MoE layers by their field
 
 
 def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, rope_interleave: bool = True) -> dict:
