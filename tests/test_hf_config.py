@@ -141,4 +141,5 @@ def test_a_deepseek_checkpoints_config_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError) as err:
         model_config(tmp_path)
-    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and "qk_rope_head_dim=7" in str(err.value)
+    said = str(err.value)
+    assert said.startswith(f"{tmp_path / 'config.json'}: ") and "qk_rope_head_dim=7" in said

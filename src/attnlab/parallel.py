@@ -73,12 +73,9 @@ def check_shardable(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int, *, 
     norm over all heads would normalise each rank's heads by their own RMS (and its gain does not match them)."""
     check_tp(cfg, tp, flag=flag)
     given = f"{flag} {tp}" if flag.startswith("--") else f"{flag}={tp}"
-    if isinstance(cfg, ModelConfig) and not cfg.tie_embeddings and cfg.vocab_size < tp:
-        # DTensor gave such an output head's gradient another placement than its weight: every optimizer step failed
-        raise ValueError(
-            f"{given}: the vocabulary of {cfg.vocab_size} is split over the ranks, at least a row each; use tp <= "
-            f"{cfg.vocab_size}"
-        )
+    if isinstance(cfg, ModelConfig):
+        split = {"ffn_dim": cfg.ffn_dim} | ({} if cfg.tie_embeddings else {"vocab_size": cfg.vocab_size})
+        check_split_sizes(split, tp, given)
     attentions = cfg.layer_attentions if isinstance(cfg, ModelConfig) else (cfg,)
     norms = sorted({a.qk_norm for a in attentions if isinstance(a, AttentionConfig)} - {"none"})
     if tp > 1 and norms:
@@ -86,6 +83,18 @@ def check_shardable(cfg: AttentionConfig | MLAConfig | ModelConfig, tp: int, *, 
             f"{given}: tensor parallelism does not shard q/k norms yet (qk_norm={norms[0]!r}); use tp 1 "
             "(data parallelism alone)"
         )
+
+
+def check_split_sizes(sizes: dict[str, int], tp: int, given: str) -> None:
+    """The sizes split over the ranks by rows (the MLP's width, an untied vocabulary) must be at least tp: with
+    fewer rows than ranks DTensor gave the gradient another placement than its weight, and every optimizer step
+    failed ("in-place operations that require placement changes are not supported"). A rank whose share is empty
+    works (a vocabulary of 5 over 4 ranks: 2, 2, 1, 0)."""
+    for name, size in sizes.items():
+        if size < tp:
+            raise ValueError(
+                f"{given}: {name}={size} is split over the ranks and must be at least tp; use tp <= {size}"
+            )
 
 
 # ---- gradients that are partial sums over the ranks -------------------------------------------------------------
@@ -325,7 +334,9 @@ def _check_module(module: nn.Module, tp: int) -> None:
     """Everything apply_tp checks, before anything is sharded (no collective has been issued yet)."""
     if isinstance(module, (Transformer, GroupedQueryAttention, MultiHeadLatentAttention)):
         check_shardable(module.cfg, tp)
-    elif not isinstance(module, FeedForward):
+    elif isinstance(module, FeedForward):
+        check_split_sizes({"hidden": module.w1.out_features}, tp, f"tp={tp}")
+    else:
         raise TypeError(
             "apply_tp shards GroupedQueryAttention, MultiHeadLatentAttention, FeedForward and Transformer; "
             f"got {type(module).__name__}"

@@ -258,10 +258,25 @@ def test_a_measurement_under_half_of_this_boots_is_used_once_and_not_cached(tmp_
     assert measure_local(fresh=True) == slower and measure_local() == slower and capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("bandwidth", [0, -5.0, "fast", 1e15, float("nan")])
-def test_a_cache_file_with_figures_no_measurement_gives_is_measured_again(tmp_path, monkeypatch, bandwidth):
-    """A hand-edited cache: 0 was a ZeroDivisionError traceback, "fast" a TypeError line, -5 a silently
-    compute-bound roofline, 1e15 a figure every later measurement fell "under half" of."""
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"bandwidth": 0},
+        {"bandwidth": -5.0},
+        {"bandwidth": "fast"},
+        {"bandwidth": 1e15},
+        {"bandwidth": float("nan")},
+        {"memory_bytes": "lots"},
+        {"memory_bytes": -1},
+        {"peak_flops": {"fp32": 9.5e10}},
+        {"peak_flops": {"fp32": 150e9, "bf16": 1e18, "fp16": 40e9}},
+        {"gpus_per_node": -3},
+    ],
+)
+def test_a_cache_file_with_figures_no_measurement_gives_is_measured_again(tmp_path, monkeypatch, edit):
+    """A hand-edited cache: a bandwidth of 0 was a ZeroDivisionError traceback, "fast" a TypeError line, -5 a
+    silently compute-bound roofline, 1e15 a figure every later measurement fell "under half" of; a memory of "lots"
+    a TypeError line, a peak left out "hardware 'local' has no peak FLOP/s for dtype 'bf16'"."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     hw_mod._local_cached.cache_clear()
     at_rest = Hardware("local", {"fp32": 150e9, "bf16": 400e9, "fp16": 40e9}, 20e9, 2**34, "test")
@@ -269,7 +284,12 @@ def test_a_cache_file_with_figures_no_measurement_gives_is_measured_again(tmp_pa
     assert measure_local(fresh=True) == at_rest
     path = tmp_path / "attnlab" / "local_hardware.json"
     saved = json.loads(path.read_text())
-    saved["hardware"]["bandwidth"] = bandwidth
+    saved["hardware"] |= edit
     path.write_text(json.dumps(saved))
     hw_mod._local_cached.cache_clear()
     assert measure_local() == at_rest  # measured again
+    saved["hardware"] = dict(json.loads(json.dumps(dataclasses.asdict(at_rest))), bandwidth=20_000_000_000)
+    path.write_text(json.dumps(saved))  # an int where a float was: valid, read back as it is
+    hw_mod._local_cached.cache_clear()
+    monkeypatch.setattr(hw_mod, "_measure", lambda: pytest.fail("a valid cache file was measured again"))
+    assert measure_local().bandwidth == 20e9

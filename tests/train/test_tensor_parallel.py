@@ -256,12 +256,24 @@ def test_q_k_norms_are_refused_before_any_collective(tmp_path, tokenizer, corpus
     assert not (tmp_path / "d").exists()
 
 
-def test_a_vocabulary_smaller_than_tp_is_refused_unless_tied():
-    """3 rows over 4 ranks: DTensor gave the output head's gradient another placement than its weight, and every
-    optimizer step failed (aten.add_: in-place operations that require placement changes). A tied table stays
-    whole, so it shards."""
+def test_a_split_smaller_than_tp_is_refused():
+    """3 rows over 4 ranks (an untied vocabulary, the MLP's width): DTensor gave the gradient another placement than
+    its weight, and every optimizer step failed (aten.add_: in-place operations that require placement changes).
+    A tied table stays whole, so it shards; an empty share (5 rows over 4 ranks: 2, 2, 1, 0) trains."""
+    from attnlab import parallel
+    from attnlab.model import FeedForward
+
     small = MODELS["mqa"].replace(vocab_size=3)
-    with pytest.raises(ValueError, match=r"tp=4: the vocabulary of 3 is split over the ranks, at least a row each"):
+    with pytest.raises(
+        ValueError, match=r"tp=4: vocab_size=3 is split over the ranks and must be at least tp"
+    ):
         check_shardable(small, 4)
     check_shardable(small, 2)
     check_shardable(small.replace(tie_embeddings=True), 4)
+    check_shardable(small.replace(vocab_size=5), 4)
+    with pytest.raises(
+        ValueError, match=r"--tp 4: ffn_dim=3 is split over the ranks and must be at least tp"
+    ):
+        check_shardable(MODELS["mqa"].replace(ffn_dim=3), 4, flag="--tp")
+    with pytest.raises(ValueError, match=r"tp=4: hidden=2 is split"):
+        parallel._check_module(FeedForward(8, 2), 4)  # apply_tp's checks, before any collective

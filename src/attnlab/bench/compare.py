@@ -221,7 +221,8 @@ def run_compare(
                 for t in timings
             ]  # fmt: skip
             doc["local_hardware"] = hw_source
-        if local is not None:  # the rates local figures were read against, as numbers (they move from run to run)
+        # the rates local figures were read against, as numbers (they move from run to run)
+        if local is not None:
             measured = hw if measure else local
             doc["local_rates"] = {
                 "bandwidth_bytes_per_s": measured.bandwidth,

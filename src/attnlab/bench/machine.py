@@ -124,17 +124,32 @@ def _saved() -> Hardware | None:
         saved = json.loads(_cache_path().read_text())
         if isinstance(saved, dict) and saved.get("key") == _session_key():
             hw = Hardware(**saved["hardware"])
-            rates = [hw.bandwidth, *hw.peak_flops.values()]
-            # figures no measurement gives (a file edited by hand: 0, -5, "fast", 1e15 B/s) are measured again
-            if all(_rate(x) for x in rates) and hw.bandwidth < 1e13 and doubtful(hw) is None:
+            if _measurable(hw):
                 return hw
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     return None
 
 
-def _rate(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+def _measurable(hw: Hardware) -> bool:
+    """Whether ``hw`` holds what ``_measure`` gives: a file edited by hand (a bandwidth of 0, -5, "fast" or 1e15
+    B/s, a memory of "lots" or -1, a dtype's peak left out) is measured again rather than trusted."""
+
+    def rate(x: object, top: float) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 < x < top
+
+    return (
+        hw.name == "local"
+        and isinstance(hw.peak_flops, dict)
+        and set(hw.peak_flops) == set(MEASURED_DTYPES)
+        and all(rate(x, 1e17) for x in hw.peak_flops.values())
+        and rate(hw.bandwidth, 1e13)
+        and isinstance(hw.memory_bytes, int)
+        and not isinstance(hw.memory_bytes, bool)
+        and hw.memory_bytes >= 0  # 0: unknown (no /proc/meminfo)
+        and (hw.link_bandwidth, hw.gpus_per_node, hw.network_bandwidth) == (None, 1, None)
+        and doubtful(hw) is None
+    )
 
 
 @functools.cache
