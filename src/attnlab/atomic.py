@@ -806,7 +806,7 @@ def remove_or_keep(path: PathLike, kind: str, what: str = "directory", said: set
         remove_owned(path, kind, what)
     except FileExistsError as err:
         if said is None or Path(path) not in said:
-            named = added(_absolute(path)) if Path(path).is_dir() else ""
+            named = added(_absolute(path))  # "" for a file: it has no marker to list what attnlab wrote
             # the deletion was attnlab's own choice: nothing to move or choose, only what is left and why
             why = (
                 f"it holds what attnlab did not write there ({named}), with all it holds"

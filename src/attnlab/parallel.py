@@ -181,9 +181,8 @@ class VocabParallelEmbedding(ParallelStyle):
             raise TypeError(f"VocabParallelEmbedding shards an nn.Embedding, got {type(module).__name__}")
         _distribute_params(module, mesh, [Shard(0)])
         vocab = module.num_embeddings
-        module.vocab_start = min(
-            mesh.get_local_rank() * -(-vocab // mesh.size()), vocab
-        )  # torch.chunk's split
+        # this rank's first row in torch.chunk's split: chunks of ceil(vocab / tp) rows
+        module.vocab_start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
         # the instance's forward: nn.Embedding's would take DTensor's rule
         module.forward = types.MethodType(_vocab_parallel_lookup, module)
         return module

@@ -708,7 +708,7 @@ def _plain_operands(tensors, dtypes) -> bool:
             continue
         if type(t) not in _PLAIN_TYPES or t.device.type != "cpu" or t.dtype not in dtypes:
             return False
-        if (grad and t.requires_grad) or (tangents and _differentiated(t, False, True)):
+        if _differentiated(t, grad, tangents):
             return False
     return True
 

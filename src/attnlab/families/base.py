@@ -46,6 +46,11 @@ class Fields:
         # what the errors name: the file where there is one ("llama config.json" named no checkpoint)
         self.label = where or f"{model_type} config.json"
 
+    def within(self, raw: dict[str, Any]) -> Fields:
+        """Fields of ``raw``, a part of this config or one derived from it (``rope_parameters``, the config with a
+        default filled in), whose errors name the same file."""
+        return Fields(raw, self.model_type, self.label)
+
     def _get(self, key: str, default: Any) -> Any:
         value = self.raw.get(key, default)
         if value is _MISSING:
@@ -129,7 +134,7 @@ class Fields:
         (``rope_parameters``): plain RoPE has no scaling; any other type keeps its parameters (and the model's
         ``max_position_embeddings``, which yarn and longrope read) for transformers' ROPE_INIT_FUNCTIONS."""
         params = rope_parameters(self.raw, self.model_type, default_theta)
-        theta = Fields(params, self.model_type, self.label).float("rope_theta", above=0)
+        theta = self.within(params).float("rope_theta", above=0)
         kind = params.get("rope_type", "default")
         if kind == "default":
             return theta, ()

@@ -200,7 +200,7 @@ def read(f: Fields) -> ModelConfig:
         rope = _gemma3_rope(f)
     else:  # one RoPE for every layer
         rope = dict.fromkeys(
-            LAYER_TYPES, Fields({"max_position_embeddings": _max_positions(f)} | f.raw, kind, f.label).rope()
+            LAYER_TYPES, f.within({"max_position_embeddings": _max_positions(f)} | f.raw).rope()
         )
     theta, scaling = rope["full_attention"]
     # Gemma 3 has an attn_logit_softcapping field but Gemma3Attention never applies it

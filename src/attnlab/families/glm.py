@@ -104,7 +104,7 @@ def rotary_factor(raw: dict[str, Any], model_type: str) -> Any:
 def _rope(f: Fields) -> tuple[float, tuple[tuple[str, Any], ...]]:
     """(theta, scaling) of a config.json: yarn and longrope read max_position_embeddings, whose default is GLM's."""
     positions = f.int("max_position_embeddings", DEFAULT_POSITIONS)
-    return Fields(f.raw | {"max_position_embeddings": positions}, f.model_type, f.label).rope()
+    return f.within(f.raw | {"max_position_embeddings": positions}).rope()
 
 
 def read(f: Fields) -> ModelConfig:
@@ -115,9 +115,9 @@ def read(f: Fields) -> ModelConfig:
     check_heads(f, d, n_heads, n_kv, head_dim, "num_key_value_heads")
     if f.raw.get("hidden_act", "silu") != "silu":
         f.unsupported("hidden_act", "the MLP is SwiGLU: only 'silu'")
-    factor = Fields(
-        {"partial_rotary_factor": rotary_factor(f.raw, f.model_type)}, f.model_type, f.label
-    ).float("partial_rotary_factor")
+    factor = f.within({"partial_rotary_factor": rotary_factor(f.raw, f.model_type)}).float(
+        "partial_rotary_factor"
+    )
     rope_dim = int(head_dim * factor)  # transformers' int(), as GlmRotaryEmbedding computes it
     if not 0 < factor <= 1 or rope_dim < 2 or rope_dim % 2:
         f.fail(

@@ -89,13 +89,10 @@ def _rope(f: Fields, head_dim: int) -> tuple[float, tuple[tuple[str, Any], ...],
     """(theta, scaling, rotary dims per head) with ``GPTNeoXConfig``'s precedence (module docstring)."""
     theta = f.float("rotary_emb_base", DEFAULT_THETA)
     # Fields.rope fills a missing rope_theta from the top level: GPT-NeoX's is rotary_emb_base
-    theta, scaling = Fields(dict(f.raw, rope_theta=theta), f.model_type, f.label).rope()
+    theta, scaling = f.within(dict(f.raw, rope_theta=theta)).rope()
     params = rope_parameters(f.raw, f.model_type)
     if "partial_rotary_factor" in params:
-        key, pct = (
-            "partial_rotary_factor",
-            Fields(params, f.model_type, f.label).float("partial_rotary_factor"),
-        )
+        key, pct = "partial_rotary_factor", f.within(params).float("partial_rotary_factor")
     else:
         key, pct = "rotary_pct", f.float("rotary_pct", DEFAULT_ROTARY_PCT)
     if not 0.0 <= pct <= 1.0:

@@ -85,7 +85,7 @@ LONGROPE_OPTIONAL = ("factor", "attention_factor")
 
 def _rotary_dim(f: Fields, params: dict[str, Any], head_dim: int) -> int:
     """``int(head_dim * partial_rotary_factor)``, the factor from the RoPE parameters, else the top level, else 1."""
-    inner = Fields(params, f.model_type, f.label).opt_float("partial_rotary_factor")
+    inner = f.within(params).opt_float("partial_rotary_factor")
     outer = f.opt_float("partial_rotary_factor")
     factor = inner if inner is not None else 1.0 if outer is None else outer
     dim = int(head_dim * factor)
@@ -113,7 +113,7 @@ def _factors(f: Fields, params: dict[str, Any], key: str, rotary_dim: int) -> tu
 def _rope(f: Fields, head_dim: int) -> tuple[float, tuple[tuple[str, Any], ...], int]:
     """(rope_theta, rope_scaling, rotary dim) as transformers' Phi3Config reads them (see the module docstring)."""
     params = rope_parameters(f.raw, f.model_type)
-    theta = Fields(params, f.model_type, f.label).float("rope_theta", above=0)
+    theta = f.within(params).float("rope_theta", above=0)
     rotary_dim = _rotary_dim(f, params, head_dim)
     kind = params["rope_type"]
     if kind == "default":
@@ -133,7 +133,7 @@ def _rope(f: Fields, head_dim: int) -> tuple[float, tuple[tuple[str, Any], ...],
     }
     for key in LONGROPE_OPTIONAL:
         if params.get(key) is not None:
-            scaling[key] = Fields(params, f.model_type, f.label).float(key)
+            scaling[key] = f.within(params).float(key)
     return theta, freeze(scaling), rotary_dim
 
 

@@ -179,7 +179,7 @@ def remove_partial(run: Path) -> None:
 def start_over(run: Path) -> str:
     """How to start a run over in run directory ``run``: --overwrite empties it, but not while it holds what a
     user added (``atomic.added``), and advice that is then refused sends the user round in a circle."""
-    named = added(run) if run.is_dir() else ""
+    named = added(run)  # "" for a directory without a user's file, or none at all
     if named:
         return (
             f"to start over, first move away what attnlab did not write there ({named}) and pass --overwrite"
