@@ -326,6 +326,38 @@ def test_the_kernel_built_without_avx512_equals_the_reference(avx2_kernel, monke
         assert torch.equal(paged[i : i + 1], alone)
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [4, 8, 16, 32])  # rows, eights (dot products), lanes or pairs, wide lanes
+def test_a_nan_reaches_the_output_of_the_query_heads_it_touches_as_in_sdpa(
+    build, dtype, group, request, monkeypatch
+):
+    """A NaN in a query makes that head's output NaN, one in a key or value row every head of its group's, and no
+    other head's: what SDPA gives. Contexts of several chunks (merged by log-sum-exp) and of one short block. A query
+    of NaN used to come out as zeros: every score NaN left its chunk's maximum at -inf, the mark of a chunk with
+    nothing attended, which the merge skips (and on the pair path 2^x clamped NaN to 2^-126)."""
+    if build == "avx2":  # (the fixture skips where the kernel cannot build)
+        monkeypatch.setitem(fused._state, "ops", request.getfixturevalue("avx2_kernel"))
+    elif not fused.available():
+        pytest.skip(fused.status())
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(group)
+    for n in (700, 40):
+        q = torch.randn(2, 2 * group, 1, 64, generator=gen).to(dt)
+        k, v = (torch.randn(2, 2, n, 64, generator=gen).to(dt) for _ in range(2))
+        for where in ("q", "k", "v"):
+            qq, kk, vv = q.clone(), k.clone(), v.clone()
+            {"q": qq[1, group + 1, 0], "k": kk[1, 1, n // 2], "v": vv[1, 1, n - 1]}[where][5] = float("nan")
+            got = fused.decode(qq, kk, vv, scale=0.125)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                qq.float(), kk.float(), vv.float(), scale=0.125, enable_gqa=True
+            )
+            nan = got.isnan().any(-1)
+            assert torch.equal(nan, want.isnan().any(-1)), (n, where, nan.flatten().tolist())
+            assert nan.sum() == (1 if where == "q" else group)
+            torch.testing.assert_close(got[~nan].float(), want[~nan], **TOL[dt])
+
+
 def test_inputs_the_kernel_does_not_take_run_the_grouped_kernel():
     """A mask, a gradient or dropout: "fused" answers through the grouped kernel, so the result stays right."""
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)

@@ -191,7 +191,7 @@ inline void amx_values(const Rows<bf16>& values, const Item& it, int64_t t0, int
 
 // 2^x for x <= 0 to a relative error below 5e-5 (Taylor polynomial of degree 4 on |f| <= 1/2; scalef applies 2^n).
 inline __m512 exp2_coarse(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-126.f), x);  // NaN stays NaN (max_ps returns its second operand)
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.6181291e-3f), f, _mm512_set1_ps(5.5504109e-2f));

@@ -166,12 +166,14 @@ void merge(const Dims& d, int64_t B, int64_t n_kv, int64_t H, const std::vector<
       float l = 0.f;
       for (int64_t c = 0; c < nc; ++c) {
         const float* pc = parts.data() + ((c0 + c) * G + g) * stride;
-        if (pc[d.dv_pad] == kNegInf) continue;  // a chunk with nothing attended (exp2_neg gives 2^-126, not 0)
+        // a chunk with nothing attended (exp2_neg gives 2^-126, not 0): its exp-sum is 0. Not its maximum alone,
+        // -inf there too when every score was NaN (a NaN query), whose NaN exp-sum must reach the output.
+        if (pc[d.dv_pad + 1] == 0.f) continue;
         const float w = wgt[c * G + g];
         l += w * pc[d.dv_pad + 1];
         for (int64_t k = 0; k < d.dv_pad; k += W) vstore(&o[k], vload(&o[k]) + splat<vf>(w) * vload(pc + k));
       }
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with nothing to attend to gets zeros
+      const float inv = l == 0.f ? 0.f : 1.f / l;  // a row with nothing to attend to gets zeros (l NaN: NaN)
       T* dst = out + ((bh / n_kv) * H + (bh % n_kv) * G + g) * dv;
       for (int64_t k = 0; k < dv; ++k) dst[k] = narrow<T>(o[k] * inv);
     }
