@@ -84,6 +84,20 @@ def test_rows_source_first_and_a_failing_conversion_in_its_row(first):
     assert results["jobs"]["failed"] == 1 and results["jobs"]["skipped"] == 3  # its speed, eval, uptrain
 
 
+def test_the_note_column_is_there_only_for_rows_that_could_not_be_done(first):
+    # the table and report.md had a "note" column that every sweep without a refused conversion left empty
+    from attnlab.sweep.report import header, markdown, table_rows
+
+    results, _, _ = first
+    done = results | {"rows": [r for r in results["rows"] if r["error"] is None]}
+    for res, notes in ((results, True), (done, False)):
+        names, cells = header(res), table_rows(res)
+        assert ("note" in names) is notes and all(len(row) == len(names) for row in cells)
+        table = markdown(res, [])
+        assert ("| note |" in table) is notes and "| ms/step " in table
+    assert "kv-lora-rank" in table_rows(results)[-1][-1]
+
+
 def test_kv_bytes_equal_the_caches_nbytes(first):
     results, _, _ = first
     ctx, batch = results["options"]["context"], results["options"]["batch"]

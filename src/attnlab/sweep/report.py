@@ -134,13 +134,20 @@ def table_rows(results: dict) -> list[list[str]]:
                  _num(r.get("tokens_per_s"), ".0f")]  # fmt: skip
         pred = r.get("predicted_decode_s") or {}
         cells += [_num(pred[h] * 1e3 if h in pred else None, ".3g") for h in hw]
-        cells.append(r["error"] or "")
+        if _notes(results):
+            cells.append(r["error"] or "")
         out.append(cells)
     return out
 
 
+def _notes(results: dict) -> bool:
+    """Whether the table has a note column: where some row could not be done (its reason goes there)."""
+    return any(r["error"] for r in results["rows"])
+
+
 def header(results: dict) -> list[str]:
-    return [*COLUMNS, *(f"ms/step {h}" for h in results["options"]["hardware"]), "note"]
+    hw = results["options"]["hardware"]
+    return [*COLUMNS, *(f"ms/step {h}" for h in hw), *(["note"] if _notes(results) else [])]
 
 
 _NOT_MEASURED = "not measured (no timing job succeeded)"  # (it said "at None tokens")
