@@ -1,5 +1,6 @@
-"""The Llama family (``attnlab.families.llama``): Llama 3.x (llama3 RoPE), Mistral (sliding window), Qwen2 / Qwen2.5
-(yarn, sliding layers), against their transformers classes with the same random weights."""
+"""The Llama family (``attnlab.families.llama``): Llama 3.x (llama3 RoPE), Mistral (sliding window), Ministral
+(sliding and full layers), Qwen2 / Qwen2.5 (yarn, sliding layers), against their transformers classes with the same
+random weights."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from family_oracle import (
     check_left_padded,
     check_logits,
     convert,
+    hf_model,
     tokens,
 )
 from typer.testing import CliRunner
@@ -44,6 +46,17 @@ CASES = {
     "mistral (window 8)": (
         transformers.MistralConfig,
         dict(SMALL, sliding_window=8, max_position_embeddings=64),
+    ),
+    "ministral (full and sliding layers)": (
+        transformers.MinistralConfig,
+        dict(
+            SMALL,
+            num_hidden_layers=3,
+            head_dim=8,  # (transformers' MinistralAttention fails on the default None)
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            max_position_embeddings=64,
+        ),
     ),
     "qwen2.5 (yarn, sliding layers)": (
         transformers.Qwen2Config,
@@ -346,3 +359,43 @@ def test_a_family_module_and_a_registry_entry_are_all_a_new_family_needs(tmp_pat
         summary["model_type"] == "llamalike"
         and load_causal_lm(tmp_path / "dst").cfg.attention.n_kv_heads == 1
     )
+
+
+def _edited(src, dst, **changes):
+    """A copy of checkpoint ``src`` at ``dst`` with its config.json fields changed."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    hf = json.loads((dst / "config.json").read_text()) | changes
+    (dst / "config.json").write_text(json.dumps(hf))
+    return dst
+
+
+def test_a_mistral_config_with_layer_types_is_read_as_transformers_reads_it(tmp_path):
+    # transformers loads it as Ministral (full layers where the list says so); attnlab slid every layer (logits
+    # 3.7 apart on a window of 8)
+    src = build(
+        transformers.MistralConfig, tmp_path / "src", **SMALL, sliding_window=8, max_position_embeddings=64
+    )
+    types = ["full_attention", "sliding_attention"]
+    edited = _edited(src, tmp_path / "typed", layer_types=types)
+    assert hf_model(edited).config.model_type == "ministral"
+    check_logits(edited, n=24)
+    x = tokens(24)
+    with torch.no_grad():
+        assert (load_causal_lm(edited)(x) - load_causal_lm(src)(x)).abs().max() > 0.1  # the full layer counts
+    assert to_hf_config(from_hf_config(edited), "mistral")["layer_types"] == types  # written back
+    with pytest.raises(
+        ValueError, match=r"layer_types names sliding_attention layers but no window is set \(sl"
+    ):
+        from_hf_config(_edited(src, tmp_path / "no-window", layer_types=types, sliding_window=None))
+
+
+@pytest.mark.parametrize(("model_type", "field"), [("mistral", "attention_bias"), ("mistral", "mlp_bias"),
+                                                   ("qwen2", "mlp_bias")])  # fmt: skip
+def test_bias_flags_only_llama_reads_are_ignored_elsewhere_as_in_transformers(tmp_path, model_type, field):
+    # attnlab read Llama's attention_bias / mlp_bias on every model_type of the family, and refused these
+    # checkpoints for missing bias tensors that transformers' Mistral and Qwen2 classes never make
+    cls = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[model_type]
+    src = build(cls, tmp_path / "src", **SMALL, max_position_embeddings=64)
+    check_logits(_edited(src, tmp_path / "flagged", **{field: True}), n=12)

@@ -6,10 +6,12 @@ The decoder is attnlab's default one (pre RMSNorm, SwiGLU, RoPE in half-split pa
 - RoPE frequencies: any ``rope_parameters`` type transformers computes (Llama 3.x "llama3", Qwen2.5's "yarn",
   "linear", "dynamic", "longrope"); see ``attnlab.attention.rope``.
 - Biases: Llama's ``attention_bias`` is on q, k, v and o, ``mlp_bias`` on the MLP; Qwen2 has q/k/v biases and
-  none on o; Mistral none.
+  none on o; Mistral none. Only Llama's config reads the two flags (transformers' Mistral and Qwen2 classes ignore
+  them, and so does attnlab).
 - Sliding windows: Mistral's ``sliding_window`` applies to every layer (transformers' default 4096 when the field
-  is absent); Qwen2's only with ``use_sliding_window``, to the layers its ``layer_types`` name (by default those from
-  ``max_window_layers`` on), as transformers' ``Qwen2Config`` decides.
+  is absent), Ministral's (``model_type`` ministral, or mistral with ``layer_types``, which transformers loads as
+  Ministral) to the layers its ``layer_types`` name; Qwen2's only with ``use_sliding_window``, to the layers its
+  ``layer_types`` name (by default those from ``max_window_layers`` on), as transformers' ``Qwen2Config`` decides.
 
 Tensor names (N = layer index):
 
@@ -42,12 +44,18 @@ from .base import (
     sliding_layer_types,
 )
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 # What a missing num_key_value_heads and max_position_embeddings mean to transformers' LlamaConfig, MistralConfig
 # and Qwen2Config; another model_type read by these functions: the head count and 4096. An explicit null KV count
 # is the head count (LlamaConfig and Qwen2Config; MistralConfig before transformers 5, whose validation refuses it).
-_KV_HEADS = {"mistral": 8, "qwen2": 32}
-_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_KV_HEADS = {"mistral": 8, "ministral": 8, "qwen2": 32}
+_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "ministral": 4096 * 32, "qwen2": 32768}
+_MISTRAL = ("mistral", "ministral")  # Ministral: Mistral with a layer_types list (which full, which sliding)
 
 LAYER_RULES = (
     ("self_attn.q_proj", "attention.wq"),
@@ -79,10 +87,13 @@ TENSORS = TensorMap(decoder_rules(LAYER_RULES), "Llama-family")
 
 
 def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding window, layer types) as transformers' Mistral and Qwen2 configs decide them."""
-    if f.model_type == "mistral":
+    """(sliding window, layer types) as transformers' Mistral, Ministral and Qwen2 configs decide them."""
+    if f.model_type in _MISTRAL:
         window = f.opt_int("sliding_window") if "sliding_window" in f.raw else 4096  # MistralConfig's default
-        return window, ()
+        types = f.raw.get("layer_types")
+        if types is None:  # every layer slides
+            return window, ()
+        return window, _sliding_types(f, check_layer_types(f, types, n_layers), window)
     if f.model_type == "qwen2":
         return qwen_windows(f, n_layers)
     return None, ()
@@ -100,12 +111,15 @@ def qwen_windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]
         first = f.int("max_window_layers", 28, minimum=0)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(n_layers)]  # fmt: skip
-    check_layer_types(f, types, n_layers)
+    return window, _sliding_types(f, check_layer_types(f, types, n_layers), window, "use_sliding_window, ")
+
+
+def _sliding_types(f: Fields, types: list[str], window: int | None, fields: str = "") -> tuple[str, ...]:
+    """Checked ``layer_types`` (none without a window): sliding layers without a window are refused, as
+    transformers cannot build their mask."""
     if "sliding_attention" in types and window is None:
-        f.fail(
-            "layer_types names sliding_attention layers but no window is set (use_sliding_window, sliding_window)"
-        )
-    return window, tuple(types) if window is not None else ()
+        f.fail(f"layer_types names sliding_attention layers but no window is set ({fields}sliding_window)")
+    return tuple(types) if window is not None else ()
 
 
 def read(f: Fields) -> ModelConfig:
@@ -118,10 +132,11 @@ def read(f: Fields) -> ModelConfig:
         f.unsupported("hidden_act", "the MLP is SwiGLU: only 'silu'")
     # pretraining_tp (Llama 2's configs: 1 or 2) only sliced the projections' products in transformers 4.x, summed
     # back to the same model; transformers 5 ignores it, and so does attnlab (it stays in a written config.json)
+    llama = f.model_type not in (*_MISTRAL, "qwen2")  # (or another model_type read as a Llama)
     if f.model_type == "qwen2":
         bias, out_bias = True, False  # Qwen2 puts biases on q/k/v only (modeling_qwen2.py)
     else:
-        bias, out_bias = f.bool("attention_bias", False), None
+        bias, out_bias = f.bool("attention_bias", False) if llama else False, None
     theta, scaling = f.rope()
     attention = AttentionConfig(
         d_model=d,
@@ -142,7 +157,7 @@ def read(f: Fields) -> ModelConfig:
         ffn_dim=f.int("intermediate_size"),
         max_seq_len=f.int("max_position_embeddings", _POSITIONS.get(f.model_type, 4096)),
         norm_eps=f.eps("rms_norm_eps", 1e-6),
-        mlp_bias=f.bool("mlp_bias", False),
+        mlp_bias=f.bool("mlp_bias", False) if llama else False,
         tie_embeddings=f.bool("tie_word_embeddings", False),
         sliding=None if window is None else attention.replace(window=window),
         layer_types=layer_types if window is not None else (),
@@ -158,7 +173,7 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("only GQA/MHA/MQA attention can be written as a Llama-family checkpoint")
     if model_type == "qwen2" and not (attn.bias and not attn.has_out_bias):
         raise ValueError("qwen2 needs AttentionConfig(bias=True, out_bias=False)")
-    if model_type == "mistral" and (attn.bias or attn.has_out_bias or cfg.mlp_bias):
+    if model_type in _MISTRAL and (attn.bias or attn.has_out_bias or cfg.mlp_bias):
         raise ValueError("mistral has no biases; AttentionConfig.bias and ModelConfig.mlp_bias must be False")
     if model_type == "llama" and attn.has_out_bias != attn.bias:
         raise ValueError("llama puts attention_bias on q, k, v and o alike; out_bias must equal bias")
@@ -181,8 +196,10 @@ def write(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         put(hf, "mlp_bias", cfg.mlp_bias, False)
     rope_fields(hf, attn, model_type)
     window = None if cfg.sliding is None else cfg.sliding.window
-    if model_type == "mistral":
+    if model_type in _MISTRAL:
         put(hf, "sliding_window", window, 4096)
+        if cfg.layer_types or "layer_types" in hf:  # (Ministral's: which layers slide)
+            hf["layer_types"] = sliding_layer_types(cfg)
     elif model_type == "qwen2" and (window is not None or hf.get("use_sliding_window")):
         hf.update(use_sliding_window=window is not None, sliding_window=window)
         hf["layer_types"] = sliding_layer_types(cfg)
@@ -266,11 +283,11 @@ LLAMA = Family(
 )
 MISTRAL = Family(
     "mistral",
-    ("mistral",),
+    _MISTRAL,
     read,
     write,
     TENSORS,
-    {"mistral": ARCHITECTURES["mistral"]},
+    {t: ARCHITECTURES[t] for t in _MISTRAL},
     mla=mla,
     covers="Mistral 7B (its sliding window), Mistral NeMo, Ministral",
     example=dict(_SMALL, model_type="mistral", sliding_window=8),
