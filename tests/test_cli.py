@@ -8,6 +8,7 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 
@@ -301,17 +302,28 @@ def test_a_flag_given_a_value_points_at_its_commands_help(command):
 @pytest.mark.parametrize(
     ("words", "says"),
     [
-        (["compare"], "attnlab: interrupted (nothing half-written is left)\n"),
-        (["uptrain", "src", "dst", "--data", "x"], "rerun it with --resume to continue"),
+        (["compare"], " (nothing half-written is left)\n"),
+        (
+            ["uptrain", "src", "dst", "--data", "x"],
+            " (nothing half-written is left); rerun it with --resume to continue",
+        ),
     ],
 )
-def test_ctrl_c_is_exit_130_with_one_line(monkeypatch, words, says):
-    # Typer turned Ctrl-C into exit code 130 and printed nothing at all
+@pytest.mark.parametrize(
+    ("stop", "code", "how"), [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")]
+)
+def test_ctrl_c_and_sigterm_stop_with_one_line(monkeypatch, words, says, stop, code, how):
+    # Typer turned Ctrl-C into exit code 130 and printed nothing at all; SIGTERM (kill, timeout, a job scheduler)
+    # still said nothing, though an uptrain it stopped can be resumed
+    from attnlab.cli import _terminate
+
     def interrupted(*args, **kwargs):
+        if stop == "sigterm":
+            _terminate(signal.SIGTERM, None)  # what main() installs for SIGTERM
         raise KeyboardInterrupt
 
     monkeypatch.setattr("attnlab.bench.compare.run_compare", interrupted)
     monkeypatch.setattr("attnlab.train.options.UptrainOptions", interrupted)
     result = runner.invoke(app, words)
-    assert result.exit_code == 130 and says in result.stderr, result.output
+    assert result.exit_code == code and f"attnlab: {how}{says}" in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1

@@ -37,6 +37,10 @@ class _Group(typer.core.TyperGroup):
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)  # Exit(n) comes back as n
+        except SystemExit as err:  # SIGTERM (_terminate): said as Ctrl-C is
+            if err.code == 128 + signal.SIGTERM:
+                self._interrupted(args, kwargs, "terminated")
+            raise
         except _usage.NoArgsIsHelpError as err:
             err.show()  # the help text itself
             sys.exit(err.exit_code)
@@ -50,10 +54,13 @@ class _Group(typer.core.TyperGroup):
             sys.exit(1)
         # Ctrl-C, which Typer turns into exit code 130 (as a shell reports it): one line, not silence
         if code == 130:
-            uptrain = self._named(args, kwargs) == "attnlab uptrain"
-            resume = "; rerun it with --resume to continue" if uptrain else ""
-            print(f"attnlab: interrupted (nothing half-written is left){resume}", file=sys.stderr)
+            self._interrupted(args, kwargs, "interrupted")
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _interrupted(self, args: tuple, kwargs: dict, how: str) -> None:
+        uptrain = self._named(args, kwargs) == "attnlab uptrain"
+        resume = "; rerun it with --resume to continue" if uptrain else ""
+        print(f"attnlab: {how} (nothing half-written is left){resume}", file=sys.stderr)
 
     def _named(self, args: tuple, kwargs: dict) -> str:
         """The command a usage error without a context belongs to (``compare --json=1``: the parser's own error),
