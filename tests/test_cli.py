@@ -327,3 +327,25 @@ def test_ctrl_c_and_sigterm_stop_with_one_line(monkeypatch, words, says, stop, c
     result = runner.invoke(app, words)
     assert result.exit_code == code and f"attnlab: {how}{says}" in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("words", "says"),
+    [
+        (["eval", "ck", "--data", ""], "--data '' is empty (see 'attnlab eval --help')"),
+        (["eval", "ck", "--data="], "--data '' is empty"),
+        (
+            ["convert", "", "dst", "--kv-heads", "2"],
+            "an argument is '' (empty) (see 'attnlab convert --help')",
+        ),
+        (["convert", "src", "dst", "--kv-heads", "2", "--method", ""], "--method '' is empty"),
+        (["bench", "decode", "--kv-heads", ""], "--kv-heads '' is empty (see 'attnlab bench decode --help')"),
+    ],
+)
+def test_an_empty_value_is_refused_by_name(words, says, tmp_path, monkeypatch):
+    # an empty path is the current directory to pathlib: `eval --data ''` scored every .txt file under it (exit 0),
+    # `convert '' dst` said dst "lies inside the source ."; `--method ''` converted with the default method
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("a file an empty --data would have read\n")
+    one_line_error(runner.invoke(app, words), says)
+    assert os.listdir(tmp_path) == ["notes.txt"]

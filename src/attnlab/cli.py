@@ -35,6 +35,9 @@ class _Group(typer.core.TyperGroup):
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        if empty := _empty_value(self._argv(args, kwargs)):
+            print(f"attnlab: error: {empty} (see '{self._named(args, kwargs)} --help')", file=sys.stderr)
+            sys.exit(2)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)  # Exit(n) comes back as n
         except SystemExit as err:  # SIGTERM (_terminate): said as Ctrl-C is
@@ -65,15 +68,18 @@ class _Group(typer.core.TyperGroup):
     def _named(self, args: tuple, kwargs: dict) -> str:
         """The command a usage error without a context belongs to (``compare --json=1``: the parser's own error),
         from the words before the first option: "attnlab compare", "attnlab bench decode"."""
-        argv = list(kwargs.get("args") or (args[0] if args else None) or sys.argv[1:])
         path, group = ["attnlab"], self
-        for word in argv:
+        for word in self._argv(args, kwargs):
             command = group.commands.get(word) if isinstance(group, typer.core.TyperGroup) else None
             if command is None:
                 break
             path.append(word)
             group = command
         return " ".join(path)
+
+    @staticmethod
+    def _argv(args: tuple, kwargs: dict) -> list[str]:
+        return list(kwargs.get("args") or (args[0] if args else None) or sys.argv[1:])
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _without_flag_metavars(super().get_params(ctx))
@@ -83,6 +89,21 @@ class _Group(typer.core.TyperGroup):
         if command is not None and not isinstance(command, typer.core.TyperGroup):
             _without_flag_metavars(command.get_params(ctx))
         return command
+
+
+def _empty_value(argv: list[str]) -> str | None:
+    """What is wrong with an empty word of the command line, if one is there (None if not). No option or argument
+    of attnlab takes one, and an empty path is the current directory to pathlib: ``--data "$UNSET"`` read every
+    .txt file under it, ``--method ''`` meant the default."""
+    for i, word in enumerate(argv):
+        if word.startswith("--") and word.endswith("="):
+            return f"{word[:-1]} '' is empty"
+        if word == "":
+            before = argv[i - 1] if i > 0 else ""
+            if before.startswith("-") and "=" not in before:
+                return f"{before} '' is empty"
+            return "an argument is '' (empty)"
+    return None
 
 
 def _without_flag_metavars(params: list[Any]) -> list[Any]:
