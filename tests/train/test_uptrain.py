@@ -7,6 +7,7 @@ import errno
 import itertools
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from train_helpers import make_llama, run_cli, snapshot
 
 from attnlab.data import tokenize_files
@@ -155,6 +156,18 @@ def test_a_resumed_run_keeps_its_evaluation_before_training_and_refuses_another_
     with pytest.raises(ValueError, match="is not the checkpoint the interrupted run started from"):
         uptrain(UptrainOptions(dst=tmp_path / "cut", resume=True, **opts), progress=False)
     (src / "config.json").write_bytes(config)
+    # another model of the same shape written at SRC's path (a conversion by another method): resumed, it ended
+    # in other weights than the uninterrupted run's, without a word
+    weights = src / "model.safetensors"
+    original, stat = weights.read_bytes(), weights.stat()
+    tensors = load_file(weights)
+    save_file({name: t + 0.01 for name, t in tensors.items()}, weights, metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"\(its weight files were written since\): start over with --overwrite"
+    ):
+        uptrain(UptrainOptions(dst=tmp_path / "cut", resume=True, **opts), progress=False)
+    weights.write_bytes(original)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # (as a copy that keeps the time would)
     resumed = uptrain(UptrainOptions(dst=tmp_path / "cut", resume=True, **opts), progress=False)
     assert resumed["resumed_from_step"] == 4
     assert resumed["eval_before"] == whole["eval_before"] and whole["eval_before"] is not None

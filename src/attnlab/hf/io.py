@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -283,6 +284,17 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES) or (
         name.endswith(".index.json") and name[: -len(".index.json")].endswith(WEIGHT_SUFFIXES)
     )
+
+
+def weights_id(src: str | Path) -> str:
+    """What a checkpoint's weights are, without reading gigabytes: its weight files' names, sizes and modification
+    times (a model written again to the same path, by a conversion or a training run, is another one)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(src).iterdir()):
+        if p.is_file() and is_weight_file(p.name):
+            st = p.stat()
+            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
 
 
 def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) -> list[str]:

@@ -35,7 +35,7 @@ from torch import nn
 from .. import atomic, data, resources
 from ..cost.memory import training_step_bytes
 from ..hf.causal_lm import family_of, load_causal_lm, save_causal_lm
-from ..hf.io import copy_other_files
+from ..hf.io import copy_other_files, weights_id
 from ..hf_config import from_hf_config
 from . import checkpoint, distributed
 from .evaluate import evaluate, tokenising
@@ -210,9 +210,17 @@ def _inputs_id(opts: UptrainOptions) -> dict:
     text = [data.fingerprint(data.text_files(root, flag)) if root is not None else None
             for root, flag in ((opts.data, "--data"), (opts.eval_data, "--eval-data"))]  # fmt: skip
     teacher = str(opts.teacher.resolve()) if opts.teacher is not None else None
-    # each checkpoint's config.json: another model written to the same path (a convert --overwrite) is another input
+    # each checkpoint's config.json and weight files: another model written to the same path (a convert
+    # --overwrite) is another input, of the same shape too
     configs = [_config_id(path) if path is not None else None for path in (opts.src, opts.teacher)]
-    return {"src": str(opts.src.resolve()), "teacher": teacher, "text": text, "configs": configs}
+    weights = [weights_id(path) if path is not None else None for path in (opts.src, opts.teacher)]
+    return {
+        "src": str(opts.src.resolve()),
+        "teacher": teacher,
+        "text": text,
+        "configs": configs,
+        "weights": weights,
+    }
 
 
 def _config_id(checkpoint: Path) -> str:
@@ -226,12 +234,16 @@ def _same_inputs(saved: dict | None, now: dict) -> None:
     for i, (key, flag) in enumerate((("src", "SRC"), ("teacher", "--teacher"))):
         if saved[key] != now[key]:
             raise ValueError(f"--resume: {flag} was {saved[key]} in the interrupted run, now {now[key]}")
-        # checkpoints from before the config hash hold none
-        if "configs" in saved and saved["configs"][i] != now["configs"][i]:
-            raise ValueError(
-                f"--resume: {flag} {now[key]} is not the checkpoint the interrupted run started from (its config.json "
-                "changed since): start over with --overwrite"
-            )
+        # checkpoints from before the config hash (the weights' id) hold none
+        for part, what in (
+            ("configs", "its config.json changed"),
+            ("weights", "its weight files were written"),
+        ):
+            if part in saved and saved[part][i] != now[part][i]:
+                raise ValueError(
+                    f"--resume: {flag} {now[key]} is not the checkpoint the interrupted run started from ({what} "
+                    "since): start over with --overwrite"
+                )
     if saved["text"] != now["text"]:
         raise ValueError(
             "--resume: the text of --data / --eval-data is not what the interrupted run read (a file was added, "
