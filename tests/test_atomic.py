@@ -525,3 +525,17 @@ def _remove_any(path: Path) -> None:
         path.rmdir()
     elif path.exists():
         path.unlink()
+
+
+def test_a_lock_that_cannot_be_made_names_the_destination_not_the_lock_file(tmp_path):
+    # `convert SRC /proc/o1` said "/proc/.o1.lock: No such file or directory", a file the user never named
+    (tmp_path / "a-file").write_text("mine")
+    dst = tmp_path / "a-file" / "out"
+    with pytest.raises(OSError) as caught, atomic.lock(dst, "DST"):
+        pass
+    err = caught.value
+    assert err.errno == errno.ENOTDIR and err.filename is None
+    assert (
+        err.strerror == f"DST {dst}: cannot write in {dst.parent} (its lock file goes there): Not a directory"
+    )
+    assert (tmp_path / "a-file").read_text() == "mine"

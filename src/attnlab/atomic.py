@@ -377,7 +377,19 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
     fd, ours = -1, False  # ours: locked, and checked to be an attnlab lock file
     try:
         while True:
-            fd = _open_lock_file(path)
+            try:
+                fd = _open_lock_file(path)
+            except FileExistsError:
+                raise
+            except (
+                OSError
+            ) as err:  # said as "/proc/.o1.lock: No such file or directory": a file the user never named
+                if not err.strerror:
+                    raise
+                raise OSError(
+                    err.errno,
+                    f"{what} {shown}: cannot write in {path.parent} (its lock file goes there): {err.strerror}",
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:

@@ -367,10 +367,13 @@ def test_a_checkpoint_under_a_path_that_is_no_utf8_is_named_for_its_path(tiny_ll
         )
 
 
-def test_a_file_given_as_the_checkpoint_is_named_a_file(corpus):
+def test_a_file_given_as_the_checkpoint_is_named_a_file(corpus, tiny_llama, tmp_path):
     # "checkpoint directory not found" for a path that was there
     for args in (
         ["eval", corpus / "hamlet.txt", "--data", corpus],
         ["convert", corpus / "hamlet.txt", "x", "--kv-heads", 1],
+        ["uptrain", corpus / "hamlet.txt", tmp_path / "x", "--data", corpus],
+        ["uptrain", tiny_llama, tmp_path / "x", "--data", corpus, "--teacher", corpus / "hamlet.txt"],
     ):
         one_line_error(run_cli(*args), "hamlet.txt is a file, not a checkpoint directory")
+    assert not (tmp_path / "x").exists()

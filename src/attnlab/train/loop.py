@@ -107,10 +107,13 @@ def _run_name(opts: UptrainOptions) -> str:
 
 def _check_paths(opts: UptrainOptions) -> None:
     """The write rule for DST and the run directory, checked on every rank before anything is loaded."""
-    if not opts.src.is_dir():
-        raise FileNotFoundError(f"SRC checkpoint directory not found: {opts.src}")
-    if opts.teacher is not None and not opts.teacher.is_dir():
-        raise FileNotFoundError(f"--teacher checkpoint directory not found: {opts.teacher}")
+    for path, flag in ((opts.src, "SRC"), (opts.teacher, "--teacher")):
+        if path is not None and not path.is_dir():
+            if path.exists():  # "not found" sent users looking for a path that was there
+                raise ValueError(
+                    f"{flag} {path} is a file, not a checkpoint directory (config.json + safetensors)"
+                )
+            raise FileNotFoundError(f"{flag} checkpoint directory not found: {path}")
     if opts.teacher is not None and not (opts.teacher / "config.json").is_file():
         raise ValueError(f"--teacher {opts.teacher} is not a checkpoint directory (no config.json)")
     try:
