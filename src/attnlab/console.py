@@ -78,7 +78,7 @@ def render(grid: Grid, widths: list[int]) -> Table:
 
 def print_grid(grid: Grid, console: Console | None = None) -> None:
     """Print ``grid`` as a table that fits the terminal, or as one line per row where no table fits."""
-    console = console or Console()
+    console = console or Console(highlight=False)
     if not console.is_terminal:  # a pipe or a file: never squeeze
         full = column_widths(grid, 10**9) or []  # the natural widths: nothing is wider than that
         console = Console(file=console.file, width=sum(full) + _overhead(len(full)), highlight=False)

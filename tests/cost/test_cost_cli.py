@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -252,3 +253,12 @@ def test_a_layer_count_no_model_has_is_refused_at_once(tmp_path):
     result = runner.invoke(app, ["compare", "--model", str(tmp_path)])
     assert result.exit_code == 2 and time.monotonic() - start < 10
     assert "field 'num_hidden_layers' must be in [1, 4096], got 1000000" in result.output
+
+
+def test_a_terminal_gets_no_highlighted_numbers(monkeypatch):
+    # on a terminal Rich's highlighter bolded and coloured the digits inside prose and table cells ("8.<ESC>0x"),
+    # which NO_COLOR (colour only) left in; styles are the table's own now (a bold header)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # what a terminal gets
+    result = runner.invoke(app, ["compare"])
+    assert result.exit_code == 0 and "\x1b[1m" in result.stdout  # a terminal's output, styled
+    assert not re.search(r"\x1b\[[0-9;]*m[0-9.,]+\x1b", result.stdout), result.stdout

@@ -169,7 +169,7 @@ def run_compare(
         )
     if hardware != "local" and not measure:
         compute_peak(get_hardware(hardware), dtype)
-    out = Console()
+    out = Console(highlight=False)  # (its number highlighter bolded digits inside prose, splitting tokens)
     err = Console(stderr=True)
     local = None  # this machine, measured once per run: the compare table and the timings share it
     if measure:

@@ -81,7 +81,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
     from ..console import Grid, print_grid
 
-    console = Console()
+    console = Console(highlight=False)
     hw = result["machine"]["hardware"]
     console.print(f"decode path: {result['machine'].get('decode_path', 'unknown')}")
     console.print(

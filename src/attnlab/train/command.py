@@ -49,7 +49,7 @@ def run_uptrain(opts: UptrainOptions, *, as_json: bool) -> dict:
                 for k, v in summary[name].items()
                 if k in ("loss", "perplexity", "bits_per_byte")
             }
-    Console().print(_table(f"attnlab uptrain: {opts.src} -> {opts.dst}", shown))
+    Console(highlight=False).print(_table(f"attnlab uptrain: {opts.src} -> {opts.dst}", shown))
     return summary
 
 
