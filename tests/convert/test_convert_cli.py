@@ -659,3 +659,21 @@ def test_a_side_file_that_is_no_regular_file_is_refused_before_any_work(tmp_path
     result = run("convert", src, tmp_path / "dst", "--kv-heads", 2)
     assert result.exit_code == 2 and f"{side}: not a regular file" in result.output, result.output
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst*"))
+
+
+def test_source_mistakes_are_named_before_the_destination(tmp_path):
+    # with DST present, a missing SRC and an impossible --kv-heads were both reported as "destination exists":
+    # a user fixed that, reran, and only then learned of the mistake in the input
+    src = make_checkpoint(tmp_path / "src")
+    (tmp_path / "dst").mkdir()
+    for args, says in (
+        (
+            ["convert", tmp_path / "nowhere", tmp_path / "dst", "--kv-heads", 2],
+            "checkpoint directory not found",
+        ),
+        (["convert", src, tmp_path / "dst", "--kv-heads", 0], "--kv-heads 0 must be a positive divisor"),
+        (["convert", src, tmp_path / "dst", "--kv-heads", 3], "--kv-heads 3 must be a positive divisor"),
+        (["convert", src, tmp_path / "dst", "--kv-heads", 2], "destination exists"),
+    ):
+        one_line_error(run(*map(str, args)), says)
+    assert os.listdir(tmp_path / "dst") == []

@@ -106,7 +106,7 @@ def _gqa_types() -> str:
     )
 
 
-def _check_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
+def check_kv_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
     if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int):
         raise TypeError(f"n_kv_heads (--kv-heads) must be an int, got {n_kv_heads!r}")
     if n_kv_heads < 1 or n_kv_src % n_kv_heads:
@@ -163,7 +163,7 @@ def convert_checkpoint(
     else:
         model = load_causal_lm(src)
     attn = model.cfg.attention
-    _check_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
+    check_kv_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
     io.check_finite(model, src)
     batches = (
         calibration_batches(src, calib, vocab_size=model.cfg.vocab_size, max_positions=model.cfg.max_seq_len)

@@ -268,7 +268,8 @@ def variants(cfg: ModelConfig, spec: tuple[str, ...], quick: bool) -> list[Varia
             for g in parse_ints(values, "--variants gqa:"):
                 if not 1 <= g < n_kv or n_kv % g:
                     raise ValueError(
-                        f"--variants gqa:{g}: the source has {n_kv} KV heads; choose a smaller number that divides it"
+                        f"--variants gqa:{g}: the source has {n_kv} KV heads; choose a number from 1 up to "
+                        f"{n_kv - 1} that divides it"
                     )
                 out.append(_gqa(g, methods))
         elif kind == "mla" and values:
