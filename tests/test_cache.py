@@ -375,3 +375,43 @@ def test_under_autocast_every_cache_takes_the_rows_its_layer_makes(layer, kind):
         step = module(x[:, 6:], cache=cache)
         whole = module(x)
     torch.testing.assert_close(step.float(), whole[:, 6:].float(), rtol=0.03, atol=0.03)
+
+
+@pytest.mark.parametrize("kind", ["paged", "static"])
+def test_a_pickled_latent_cache_decodes_as_the_original(kind):
+    # MLA's paged cache kept its values as a view of the keys, which pickle made a copy of its own: later updates
+    # wrote the keys only, and the unpickled cache attended to stale values (outputs 0.19 apart)
+    import pickle
+
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(
+        MLAConfig(
+            d_model=64, n_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
+        )
+    ).eval()
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        cache = mla.new_paged_cache(8, 4, 2) if kind == "paged" else mla.new_cache(2, 16, static=True)
+        mla(x[:, :5], cache=cache)
+        copied = pickle.loads(pickle.dumps(cache))
+        for t in (5, 6):
+            want, got = mla(x[:, t : t + 1], cache=cache), mla(x[:, t : t + 1], cache=copied)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert copied.v.untyped_storage().data_ptr() == copied.k.untyped_storage().data_ptr()
+
+
+def test_paged_select_takes_numpy_and_tensor_integers_and_names_bad_rows():
+    # a beam search's argsort gives NumPy or tensor integers: "rows must be distinct, in [0, 3): [np.int64(0)]"
+    import numpy as np
+
+    cache = GroupedQueryAttention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2)).new_paged_cache(
+        8, 4, 3
+    )
+    assert cache.select([np.int64(2), 0]).active == [2, 0]
+    assert cache.select(torch.tensor([1, 2])).active == [1, 2]
+    for bad in ([0, 0], [3], [], [1.0], torch.tensor([[0]]), [-1]):
+        with pytest.raises(
+            ValueError, match=r"PagedKVCache.select: rows must be distinct integers in \[0, 3\)"
+        ):
+            cache.select(bad)
+    assert cache.active == [1, 2]

@@ -20,7 +20,10 @@ take them as a mask over every slot); several new tokens are masked by ``visible
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -225,6 +228,25 @@ def _values(owner: str, k: torch.Tensor, values_in_keys: bool, value_dim: int | 
     return k[..., :value_dim]
 
 
+class _ValueBuffer:
+    """``v`` of a cache whose value buffer may be the first columns of its keys (``values_in_keys``): sliced from
+    ``k`` at each use, never kept as a view. A compiled step then takes one buffer, not two inputs that alias
+    (torch's on-disk graph cache gave a graph compiled for the aliased pair of one batch size to another and failed
+    its stride check: an MLA ``generate --compile`` after another process had compiled one); and a pickled cache
+    stays one buffer (the kept view became a copy of its own, which later updates of the keys never reached)."""
+
+    k: torch.Tensor
+
+    def _set_values(self, owner: str, values_in_keys: bool, value_dim: int | None) -> None:
+        values = _values(owner, self.k, values_in_keys, value_dim)
+        self._value_dim, self._v = values.shape[-1], None if values_in_keys else values
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The value buffer; with ``values_in_keys`` the keys' first ``value_dim`` columns."""
+        return self.k[..., : self._value_dim] if self._v is None else self._v
+
+
 class KVCache(_Cache):
     """Keys and values for MHA/GQA/MQA.
 
@@ -404,7 +426,7 @@ class LatentCache(_Cache):
         return rows, rows[..., : self.kv_lora_rank]
 
 
-class StaticKVCache:
+class StaticKVCache(_ValueBuffer):
     """Keys and values in buffers whose every slot attention reads at every call, for a decode step that is captured
     once and replayed (a CUDA graph, or ``torch.compile(dynamic=False)`` compiling it once for all lengths).
 
@@ -458,22 +480,13 @@ class StaticKVCache:
         self.dtype, self.values_in_keys = dtype, values_in_keys
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        values = _values("StaticKVCache", self.k, values_in_keys, value_dim)
-        self._value_dim, self._v = values.shape[-1], None if values_in_keys else values
+        self._set_values("StaticKVCache", values_in_keys, value_dim)
         self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
         self._slots = torch.arange(max_seq_len, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)[:, None]
         for t in (self.k, self._v, self.length, self._slots, self._rows):
             if t is not None:
                 torch._dynamo.mark_static_address(t)
-
-    @property
-    def v(self) -> torch.Tensor:
-        """The value buffer; with ``values_in_keys`` the keys' first ``value_dim`` columns, sliced at each use, so
-        that a compiled step takes one buffer, not two inputs that alias: torch's on-disk graph cache gave a graph
-        compiled for the aliased pair of one batch size to another and failed its stride check (an MLA
-        ``generate --compile`` after another process had compiled one)."""
-        return self.k[..., : self._value_dim] if self._v is None else self._v
 
     def __len__(self) -> int:
         """The longest row's length."""
@@ -564,7 +577,7 @@ class OutOfBlocksError(ValueError):
 PLACEMENTS = ("contiguous", "scattered")
 
 
-class PagedKVCache:
+class PagedKVCache(_ValueBuffer):
     """Keys and values in fixed-size blocks with a block table per sequence (vLLM's PagedAttention, Kwon et al.
     2023, arXiv 2309.06180), for batches whose sequences have different lengths.
 
@@ -630,7 +643,7 @@ class PagedKVCache:
         shape = (n_kv_heads, n_blocks, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.values_in_keys = values_in_keys
-        self.v = _values("PagedKVCache", self.k, values_in_keys, value_dim)
+        self._set_values("PagedKVCache", values_in_keys, value_dim)
         self.lengths = [0] * batch_size  # tokens each row has seen
         self.dropped = [0] * batch_size  # blocks each row gave up (a window's): its table starts after them
         self.block_tables: list[list[int]] = [[] for _ in range(batch_size)]
@@ -660,12 +673,19 @@ class PagedKVCache:
     def n_free_blocks(self) -> int:
         return len(self._free)
 
-    def select(self, rows: list[int]) -> PagedKVCache:
-        """Make ``rows`` (distinct batch rows, in batch order) the ones the next forward reads and writes."""
-        valid = all(isinstance(r, int) and 0 <= r < self.batch_size for r in rows)
-        if not rows or len(set(rows)) != len(rows) or not valid:
-            raise ValueError(f"PagedKVCache.select: rows must be distinct, in [0, {self.batch_size}): {rows}")
-        self.active = list(rows)
+    def select(self, rows: Sequence[int] | torch.Tensor) -> PagedKVCache:
+        """Make ``rows`` (distinct batch rows: Python, NumPy or tensor integers, as an ``argsort`` of a beam search
+        gives them) the ones the next forward reads and writes, in the order of its inputs' rows."""
+        picked: list[int] = []
+        if not isinstance(rows, torch.Tensor) or rows.ndim == 1:
+            with contextlib.suppress(TypeError):
+                picked = [operator.index(r) for r in rows]
+        valid = all(0 <= r < self.batch_size for r in picked) and len(picked) == len(rows)
+        if not picked or len(set(picked)) != len(picked) or not valid:
+            raise ValueError(
+                f"PagedKVCache.select: rows must be distinct integers in [0, {self.batch_size}): {rows}"
+            )
+        self.active = picked
         return self
 
     def positions(self, t: int, device: torch.device | str | None = None) -> torch.Tensor:
