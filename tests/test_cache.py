@@ -415,3 +415,17 @@ def test_paged_select_takes_numpy_and_tensor_integers_and_names_bad_rows():
         ):
             cache.select(bad)
     assert cache.active == [1, 2]
+
+
+def test_new_paged_cache_takes_a_device_as_new_cache_does():
+    # its docstring said the device defaults to the weights', but it took none (TypeError on device=)
+    gqa = GroupedQueryAttention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2))
+    mla = MultiHeadLatentAttention(
+        MLAConfig(d_model=32, n_heads=4, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    )
+    for attn in (gqa, mla):
+        assert attn.new_paged_cache(4, 4, 2, device="meta").k.device.type == "meta"
+        assert attn.new_paged_cache(4, 4, 2).k.device.type == "cpu"
+    assert (
+        gqa.new_cache(2, 8, device="meta").k.device.type == mla.new_cache(2, 8, device="meta").kv.device.type
+    )

@@ -187,7 +187,12 @@ class GroupedQueryAttention(nn.Module):
         )
 
     def new_paged_cache(
-        self, n_blocks: int, block_size: int, batch_size: int, dtype: torch.dtype | None = None
+        self,
+        n_blocks: int,
+        block_size: int,
+        batch_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> PagedKVCache:
         """A block-table cache for ragged batches (``PagedKVCache``; a sliding-window layer's gives blocks back once
         they fall out of the window); dtype and device default to the weights' (the dtype: autocast's under it)."""
@@ -199,7 +204,7 @@ class GroupedQueryAttention(nn.Module):
             self.head_dim,
             batch_size=batch_size,
             dtype=dtype or storage_dtype(weight),
-            device=weight.device,
+            device=device if device is not None else weight.device,
             window=self.cfg.window,
         )
 

@@ -102,10 +102,16 @@ class MultiHeadLatentAttention(nn.Module):
         )
 
     def new_paged_cache(
-        self, n_blocks: int, block_size: int, batch_size: int, dtype: torch.dtype | None = None
+        self,
+        n_blocks: int,
+        block_size: int,
+        batch_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> PagedKVCache:
         """A paged cache of latent rows for ragged batches (absorbed mode): one KV "head" of width
-        kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values are also the values."""
+        kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values are also the values; dtype and device default
+        to the weights'."""
         weight = self.wkv_a.weight
         return PagedKVCache(
             n_blocks,
@@ -114,7 +120,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.cfg.cache_dim,
             batch_size=batch_size,
             dtype=dtype or storage_dtype(weight),
-            device=weight.device,
+            device=device if device is not None else weight.device,
             values_in_keys=True,
             value_dim=self.cfg.kv_lora_rank,
         )
