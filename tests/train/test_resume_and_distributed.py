@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -147,6 +148,33 @@ def test_fsdp2_killed_and_resumed_matches_one_process(tmp_path, tiny_llama, corp
     summary = json.loads(done.stdout)
     assert summary["fsdp"] and summary["resumed_from_step"] >= 8
     assert_same_run(dst, one_process)
+
+
+def test_ranks_end_with_torchrun_when_it_is_killed(tmp_path, tiny_llama, corpus):
+    # torchrun starts its ranks in sessions of their own: SIGKILLed (timeout -s KILL), it left them training on,
+    # and they wrote DST after the run had been stopped
+    dst, run = tmp_path / "orphans", tmp_path / "orphans.run"
+    args = ["--data", corpus, "--steps", 10_000, "--batch-size", 2, "--save-every", 4, *FAST]
+    proc = subprocess.Popen(
+        torchrun("uptrain", tiny_llama, dst, *args),
+        env=ENV,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    wait_for_step(proc, run / "log.jsonl", 2)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone, not its ranks
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+        for w in workers:  # (reap nothing: they are not our children; a zombie has no cmdline)
+            with contextlib.suppress(OSError):
+                if not Path(f"/proc/{w}/cmdline").read_bytes():
+                    workers.remove(w)
+        time.sleep(0.1)
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()], "ranks outlived torchrun"
+    assert not dst.exists()
 
 
 @pytest.mark.parametrize(
