@@ -220,7 +220,10 @@ def _fail(err: BaseException) -> None:
         # Rank 0 reports it. Leaving at once, this rank could make torchrun stop rank 0 before its line is out (seen
         # on a loaded machine); torchrun stops this rank as soon as rank 0 exits, so waiting costs nothing. Still
         # running after the wait, it met the error alone (a file missing on its machine, say): it says so itself.
-        time.sleep(_QUIET_RANK_WAIT_S)
+        try:
+            time.sleep(_QUIET_RANK_WAIT_S)
+        except SystemExit:  # torchrun's SIGTERM once rank 0 has said it: nothing to add, no "--resume" advice
+            raise typer.Exit(code=2) from None
         print(f"attnlab: error (rank {rank}): {message}", file=sys.stderr, flush=True)
     raise typer.Exit(code=2) from None
 

@@ -197,6 +197,9 @@ def test_impossible_tensor_parallel_sizes_are_one_line_from_rank_0_and_exit_2_ev
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("attnlab: error")]
     assert len(errors) == 1 and expected in errors[0], done.stderr
+    # and no other line of ours: the ranks torchrun stopped while rank 0 reported said "attnlab: terminated
+    # (nothing half-written is left); rerun it with --resume to continue" of a run refused before any work
+    assert [line for line in done.stderr.splitlines() if line.startswith("attnlab:")] == errors, done.stderr
     # torchrun reports each rank's exit: 2 (the rank stopped itself) or torchrun's SIGTERM once the first one had
     # stopped: -15, or 143 (128 + 15) when the rank's own SIGTERM handler turned it into an exit (seen once in a full
     # run); rank 0 is the root cause, with 2. No rank shows a Python traceback (torchrun prints its own).
