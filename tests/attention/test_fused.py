@@ -358,6 +358,33 @@ def test_a_nan_reaches_the_output_of_the_query_heads_it_touches_as_in_sdpa(
             torch.testing.assert_close(got[~nan].float(), want[~nan], **TOL[dt])
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [4, 8, 16, 32])
+def test_keys_scored_minus_inf_get_no_weight_as_in_sdpa(build, dtype, group, request, monkeypatch):
+    """Keys whose scores are -inf (a -inf in a key column the query weighs positively) get weight 0: a whole block
+    or chunk of them, the first 16 to 300 of a row, or all of its keys (then the output is zeros, as SDPA's). The
+    first block of such keys made every head of the group NaN (its weights were 2^(-inf - -inf)), and so did the
+    first chunk once the merge stopped skipping chunks by their maximum; on the pair path alpha was NaN too."""
+    if build == "avx2":
+        monkeypatch.setitem(fused._state, "ops", request.getfixturevalue("avx2_kernel"))
+    elif not fused.available():
+        pytest.skip(fused.status())
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(group)
+    for n, n_inf in ((700, 16), (700, 128), (700, 256), (700, 300), (40, 40)):
+        q = torch.randn(2, 2 * group, 1, 64, generator=gen)
+        q[..., 0] = q[..., 0].abs() + 0.1
+        k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
+        k[:, :, :n_inf, 0] = float("-inf")
+        got = fused.decode(q.to(dt), k.to(dt), v.to(dt), scale=0.125)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t.to(dt).double() for t in (q, k, v)), scale=0.125, enable_gqa=True
+        )
+        assert not got.isnan().any(), (n, n_inf)
+        torch.testing.assert_close(got.double(), want, **TOL[dt])
+
+
 def test_inputs_the_kernel_does_not_take_run_the_grouped_kernel():
     """A mask, a gradient or dropout: "fused" answers through the grouped kernel, so the result stays right."""
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)

@@ -235,7 +235,10 @@ inline void amx_softmax(int64_t G, int64_t n, float qscale, AmxScratch& w) {
     __m512 mx = _mm512_set1_ps(kNegInf);
     for (int64_t t = 0; t < n; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + t * Gp));
     const __m512 m_old = _mm512_loadu_ps(&w.m[c]), m_new = _mm512_max_ps(m_old, mx);
-    const __m512 alpha = exp2_coarse(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), qs));  // ~0 while m_old = -inf
+    // queries with no score above -inf yet: weights 0, NaN where a score is NaN; alpha 0 (-inf - -inf is NaN)
+    const __mmask16 dead = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+    const __m512 alpha = _mm512_mask_mov_ps(  // ~0 while m_old = -inf
+        exp2_coarse(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), qs)), dead, _mm512_setzero_ps());
     _mm512_storeu_ps(&w.m[c], m_new);
     _mm512_storeu_ps(&w.alpha[c], alpha);
     const __m512 shift = _mm512_mul_ps(m_new, qs);
@@ -249,7 +252,9 @@ inline void amx_softmax(int64_t G, int64_t n, float qscale, AmxScratch& w) {
           continue;
         }
         w.ahead.step();
-        const __m512 e = exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(sc + t * Gp), qs, shift));
+        const __m512 x = _mm512_loadu_ps(sc + t * Gp);
+        __m512 e = exp2_coarse(_mm512_fmsub_ps(x, qs, shift));
+        if (dead) e = _mm512_mask_mov_ps(e, dead, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x));
         r[i] = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
         lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r[i]), 16)));
       }

@@ -60,8 +60,12 @@ void attend_block(const Dims& d, int64_t n, const E* const* kr, const E* const* 
       vf mx = vload(sg);
       for (int64_t j = W; j < tb; j += W) mx = mx > vload(sg + j) ? mx : vload(sg + j);
       const float m_old = st[d.dv_pad], m_new = std::max(m_old, vhmax(mx));
-      for (int64_t j = 0; j < tb; j += W) vstore(sg + j, exp2_neg(vload(sg + j) - splat<vf>(m_new)));
-      for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
+      if (m_new == kNegInf) {  // no score above -inf yet: weights 0, NaN where a score is NaN (a NaN query)
+        for (int64_t j = 0; j < tb; ++j) sg[j] = sg[j] != sg[j] ? sg[j] : 0.f;
+      } else {
+        for (int64_t j = 0; j < tb; j += W) vstore(sg + j, exp2_neg(vload(sg + j) - splat<vf>(m_new)));
+        for (int64_t j = n; j < tb; ++j) sg[j] = 0.f;  // exp2_neg flushes to 2^-126, not to 0
+      }
       vf lsum = splat<vf>(0.f);
       for (int64_t j = 0; j < tb; j += W) lsum += vload(sg + j);
       const float alpha = m_old == kNegInf ? 0.f : std::exp2(m_old - m_new);
@@ -166,8 +170,9 @@ void merge(const Dims& d, int64_t B, int64_t n_kv, int64_t H, const std::vector<
       float l = 0.f;
       for (int64_t c = 0; c < nc; ++c) {
         const float* pc = parts.data() + ((c0 + c) * G + g) * stride;
-        // a chunk with nothing attended (exp2_neg gives 2^-126, not 0): its exp-sum is 0. Not its maximum alone,
-        // -inf there too when every score was NaN (a NaN query), whose NaN exp-sum must reach the output.
+        // a chunk with nothing attended, or only scores of -inf (exp2_neg gives 2^-126, not 0): its exp-sum is 0.
+        // Not its maximum alone, -inf there too when every score was NaN (a NaN query), whose NaN exp-sum must
+        // reach the output.
         if (pc[d.dv_pad + 1] == 0.f) continue;
         const float w = wgt[c * G + g];
         l += w * pc[d.dv_pad + 1];

@@ -223,13 +223,21 @@ inline void softmax_lanes(const Dims& d, int64_t n, float* st, float* part) {
     vf mx = splat<vf>(kNegInf);
     for (int64_t j = 0; j < n; ++j) mx = mx > vload(st + j * G + c) ? mx : vload(st + j * G + c);
     const vf m_old = vload(m), m_new = m_old > mx ? m_old : mx;
-    vf lsum = splat<vf>(0.f);
+    const vf neg_inf = splat<vf>(kNegInf), zero = splat<vf>(0.f);
+    alignas(64) float m_now[W];
+    vstore(m_now, m_new);
+    bool dead = false;  // a query with no score above -inf yet: its weights 0, NaN where a score is NaN
+    for (int i = 0; i < W; ++i) dead |= m_now[i] == kNegInf;
+    vf lsum = zero;
     for (int64_t j = 0; j < n; ++j) {
-      const vf e = exp2_neg(vload(st + j * G + c) - m_new);
+      const vf x = vload(st + j * G + c);
+      vf e = exp2_neg(x - m_new);
+      if (dead) e = m_new == neg_inf ? (x != x ? x : zero) : e;
       vstore(st + j * G + c, e);
       lsum += e;
     }
-    vstore(alpha, exp2_neg(m_old - m_new));  // m_old = -inf (nothing yet): ~2^-126, times what is zero
+    // m_old = -inf (nothing yet): ~2^-126, times what is zero; both -inf: 0 (not NaN)
+    vstore(alpha, m_new == neg_inf ? zero : exp2_neg(m_old - m_new));
     vstore(l, vload(l) * vload(alpha) + lsum);
     vstore(m, m_new);
     for (int i = 0; i < W; ++i) {
