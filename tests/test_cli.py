@@ -349,3 +349,18 @@ def test_an_empty_value_is_refused_by_name(words, says, tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("a file an empty --data would have read\n")
     one_line_error(runner.invoke(app, words), says)
     assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["generate", "nowhere", "--prompt=2+2=", "--max-new", "2"],
+        ["generate", "nowhere", "--prompt", "x", "--stop=="],
+        ["generate", "nowhere", "--prompt", "--help="],
+        ["generate", "nowhere", "--prompt", "=", "--stop", "="],
+    ],
+)
+def test_values_that_end_in_an_equals_sign_are_values(words):
+    # the empty-value check took '--prompt=2+2=' for an empty '--prompt=2+2', and '--help=' given to --prompt for
+    # an empty --help: words are read as the parser reads them now
+    one_line_error(runner.invoke(app, words), "checkpoint directory not found: nowhere")

@@ -35,7 +35,7 @@ class _Group(typer.core.TyperGroup):
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
-        if empty := _empty_value(self._argv(args, kwargs)):
+        if empty := self._empty_value(self._argv(args, kwargs)):
             print(f"attnlab: error: {empty} (see '{self._named(args, kwargs)} --help')", file=sys.stderr)
             sys.exit(2)
         try:
@@ -68,14 +68,40 @@ class _Group(typer.core.TyperGroup):
     def _named(self, args: tuple, kwargs: dict) -> str:
         """The command a usage error without a context belongs to (``compare --json=1``: the parser's own error),
         from the words before the first option: "attnlab compare", "attnlab bench decode"."""
-        path, group = ["attnlab"], self
-        for word in self._argv(args, kwargs):
+        return " ".join(["attnlab", *self._command(self._argv(args, kwargs))[0]])
+
+    def _command(self, argv: list[str]) -> tuple[list[str], Any]:
+        """The command words at the start of ``argv`` and the command (or group) they name."""
+        path, group = [], self
+        for word in argv:
             command = group.commands.get(word) if isinstance(group, typer.core.TyperGroup) else None
             if command is None:
                 break
             path.append(word)
             group = command
-        return " ".join(path)
+        return path, group
+
+    def _empty_value(self, argv: list[str]) -> str | None:
+        """What is wrong with an empty value on the command line, if one is there (None if not). No option or
+        argument of attnlab takes one, and an empty path is the current directory to pathlib: ``--data "$UNSET"``
+        read every .txt file under it, ``--method ''`` meant the default. Words are read as the command's parser
+        reads them: an option's value may be anything (``--prompt '--help='``, ``--stop '='``)."""
+        path, command = self._command(argv)
+        takes_value = {
+            name for p in getattr(command, "params", []) if not getattr(p, "is_flag", True) for name in p.opts
+        }
+        words = iter(argv[len(path) :])
+        for word in words:
+            name, eq, value = word.partition("=")
+            if word in takes_value:
+                value = next(words, None)
+                if value == "":
+                    return f"{word} '' is empty"
+            elif eq and name in takes_value and value == "":
+                return f"{name} '' is empty"
+            elif word == "":
+                return "an argument is '' (empty)"
+        return None
 
     @staticmethod
     def _argv(args: tuple, kwargs: dict) -> list[str]:
@@ -89,21 +115,6 @@ class _Group(typer.core.TyperGroup):
         if command is not None and not isinstance(command, typer.core.TyperGroup):
             _without_flag_metavars(command.get_params(ctx))
         return command
-
-
-def _empty_value(argv: list[str]) -> str | None:
-    """What is wrong with an empty word of the command line, if one is there (None if not). No option or argument
-    of attnlab takes one, and an empty path is the current directory to pathlib: ``--data "$UNSET"`` read every
-    .txt file under it, ``--method ''`` meant the default."""
-    for i, word in enumerate(argv):
-        if word.startswith("--") and word.endswith("="):
-            return f"{word[:-1]} '' is empty"
-        if word == "":
-            before = argv[i - 1] if i > 0 else ""
-            if before.startswith("-") and "=" not in before:
-                return f"{before} '' is empty"
-            return "an argument is '' (empty)"
-    return None
 
 
 def _without_flag_metavars(params: list[Any]) -> list[Any]:
