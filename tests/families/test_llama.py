@@ -399,3 +399,18 @@ def test_bias_flags_only_llama_reads_are_ignored_elsewhere_as_in_transformers(tm
     cls = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[model_type]
     src = build(cls, tmp_path / "src", **SMALL, max_position_embeddings=64)
     check_logits(_edited(src, tmp_path / "flagged", **{field: True}), n=12)
+
+
+def test_a_window_no_layer_uses_is_no_window(tmp_path):
+    # a Ministral whose layer_types are all full_attention kept its sliding_window, and convert --to mla refused it
+    # for "a sliding window of 8 tokens" though every layer attends to everything (transformers' model does)
+    src = build(
+        transformers.MinistralConfig, tmp_path / "src", **SMALL, head_dim=8, sliding_window=8,
+        layer_types=["full_attention", "full_attention"], max_position_embeddings=64,
+    )  # fmt: skip
+    assert from_hf_config(src).sliding is None
+    check_logits(src, n=24)
+    done = CliRunner().invoke(
+        app, ["convert", str(src), str(tmp_path / "mla"), "--to", "mla", "--kv-lora-rank", "8"]
+    )
+    assert done.exit_code == 0, done.output

@@ -93,7 +93,7 @@ def _windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]:
         types = f.raw.get("layer_types")
         if types is None:  # every layer slides
             return window, ()
-        return window, _sliding_types(f, check_layer_types(f, types, n_layers), window)
+        return _sliding_types(f, check_layer_types(f, types, n_layers), window)
     if f.model_type == "qwen2":
         return qwen_windows(f, n_layers)
     return None, ()
@@ -111,15 +111,20 @@ def qwen_windows(f: Fields, n_layers: int) -> tuple[int | None, tuple[str, ...]]
         first = f.int("max_window_layers", 28, minimum=0)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(n_layers)]  # fmt: skip
-    return window, _sliding_types(f, check_layer_types(f, types, n_layers), window, "use_sliding_window, ")
+    return _sliding_types(f, check_layer_types(f, types, n_layers), window, "use_sliding_window, ")
 
 
-def _sliding_types(f: Fields, types: list[str], window: int | None, fields: str = "") -> tuple[str, ...]:
-    """Checked ``layer_types`` (none without a window): sliding layers without a window are refused, as
-    transformers cannot build their mask."""
-    if "sliding_attention" in types and window is None:
+def _sliding_types(
+    f: Fields, types: list[str], window: int | None, fields: str = ""
+) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer types) of checked ``layer_types``: sliding layers without a window are refused, as
+    transformers cannot build their mask; a window no layer uses is none (``convert --to mla`` refused a Ministral
+    whose layers all attend to everything, for its window)."""
+    if "sliding_attention" not in types:
+        return None, ()
+    if window is None:
         f.fail(f"layer_types names sliding_attention layers but no window is set ({fields}sliding_window)")
-    return tuple(types) if window is not None else ()
+    return window, tuple(types)
 
 
 def read(f: Fields) -> ModelConfig:
