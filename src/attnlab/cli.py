@@ -517,7 +517,7 @@ def sweep(
     opts = SweepOptions(
         src=src, data=data, eval_data=eval_data,
         variants=tuple(p for v in [*variants, *(more_variants or [])] for p in v.split()),
-        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        methods=tuple(m.strip() for m in methods.split(",")),  # (an empty one is refused, not dropped)
         uptrain_steps=parse_ints(uptrain_steps, "--uptrain-steps") if uptrain_steps is not None else None,
         teacher=teacher, context=context, batch=batch, hardware=tuple(hardware), jobs=jobs, out=out, quick=quick,
         keep=keep, seq_len=seq_len, batch_size=batch_size, lr=lr, eval_windows=eval_windows, seed=seed, warmup=warmup,

@@ -369,6 +369,12 @@ def test_sweep_options_that_would_run_wrong_are_refused_by_name(tmp_path):
         check_options(SweepOptions(src="model", data=tmp_path))
     with pytest.raises(TypeError, match="--lr must be a number"):
         check_options(SweepOptions(**base, lr="1e-3"))
+    # the command line dropped an empty item: --methods 'mean,' ran as --methods mean
+    for methods in ("mean,", "mean,,fit", ","):
+        result = runner.invoke(app, ["sweep", str(tmp_path), "--data", str(tmp_path), "--methods", methods])
+        assert (
+            result.exit_code == 2 and "--methods needs at least one value and no empty ones" in result.stderr
+        )
 
 
 def test_a_file_moved_between_the_training_and_held_out_text_is_other_text(tmp_path):
