@@ -177,6 +177,16 @@ def test_ranks_end_with_torchrun_when_it_is_killed(tmp_path, tiny_llama, corpus)
     assert not dst.exists()
 
 
+def test_tp_with_fsdp_on_one_replica_logs_no_redistribution_notes(tmp_path, tiny_llama, corpus):
+    # --tp 2 --fsdp on 2 ranks: every rank logged DTensor's "2 sequential all_reduce operations will be performed.
+    # This is suboptimal" at the first steps (a norm's partial sum over both mesh axes): correct, and no news
+    args = ["--data", corpus, "--steps", 2, "--batch-size", 2, "--save-every", 0, "--tp", 2, "--fsdp", *FAST]
+    done = subprocess.run(torchrun("uptrain", tiny_llama, tmp_path / "d", *args), env=ENV, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "suboptimal" not in done.stderr and "_NormPartial" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(
     "nproc, tp, expected",
     [

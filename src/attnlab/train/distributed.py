@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -149,6 +150,20 @@ def _fully_shard(model: nn.Module, env: Env) -> nn.Module:
     for block in model.layers:  # one all-gather per block, freed after it runs (torchtitan's plan)
         fully_shard(block, mesh=env.dp_mesh)
     return fully_shard(model, mesh=env.dp_mesh)
+
+
+@contextlib.contextmanager
+def quiet_redistribution() -> Iterator[None]:
+    """DTensor's log line that a redistribution runs as two sequential all-reduces (a partial sum over "tp" and
+    "dp" at once: a norm's, under ``--tp 2 --fsdp``), which every rank logged: correct, only not the fastest, and
+    no news to a user. Through torch's logging, not a warning: its logger is quieted for as long as the run."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def parallelize(model: nn.Module, env: Env, *, fsdp: bool) -> nn.Module:

@@ -344,7 +344,7 @@ def uptrain(opts: UptrainOptions, *, progress: bool = True) -> dict:
     try:
         # DST's and the run directory's locks (rank 0), for the whole run
         # warnings.catch_warnings: the filters the run sets (distributed.parallelize's) end with it
-        with contextlib.ExitStack() as held, warnings.catch_warnings():
+        with contextlib.ExitStack() as held, warnings.catch_warnings(), distributed.quiet_redistribution():
             return _uptrain(opts, env, progress, held)
     finally:
         # FSDP2's modules hold reference cycles to pending collective work; collected at interpreter exit, after the
