@@ -364,3 +364,17 @@ def test_values_that_end_in_an_equals_sign_are_values(words):
     # the empty-value check took '--prompt=2+2=' for an empty '--prompt=2+2', and '--help=' given to --prompt for
     # an empty --help: words are read as the parser reads them now
     one_line_error(runner.invoke(app, words), "checkpoint directory not found: nowhere")
+
+
+def test_a_path_of_spaces_is_quoted_in_its_message(tmp_path, monkeypatch):
+    # "--data not found" and "checkpoint directory not found: " hid the path they could not find
+    from attnlab.data import text_files
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^--data ' ' not found$"):
+        text_files(" ")
+    one_line_error(runner.invoke(app, ["eval", " ", "--data", "x"]), "checkpoint directory not found: ' '")
+    one_line_error(
+        runner.invoke(app, ["eval", "ck ", "--data", "x"]), "checkpoint directory not found: 'ck '"
+    )
+    assert one_line_error(runner.invoke(app, ["eval", "a b", "--data", "x"])).endswith("not found: a b")

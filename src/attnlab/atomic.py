@@ -64,6 +64,13 @@ KINDS = ("checkpoint", "run", "sweep", "cache")
 SIGNATURE = "attnlab"  # what a file's own mark starts with (PNG Software chunk, JSON generated_by)
 
 
+def named(path: PathLike) -> str:
+    """A path as a message names it: as it is, or quoted where spaces at its ends would hide them (``--data ' '``
+    was "--data not found")."""
+    text = str(path)
+    return text if text.strip() == text else repr(text)
+
+
 def _resolved(path: PathLike, shown: object) -> Path:
     """``Path(path).resolve()``; a link that cannot resolve (a loop) is a ValueError naming ``shown`` (it was a
     RuntimeError and a 62-line traceback)."""

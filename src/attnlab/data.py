@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .atomic import MARKER, atomic_dir, lock
+from .atomic import MARKER, atomic_dir, lock, named
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
     if path.is_file():
         return [path]
     if not path.exists():
-        raise FileNotFoundError(f"{flag} {path} not found")
+        raise FileNotFoundError(f"{flag} {named(path)} not found")
     if not path.is_dir():  # a device, a FIFO, a socket (/dev/null read as "a directory without .txt files")
         raise ValueError(f"{flag} {path} is neither a text file nor a directory")
 

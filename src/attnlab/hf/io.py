@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_dir as atomic_dir  # the writer of every checkpoint directory (re-exported)
-from ..atomic import read_json
+from ..atomic import named, read_json
 from ..hf_config import quantization
 
 SINGLE = "model.safetensors"
@@ -70,7 +70,7 @@ def read_config(src: str | Path) -> dict:
     if not src.is_dir():
         if src.exists():  # "not found" sent users looking for a path that was there
             raise ValueError(f"{src} is a file, not a checkpoint directory (config.json + safetensors)")
-        raise FileNotFoundError(f"checkpoint directory not found: {src}")
+        raise FileNotFoundError(f"checkpoint directory not found: {named(src)}")
     path = src / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {src}")

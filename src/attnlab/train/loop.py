@@ -113,7 +113,7 @@ def _check_paths(opts: UptrainOptions) -> None:
                 raise ValueError(
                     f"{flag} {path} is a file, not a checkpoint directory (config.json + safetensors)"
                 )
-            raise FileNotFoundError(f"{flag} checkpoint directory not found: {path}")
+            raise FileNotFoundError(f"{flag} checkpoint directory not found: {atomic.named(path)}")
     if opts.teacher is not None and not (opts.teacher / "config.json").is_file():
         raise ValueError(f"--teacher {opts.teacher} is not a checkpoint directory (no config.json)")
     try:
