@@ -210,7 +210,7 @@ def test_an_unmodelled_field_is_refused_naming_it(checkpoint):
 def test_attnlab_families_lists_it(registered):
     rows = json.loads(run("families", "--json").stdout)
     row = next(r for r in rows if r["family"] == "toylm")
-    assert [row[c]["text"] for c in ("import", "convert GQA", "convert MLA", "generate", "compare")] == [
+    assert [row[c]["text"] for c in ("import", "convert_gqa", "convert_mla", "generate", "compare")] == [
         "yes", "yes", "refused", "yes", "yes",
     ]  # fmt: skip
     assert "toylm" in run("families", "--markdown").stdout

@@ -8,6 +8,7 @@ written. And docs/families.md is what ``attnlab families --markdown`` prints.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -124,7 +125,9 @@ def test_families_command_prints_a_row_per_family_and_json():
     assert all(fam.name in result.stdout for fam in REGISTERED)
     rows = json.loads(run("families", "--json").stdout)
     assert [r["family"] for r in rows] == [fam.name for fam in REGISTERED]
-    assert rows[0]["convert MLA"]["text"] == support(REGISTERED[0])["convert MLA"].text
+    assert rows[0]["convert_mla"]["text"] == support(REGISTERED[0])["convert MLA"].text
+    # keys as the other commands' JSON names them (they were the table's headers, "convert GQA")
+    assert all(re.fullmatch(r"[a-z_]+", key) for row in rows for key in row)
     refused(run("families", "--json", "--markdown"))
 
 

@@ -106,7 +106,7 @@ def as_json() -> str:
             "architectures": fam.architectures,
             "covers": fam.covers,
         }
-        | {col: asdict(cell) for col, cell in cells.items()}
+        | {col.lower().replace(" ", "_"): asdict(cell) for col, cell in cells.items()}  # convert_gqa, ...
         for fam, cells in rows()
     ]
     return json.dumps(out, indent=1)
