@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from attnlab.bench import DecodeGrid, decode, interleaved, run_decode
 from attnlab.bench.report import performance_page, plot, print_tables, table_rows
 from attnlab.cli import app
-from attnlab.config import MLAConfig
+from attnlab.config import AttentionConfig, MLAConfig
+from attnlab.cost import attention_flops
 
 TINY_MLA = MLAConfig(
     d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
@@ -53,6 +54,11 @@ def test_every_contender_agrees_with_its_baseline(tiny_result):
         assert all(v > 0 for v in row["ms"].values())
     layer = [r for r in tiny_result["rows"] if r["kind"] == "layer"]
     assert [r["n_kv_heads"] for r in layer] == [4, 2, 1]
+    for r in layer:  # the step appends its token and attends over context + 1 (counted over context)
+        cfg = AttentionConfig(
+            d_model=r["n_heads"] * r["head_dim"], n_heads=r["n_heads"], n_kv_heads=r["n_kv_heads"]
+        )
+        assert r["flops"] == attention_flops(cfg, r["batch"], 1, r["context"] + 1).total
     mla = next(r for r in tiny_result["rows"] if r["kind"] == "mla")
     assert set(mla["ms"]) == {"absorbed", "naive", "hf_deepseek_v3"}
     # no K/V heads: its head_dim was a plausible-looking 0; the latent row's width instead
@@ -96,11 +102,15 @@ def test_cli_bench_decode_json_and_errors():
         args,
         message,
     ) in (  # an empty item was dropped, and an empty --dtype said "max() arg is an empty sequence"
-        (["--dtype", ""], "--dtype must be a comma list without empty items, got ''"),
+        (["--dtype", ""], "--dtype '' is empty"),  # (the command line's own check, before the list's)
+        (["--dtype", "fp32,"], "--dtype must be a comma list without empty items, got 'fp32,'"),
         (["--kv-heads", "8,,1"], "--kv-heads must be a comma list of integers, got '8,,1'"),
     ):
         bad = runner.invoke(app, ["bench", "decode", *args, "--json"])
-        assert bad.exit_code == 2 and bad.stderr.strip() == f"attnlab: error: {message}", bad.output
+        lines = bad.stderr.strip().splitlines()
+        assert bad.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"attnlab: error: {message}"), (
+            bad.output
+        )
 
 
 def test_roofline_of_a_bfloat16_step_takes_the_faster_compute_rate(tiny_result):
@@ -275,3 +285,17 @@ def test_compare_measure_times_each_layer_over_a_ring_of_distinct_layers(monkeyp
     assert all(
         len(cache) == tokens for _, cache in made
     )  # each took the timed step (cropped back before each)
+
+
+def test_bench_decode_says_where_its_plot_went(tmp_path):
+    # compare says "plot written to ..."; bench decode wrote its PNG without a word (with --json the path is a key)
+    res = CliRunner().invoke(
+        app,
+        ["bench", "decode", "--kv-heads", "8", "--context", "40", "--repeats", "1", "--no-layer", "--no-mla",
+         "--no-paged", "--plot", str(tmp_path / "d.png")],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert (
+        res.stdout.rstrip().endswith(f"plot written to {tmp_path / 'd.png'}")
+        and (tmp_path / "d.png").is_file()
+    )

@@ -293,3 +293,16 @@ def test_a_cache_file_with_figures_no_measurement_gives_is_measured_again(tmp_pa
     hw_mod._local_cached.cache_clear()
     monkeypatch.setattr(hw_mod, "_measure", lambda: pytest.fail("a valid cache file was measured again"))
     assert measure_local().bandwidth == 20e9
+
+
+def test_a_cache_file_nested_past_the_json_reader_is_measured_again(tmp_path, monkeypatch):
+    # 100000 "[" then as many "]": RecursionError, a traceback from every command on local hardware
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    hw_mod._local_cached.cache_clear()
+    at_rest = Hardware("local", {"fp32": 150e9, "bf16": 400e9, "fp16": 40e9}, 20e9, 2**34, "test")
+    monkeypatch.setattr(hw_mod, "_measure", lambda: at_rest)
+    path = tmp_path / "attnlab" / "local_hardware.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert measure_local() == at_rest
+    assert Hardware(**json.loads(path.read_text())["hardware"]) == at_rest  # and the file is good again

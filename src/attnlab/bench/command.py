@@ -70,4 +70,6 @@ def run_bench_decode(
         print(json_text(result, indent=1), end="")
     else:
         print_tables(result)
+        if plot is not None:  # as compare says it (with --json the path is in the result)
+            print(f"plot written to {result['plot']}")
     return result

@@ -332,10 +332,11 @@ def layer_row(grid: DecodeGrid, hw: Hardware, dtype: str, b: int, context: int, 
         err = _errors([contenders["ours"]()], contenders["hf_llama_sdpa"]())
         reset()
         times = interleaved(contenders, repeats=grid.repeats, reset=reset)
-    fl = attention_flops(cfg, b, 1, context)
+    read = context + 1  # the step appends its token to the cache and attends over it too
+    fl = attention_flops(cfg, b, 1, read)
     elem = torch.finfo(dt).bits // 8
     weights = sum(p.numel() for p in attn.parameters()) * elem
-    n_bytes = kv_cache_bytes(cfg, b, context, dtype) + weights + 2 * b * h * d * elem
+    n_bytes = kv_cache_bytes(cfg, b, read, dtype) + weights + 2 * b * h * d * elem
     return _finish_row(
         dict(kind="layer", dtype=dtype, batch=b, context=context, n_heads=h, n_kv_heads=n_kv, head_dim=d),
         hw,

@@ -126,7 +126,8 @@ def _saved() -> Hardware | None:
             hw = Hardware(**saved["hardware"])
             if _measurable(hw):
                 return hw
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    # RecursionError: json's reader on brackets nested 100000 deep
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         pass
     return None
 
