@@ -673,6 +673,15 @@ def test_source_mistakes_are_named_before_the_destination(tmp_path):
         ),
         (["convert", src, tmp_path / "dst", "--kv-heads", 0], "--kv-heads 0 must be a positive divisor"),
         (["convert", src, tmp_path / "dst", "--kv-heads", 3], "--kv-heads 3 must be a positive divisor"),
+        (["convert", src, tmp_path / "dst", "--kv-heads", 2, "--method", "bogus"], "--method must be one of"),
+        (
+            ["convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 100_000],
+            "--kv-lora-rank must be",
+        ),
+        (
+            ["convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8, "--rope-dim", 7],
+            "must be even",
+        ),
         (["convert", src, tmp_path / "dst", "--kv-heads", 2], "destination exists"),
     ):
         one_line_error(run(*map(str, args)), says)

@@ -26,7 +26,7 @@ from .. import data, resources
 from ..atomic import check_destination
 from ..convert.gqa import METHODS
 from ..convert.model import DATA_AWARE, Progress, convert_model
-from ..families import FAMILIES, family
+from ..families import FAMILIES, Family, family
 from ..hf_config import from_hf_config
 from . import bert, io
 from .causal_lm import load_causal_lm, repeat_kv_heads
@@ -116,6 +116,34 @@ def check_kv_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
         )
 
 
+def check_inputs(src: Path, n_kv_heads: int, method: str, calib: str | Path | None) -> tuple[dict, Family]:
+    """Every check of a GQA conversion's inputs that reads no more than SRC's config.json: the method and --calib,
+    SRC itself, its family, the KV head count. ``attnlab convert`` runs them before it looks at DST (a missing SRC
+    was reported as "destination exists"); returns SRC's config.json and family."""
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
+    if calib is not None and method not in DATA_AWARE:
+        raise ValueError(
+            f"--calib is read only by --method {' / '.join(DATA_AWARE)}; --method {method} would ignore {calib}"
+        )
+    if method in DATA_AWARE and calib is None:
+        raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
+    hf = io.read_config(src)
+    io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
+    model_type = hf["model_type"]
+    if model_type not in FAMILIES:  # the families convert takes, not every family attnlab reads
+        raise ValueError(f"{src / 'config.json'}: model_type={model_type!r} is not supported; convert takes "
+                         f"{_gqa_types()}")  # fmt: skip
+    fam = family(model_type, f"{src / 'config.json'}")
+    if fam.causal_lm and (fam.gqa is None or fam.tensors is None):
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: its KV heads cannot be converted (supported: {_gqa_types()})"
+        )
+    attn = from_hf_config(src).attention
+    check_kv_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
+    return hf, fam
+
+
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -136,32 +164,12 @@ def convert_checkpoint(
     from the CPU.
     """
     src, dst = Path(src), Path(dst)
-    if method not in METHODS:
-        raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
-    if calib is not None and method not in DATA_AWARE:
-        raise ValueError(
-            f"--calib is read only by --method {' / '.join(DATA_AWARE)}; --method {method} would ignore {calib}"
-        )
-    if method in DATA_AWARE and calib is None:
-        raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
+    hf, fam = check_inputs(src, n_kv_heads, method, calib)
+    model_type = hf["model_type"]
     where = conversion_device(device, method in DATA_AWARE, f"--method {method}")
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
-    hf = io.read_config(src)
-    io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
-    model_type = hf["model_type"]
-    if model_type not in FAMILIES:  # the families convert takes, not every family attnlab reads
-        raise ValueError(f"{src / 'config.json'}: model_type={model_type!r} is not supported; convert takes "
-                         f"{_gqa_types()}")  # fmt: skip
-    fam = family(model_type, f"{src / 'config.json'}")
-    if not fam.causal_lm:  # BERT's encoder: its own module, written in the MHA layout
-        model, _ = bert.load_bert(src)
-    elif fam.gqa is None or fam.tensors is None:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}: its KV heads cannot be converted (supported: {_gqa_types()})"
-        )
-    else:
-        model = load_causal_lm(src)
+    model = bert.load_bert(src)[0] if not fam.causal_lm else load_causal_lm(src)
     attn = model.cfg.attention
     check_kv_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
     io.check_finite(model, src)

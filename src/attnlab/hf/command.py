@@ -82,21 +82,16 @@ def run_convert(
     )  # fmt: skip
     stride = parse_planes(planes)
     # SRC and what the options ask of it before DST, so that one run names the mistakes in the order a user fixes
-    # them (a missing SRC was reported as "destination exists"); still nothing loaded but config.json
-    from ..config import AttentionConfig
-    from ..families import FAMILIES, family
-    from ..hf_config import from_hf_config
-    from .checkpoint import check_kv_heads
-    from .io import read_config
+    # them (a missing SRC, a refused method or rank were reported as "destination exists"): the converters' own
+    # input checks, which read no more than config.json
+    if to == "gqa":
+        from .checkpoint import check_inputs
 
-    model_type = read_config(src)["model_type"]
-    fam = family(model_type) if model_type in FAMILIES else None
-    if (
-        to == "gqa" and fam is not None and fam.gqa is not None and fam.tensors is not None
-    ):  # (else: said below)
-        attn = from_hf_config(src).attention
-        if isinstance(attn, AttentionConfig):
-            check_kv_heads(attn.n_heads, attn.n_kv_heads, kv_heads)
+        check_inputs(Path(src), kv_heads, method or "mean", calib)
+    else:
+        from .mla_checkpoint import check_inputs as check_mla_inputs
+
+        check_mla_inputs(Path(src), kv_lora_rank, rope_dim, stride)
     # One writer of dst for the whole run, not only while it writes (a second convert into dst once ran beside
     # this one, and with --overwrite the later finisher replaced the other's result); checked first, since the lock
     # file is written beside dst.

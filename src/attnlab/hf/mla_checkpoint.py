@@ -94,6 +94,43 @@ def _full_context(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(sliding=None, layer_types=())
 
 
+def check_inputs(
+    src: Path, kv_lora_rank: int, rope_dim: int | None, planes: str | int | None
+) -> tuple[dict, ModelConfig, int]:
+    """Every check of an MLA conversion's inputs that reads no more than SRC's config.json: SRC itself, its family's
+    verdict, the rank, --rope-dim and a --planes stride. ``attnlab convert`` runs them before it looks at DST (a
+    refused source or rank was reported as "destination exists"); returns SRC's config.json, its config and the
+    rope_dim the conversion keeps."""
+    hf = io.read_config(src)
+    io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
+    cfg = _full_context(model_config(src, hf))  # a causal-LM family attnlab loads, with its checks
+    support = family(hf["model_type"]).mla(cfg)
+    if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
+        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
+    # what the family's verdict cannot see: a scaling that keeps no plane, MLPs DeepSeek-V3 does not have
+    obstacle = rope_obstacle(cfg.attention) or mlp_obstacle(cfg)
+    if obstacle:
+        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {obstacle}")
+    attn_cfg = cfg.attention
+    flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
+    rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
+    plain = plain_planes(attn_cfg) if attn_cfg.rope else 0
+    if isinstance(planes, int) and attn_cfg.rope:
+        high = stride_limit(attn_cfg, rope_dim, flags["rope_dim"])
+        if not 1 <= planes <= high:
+            band = ""
+            if plain < attn_cfg.rotary_dim // 2:  # a scaled RoPE: only its plain planes can keep RoPE exactly
+                band = (
+                    f", whose rope_type {attn_cfg.rope_type!r} turns only planes 0..{plain - 1} at plain "
+                    "RoPE frequencies (what a DeepSeek export computes)"
+                )
+            raise ValueError(
+                f"--planes {planes}: a stride must be in [1, {high}] for --rope-dim {rope_dim} of the "
+                f"{attn_cfg.rotary_dim} dims the source's RoPE turns{band}"
+            )
+    return hf, cfg, rope_dim
+
+
 def convert_checkpoint_to_mla(
     src: str | Path,
     dst: str | Path,
@@ -123,36 +160,12 @@ def convert_checkpoint_to_mla(
     from the CPU.
     """
     src, dst = Path(src), Path(dst)
+    hf, cfg, rope_dim = check_inputs(src, kv_lora_rank, rope_dim, planes)
+    attn_cfg, support = cfg.attention, family(hf["model_type"]).mla(cfg)
+    plain = plain_planes(attn_cfg) if attn_cfg.rope else 0
     where = conversion_device(device, True, "--to mla")
     # Checked again when writing; here so that a refused destination costs no loading.
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
-    hf = io.read_config(src)
-    io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
-    cfg = _full_context(model_config(src, hf))  # a causal-LM family attnlab loads, with its checks
-    support = family(hf["model_type"]).mla(cfg)
-    if support.verdict == "refused" or not isinstance(cfg.attention, AttentionConfig):
-        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {support.note}")
-    # what the family's verdict cannot see: a scaling that keeps no plane, MLPs DeepSeek-V3 does not have
-    obstacle = rope_obstacle(cfg.attention) or mlp_obstacle(cfg)
-    if obstacle:
-        raise ValueError(f"--to mla: a {hf['model_type']} model cannot be converted to MLA: {obstacle}")
-    attn_cfg = cfg.attention
-    flags = {"kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim"}  # the command's names in messages
-    rope_dim = check_target(attn_cfg, kv_lora_rank, rope_dim, names=flags)
-    plain = plain_planes(attn_cfg) if attn_cfg.rope else 0
-    if isinstance(planes, int) and attn_cfg.rope:
-        high = stride_limit(attn_cfg, rope_dim, flags["rope_dim"])
-        if not 1 <= planes <= high:
-            band = ""
-            if plain < attn_cfg.rotary_dim // 2:  # a scaled RoPE: only its plain planes can keep RoPE exactly
-                band = (
-                    f", whose rope_type {attn_cfg.rope_type!r} turns only planes 0..{plain - 1} at plain "
-                    "RoPE frequencies (what a DeepSeek export computes)"
-                )
-            raise ValueError(
-                f"--planes {planes}: a stride must be in [1, {high}] for --rope-dim {rope_dim} of the "
-                f"{attn_cfg.rotary_dim} dims the source's RoPE turns{band}"
-            )
     model = load_causal_lm(src)
     if model.cfg.sliding is not None and cfg.sliding is None:  # its windows cover every position: dropped
         model.cfg = cfg
