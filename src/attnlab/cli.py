@@ -608,5 +608,8 @@ def _terminate(signum: int, _frame: Any) -> None:
 
 
 def main() -> None:
+    from .resources import die_with_launcher
+
+    die_with_launcher()  # a rank of torchrun's, as early as the imports allow (again in distributed.setup)
     signal.signal(signal.SIGTERM, _terminate)
     app()

@@ -8,8 +8,12 @@ an allocator failure deep inside a forward pass.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import platform
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,3 +126,33 @@ def describe_device(device: torch.device) -> str:
 def announce_device(device: torch.device, note: str = "") -> None:
     """The one stderr line of a command that computes: which device it runs on (``note``: how, e.g. its ranks)."""
     print(f"device: {describe_device(device)}{f', {note}' if note else ''}", file=sys.stderr)
+
+
+def die_with_launcher() -> None:
+    """Under torchrun on Linux, end this rank when torchrun ends: it starts its ranks in a session of their own, so
+    a SIGKILL of torchrun (``timeout -s KILL``, ``kill -9`` of its process group) left them training on, writing DST
+    after the run was stopped, or waiting up to 30 minutes in the rendezvous. The parent-death signal is SIGKILL: a
+    rank waiting in the rendezvous never returns to Python to run a SIGTERM handler (what a killed rank leaves, its
+    temporaries, the next run removes). A launcher of its own (not torchelastic) is left alone."""
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # (no libc prctl: the rank lives as it did)
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    # torchrun killed before the line above (while this rank imported torch): the signal will never come, and the
+    # rank is init's child now; torchrun itself as init (a container's entrypoint) is alive
+    if os.getppid() == 1 and not _is_launcher(1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _is_launcher(pid: int) -> bool:
+    """Whether process ``pid`` is torchrun (or ``python -m torch.distributed.run``); True where it cannot tell."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return (
+        b"torchrun" in command
+        or b"torch.distributed.run" in command
+        or b"torch.distributed.launch" in command
+    )

@@ -15,11 +15,8 @@ process. Multi-node runs are torchrun's business: the same command under
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import signal
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -103,7 +100,7 @@ def setup(tp: int = 1, device: str = "auto") -> Env:
         return Env(rank=0, world_size=1, local_rank=0, device=chosen)
     owns = not dist.is_initialized()
     if owns:
-        die_with_launcher()
+        resources.die_with_launcher()
         dist.init_process_group(backend(chosen))
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -112,19 +109,6 @@ def setup(tp: int = 1, device: str = "auto") -> Env:
     else:
         mesh = init_device_mesh(chosen.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     return Env(dist.get_rank(), world, local_rank, chosen, mesh, owns, tp)
-
-
-def die_with_launcher() -> None:
-    """Under torchrun on Linux, end this rank when torchrun ends: it starts its ranks in a session of their own, so
-    a SIGKILL of torchrun (``timeout -s KILL``, ``kill -9`` of its process group) left them training on, writing DST
-    after the run was stopped, or waiting up to 30 minutes in the rendezvous. The parent-death signal is SIGKILL: a
-    rank waiting in the rendezvous never returns to Python to run a SIGTERM handler (what a killed rank leaves, its
-    temporaries, the next run removes). A launcher of its own (not torchelastic) is left alone."""
-    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # (no libc prctl: the rank lives as it did)
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def backend(device: torch.device) -> str:
