@@ -409,7 +409,8 @@ def test_paged_select_takes_numpy_and_tensor_integers_and_names_bad_rows():
     )
     assert cache.select([np.int64(2), 0]).active == [2, 0]
     assert cache.select(torch.tensor([1, 2])).active == [1, 2]
-    for bad in ([0, 0], [3], [], [1.0], torch.tensor([[0]]), [-1]):
+    # booleans are a mask, not rows: tensor([False, True]) selected rows 0 and 1
+    for bad in ([0, 0], [3], [], [1.0], torch.tensor([[0]]), [-1], [True], torch.tensor([False, True])):
         with pytest.raises(
             ValueError, match=r"PagedKVCache.select: rows must be distinct integers in \[0, 3\)"
         ):

@@ -677,10 +677,17 @@ class PagedKVCache(_ValueBuffer):
         """Make ``rows`` (distinct batch rows: Python, NumPy or tensor integers, as an ``argsort`` of a beam search
         gives them) the ones the next forward reads and writes, in the order of its inputs' rows."""
         picked: list[int] = []
+        listed: list = []
         if not isinstance(rows, torch.Tensor) or rows.ndim == 1:
             with contextlib.suppress(TypeError):
-                picked = [operator.index(r) for r in rows]
-        valid = all(0 <= r < self.batch_size for r in picked) and len(picked) == len(rows)
+                listed = list(rows)
+        # booleans are a mask, not rows (a tensor([False, True]) selected rows 0 and 1): refused
+        if not any(
+            isinstance(r, bool) or str(getattr(r, "dtype", "")) in ("bool", "torch.bool") for r in listed
+        ):
+            with contextlib.suppress(TypeError):
+                picked = [operator.index(r) for r in listed]
+        valid = all(0 <= r < self.batch_size for r in picked) and len(picked) == len(listed)
         if not picked or len(set(picked)) != len(picked) or not valid:
             raise ValueError(
                 f"PagedKVCache.select: rows must be distinct integers in [0, {self.batch_size}): {rows}"

@@ -93,6 +93,8 @@ class _Group(typer.core.TyperGroup):
         words = iter(argv[len(path) :])
         for word in words:
             name, eq, value = word.partition("=")
+            if word == "--":  # what follows is arguments, whatever they look like
+                return "an argument is '' (empty)" if "" in words else None
             if word in takes_value:
                 value = next(words, None)
                 if value == "":

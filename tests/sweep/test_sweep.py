@@ -369,6 +369,15 @@ def test_sweep_options_that_would_run_wrong_are_refused_by_name(tmp_path):
         check_options(SweepOptions(src="model", data=tmp_path))
     with pytest.raises(TypeError, match="--lr must be a number"):
         check_options(SweepOptions(**base, lr="1e-3"))
+    # an empty item was dropped: 'gqa:2/mean,' ran as gqa:2/mean, --uptrain-steps '100,' as 100
+    from attnlab.sweep.plan import parse_ints
+
+    for spec in ("gqa:2/mean,", "gqa:2/,fit", "gqa:2,", "gqa:,2"):
+        with pytest.raises(ValueError, match=r"is not a method|comma list of integers"):
+            variants(cfg, (spec,), quick=False)
+    for text in ("100,", ",100", "100,,200"):
+        with pytest.raises(ValueError, match="--uptrain-steps takes a comma list of integers"):
+            parse_ints(text, "--uptrain-steps")
     # the command line dropped an empty item: --methods 'mean,' ran as --methods mean
     for methods in ("mean,", "mean,,fit", ","):
         result = runner.invoke(app, ["sweep", str(tmp_path), "--data", str(tmp_path), "--methods", methods])

@@ -101,7 +101,7 @@ class SweepOptions:
 def parse_ints(text: str, flag: str) -> tuple[int, ...]:
     """A comma list of plain decimal integers (Python's int() would also take "2_8" as 28, and other scripts'
     digits)."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
+    items = [x.strip() for x in text.split(",")]  # an empty item is refused, not dropped ("100," ran as 100)
     if not all(re.fullmatch(r"-?[0-9]+", x) for x in items):
         raise ValueError(f"{flag} takes a comma list of integers, got {text!r}")
     values = tuple(int(x) for x in items)
@@ -221,8 +221,8 @@ def _mla(rank: int, rope: int, methods: tuple[str, ...] | None) -> Variant:
 
 
 def _spec_methods(part: str, text: str) -> tuple[str, ...]:
-    methods = tuple(m.strip() for m in text.split(",") if m.strip())
-    for m in methods or ("",):
+    methods = tuple(m.strip() for m in text.split(","))  # an empty item is refused ("mean," ran as mean)
+    for m in methods:
         if m not in METHODS:
             raise ValueError(f"--variants {part}: {m!r} is not a method; choose among {', '.join(METHODS)}")
     return methods
