@@ -388,9 +388,8 @@ def lock(dst: PathLike, what: str = "destination", *, wait: bool = False) -> Ite
                 fd = _open_lock_file(path)
             except FileExistsError:
                 raise
-            except (
-                OSError
-            ) as err:  # said as "/proc/.o1.lock: No such file or directory": a file the user never named
+            # said as "/proc/.o1.lock: No such file or directory", a file the user never named
+            except OSError as err:
                 if not err.strerror:
                     raise
                 raise OSError(
