@@ -166,14 +166,23 @@ def test_ranks_end_with_torchrun_when_it_is_killed(tmp_path, tiny_llama, corpus)
     assert len(workers) == 2
     os.kill(proc.pid, signal.SIGKILL)  # torchrun alone, not its ranks
     proc.wait(timeout=10)
+
+    def alive(
+        pid: int,
+    ) -> bool:  # (not our children: a dead rank is init's zombie a moment, without a cmdline)
+        try:
+            return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:
+            return False
+
     deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
-        for w in workers:  # (reap nothing: they are not our children; a zombie has no cmdline)
-            with contextlib.suppress(OSError):
-                if not Path(f"/proc/{w}/cmdline").read_bytes():
-                    workers.remove(w)
+    while any(map(alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [w for w in workers if Path(f"/proc/{w}").exists()], "ranks outlived torchrun"
+    left = [w for w in workers if alive(w)]
+    for w in left:  # leave no orphan behind a failure
+        with contextlib.suppress(OSError):
+            os.kill(w, signal.SIGKILL)
+    assert not left, "ranks outlived torchrun"
     assert not dst.exists()
 
 
