@@ -682,6 +682,26 @@ def test_source_mistakes_are_named_before_the_destination(tmp_path):
             ["convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8, "--rope-dim", 7],
             "must be even",
         ),
+        # the calibration file and the device too (a helper found them after DST)
+        (
+            [
+                "convert",
+                src,
+                tmp_path / "dst",
+                "--kv-heads",
+                2,
+                "--method",
+                "fit",
+                "--calib",
+                tmp_path / "no.txt",
+            ],
+            "calibration file not found",
+        ),
+        (
+            ["convert", src, tmp_path / "dst", "--to", "mla", "--kv-lora-rank", 8, "--calib", tmp_path],
+            "is not a text file",
+        ),
+        (["convert", src, tmp_path / "dst", "--kv-heads", 2, "--device", "bogus"], "--device must be"),
         (["convert", src, tmp_path / "dst", "--kv-heads", 2], "destination exists"),
     ):
         one_line_error(run(*map(str, args)), says)

@@ -32,6 +32,25 @@ from . import bert, io
 from .causal_lm import load_causal_lm, repeat_kv_heads
 
 
+def check_calib(src: Path, calib: str | Path) -> Path:
+    """``--calib`` as a file that SRC's tokenizer can read (its lines are read later)."""
+    calib = Path(calib)
+    if not calib.is_file():
+        if calib.is_symlink() and not calib.exists():  # a link that leads nowhere, or round in a loop
+            try:
+                calib.resolve(strict=True)
+            except (RuntimeError, OSError) as err:
+                raise ValueError(f"--calib {calib}: the path does not resolve ({err})") from None
+        if calib.exists():  # a directory: "not found" sent users looking for a missing path
+            raise ValueError(
+                f"--calib {calib} is not a text file (one calibration text, one sequence a line)"
+            )
+        raise FileNotFoundError(f"--calib {calib}: calibration file not found")
+    if not (src / "tokenizer.json").is_file():
+        raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")
+    return calib
+
+
 def calibration_batches(
     src: Path,
     calib: str | Path,
@@ -47,15 +66,7 @@ def calibration_batches(
     ``convert_model`` needs for causal decoders)."""
     if max_positions is not None:
         max_tokens = min(max_tokens, max_positions)
-    calib = Path(calib)
-    if not calib.is_file():
-        if calib.exists():  # a directory: "not found" sent users looking for a missing path
-            raise ValueError(
-                f"--calib {calib} is not a text file (one calibration text, one sequence a line)"
-            )
-        raise FileNotFoundError(f"--calib {calib}: calibration file not found")
-    if not (src / "tokenizer.json").is_file():
-        raise ValueError(f"--calib needs a tokenizer.json in {src} to tokenise {calib}")
+    calib = check_calib(src, calib)
     tok = data.load_tokenizer(src, vocab_size)
     tok.no_padding()
     tok.enable_truncation(max_tokens)
@@ -116,9 +127,11 @@ def check_kv_heads(n_heads: int, n_kv_src: int, n_kv_heads: int) -> None:
         )
 
 
-def check_inputs(src: Path, n_kv_heads: int, method: str, calib: str | Path | None) -> tuple[dict, Family]:
-    """Every check of a GQA conversion's inputs that reads no more than SRC's config.json: the method and --calib,
-    SRC itself, its family, the KV head count. ``attnlab convert`` runs them before it looks at DST (a missing SRC
+def check_inputs(
+    src: Path, n_kv_heads: int, method: str, calib: str | Path | None, device: str = "auto"
+) -> tuple[dict, Family]:
+    """Every check of a GQA conversion's inputs that reads no more than SRC's config.json: the method, --calib (the
+    file, not yet its lines), --device, SRC itself, its family, the KV head count. ``attnlab convert`` runs them before it looks at DST (a missing SRC
     was reported as "destination exists"); returns SRC's config.json and family."""
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
@@ -128,6 +141,7 @@ def check_inputs(src: Path, n_kv_heads: int, method: str, calib: str | Path | No
         )
     if method in DATA_AWARE and calib is None:
         raise ValueError(f"--method {method} needs --calib PATH (a text file of calibration lines)")
+    conversion_device(device, method in DATA_AWARE, f"--method {method}")
     hf = io.read_config(src)
     io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
     model_type = hf["model_type"]
@@ -141,6 +155,8 @@ def check_inputs(src: Path, n_kv_heads: int, method: str, calib: str | Path | No
         )
     attn = from_hf_config(src).attention
     check_kv_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
+    if calib is not None:
+        check_calib(src, calib)
     return hf, fam
 
 
@@ -164,7 +180,7 @@ def convert_checkpoint(
     from the CPU.
     """
     src, dst = Path(src), Path(dst)
-    hf, fam = check_inputs(src, n_kv_heads, method, calib)
+    hf, fam = check_inputs(src, n_kv_heads, method, calib, device)
     model_type = hf["model_type"]
     where = conversion_device(device, method in DATA_AWARE, f"--method {method}")
     # Checked again when writing; here so that a refused destination costs no loading.

@@ -87,11 +87,11 @@ def run_convert(
     if to == "gqa":
         from .checkpoint import check_inputs
 
-        check_inputs(Path(src), kv_heads, method or "mean", calib)
+        check_inputs(Path(src), kv_heads, method or "mean", calib, device)
     else:
         from .mla_checkpoint import check_inputs as check_mla_inputs
 
-        check_mla_inputs(Path(src), kv_lora_rank, rope_dim, stride)
+        check_mla_inputs(Path(src), kv_lora_rank, rope_dim, stride, calib, device)
     # One writer of dst for the whole run, not only while it writes (a second convert into dst once ran beside
     # this one, and with --overwrite the later finisher replaced the other's result); checked first, since the lock
     # file is written beside dst.

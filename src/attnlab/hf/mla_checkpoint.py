@@ -48,7 +48,7 @@ from ..families import family
 from ..families.base import mlp_obstacle
 from . import deepseek, io
 from .causal_lm import load_causal_lm, model_config
-from .checkpoint import calibration_batches, computing_on, conversion_device, on_device
+from .checkpoint import calibration_batches, check_calib, computing_on, conversion_device, on_device
 
 # (stage, layers done, layers in all): called after each layer of each pass over the model
 StageProgress = Callable[[str, int, int], None]
@@ -95,12 +95,18 @@ def _full_context(cfg: ModelConfig) -> ModelConfig:
 
 
 def check_inputs(
-    src: Path, kv_lora_rank: int, rope_dim: int | None, planes: str | int | None
+    src: Path,
+    kv_lora_rank: int,
+    rope_dim: int | None,
+    planes: str | int | None,
+    calib: str | Path | None = None,
+    device: str = "auto",
 ) -> tuple[dict, ModelConfig, int]:
-    """Every check of an MLA conversion's inputs that reads no more than SRC's config.json: SRC itself, its family's
-    verdict, the rank, --rope-dim and a --planes stride. ``attnlab convert`` runs them before it looks at DST (a
+    """Every check of an MLA conversion's inputs that reads no more than SRC's config.json: --device, SRC itself, its
+    family's verdict, the rank, --rope-dim, a --planes stride, --calib (the file, not yet its lines). ``attnlab convert`` runs them before it looks at DST (a
     refused source or rank was reported as "destination exists"); returns SRC's config.json, its config and the
     rope_dim the conversion keeps."""
+    conversion_device(device, True, "--to mla")
     hf = io.read_config(src)
     io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
     cfg = _full_context(model_config(src, hf))  # a causal-LM family attnlab loads, with its checks
@@ -128,6 +134,8 @@ def check_inputs(
                 f"--planes {planes}: a stride must be in [1, {high}] for --rope-dim {rope_dim} of the "
                 f"{attn_cfg.rotary_dim} dims the source's RoPE turns{band}"
             )
+    if calib is not None:
+        check_calib(src, calib)
     return hf, cfg, rope_dim
 
 
@@ -160,7 +168,7 @@ def convert_checkpoint_to_mla(
     from the CPU.
     """
     src, dst = Path(src), Path(dst)
-    hf, cfg, rope_dim = check_inputs(src, kv_lora_rank, rope_dim, planes)
+    hf, cfg, rope_dim = check_inputs(src, kv_lora_rank, rope_dim, planes, calib, device)
     attn_cfg, support = cfg.attention, family(hf["model_type"]).mla(cfg)
     plain = plain_planes(attn_cfg) if attn_cfg.rope else 0
     where = conversion_device(device, True, "--to mla")
