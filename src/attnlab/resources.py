@@ -133,26 +133,28 @@ def die_with_launcher() -> None:
     a SIGKILL of torchrun (``timeout -s KILL``, ``kill -9`` of its process group) left them training on, writing DST
     after the run was stopped, or waiting up to 30 minutes in the rendezvous. The parent-death signal is SIGKILL: a
     rank waiting in the rendezvous never returns to Python to run a SIGTERM handler (what a killed rank leaves, its
-    temporaries, the next run removes). A launcher of its own (not torchelastic) is left alone."""
-    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+    temporaries, the next run removes).
+
+    Only for a rank whose parent is torchrun itself: a process that merely inherited torchrun's variables (a rank's
+    own ``attnlab eval`` subprocess, started from a thread that may end first), another launcher's rank (one built on
+    torch's elastic API, which may be a container's init) and a shell's background job run as they did. A rank whose
+    torchrun died before this call (while it imported torch) is not caught."""
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return
+    if not _is_torchrun(os.getppid()):
         return
     with contextlib.suppress(OSError, AttributeError):  # (no libc prctl: the rank lives as it did)
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    # torchrun killed before the line above (while this rank imported torch): the signal will never come, and the
-    # rank is init's child now; torchrun itself as init (a container's entrypoint) is alive
-    if os.getppid() == 1 and not _is_launcher(1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _is_launcher(pid: int) -> bool:
-    """Whether process ``pid`` is torchrun (or ``python -m torch.distributed.run``); True where it cannot tell."""
+def _is_torchrun(pid: int) -> bool:
+    """Whether process ``pid`` runs torchrun (its program, or the script its interpreter runs, or ``-m
+    torch.distributed.run``: not a word of its arguments); False where it cannot tell."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
+        return False
+    if any(w.rsplit(b"/", 1)[-1] == b"torchrun" for w in words[:2]):
         return True
-    return (
-        b"torchrun" in command
-        or b"torch.distributed.run" in command
-        or b"torch.distributed.launch" in command
-    )
+    return words[1:2] == [b"-m"] and words[2:3] in ([b"torch.distributed.run"], [b"torch.distributed.launch"])

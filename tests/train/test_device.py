@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -176,3 +180,21 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(tmp_path, tiny_llama, 
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("attnlab: error: --device cuda: ") and "use --device cpu" in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_only_a_rank_whose_parent_is_torchrun_dies_with_it(tmp_path):
+    # The parent-death signal killed processes that only inherited torchrun's variables: a detached job, a rank's own
+    # `attnlab eval` started from a thread that ended, the ranks of another elastic launcher running as init
+    probe = (
+        "import ctypes, os; from attnlab.resources import die_with_launcher; die_with_launcher(); "
+        "sig = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0); print(sig.value)"
+    )  # PR_GET_PDEATHSIG
+    env = os.environ | {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}
+    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "0"  # its parent is pytest, not torchrun: left alone
+    fake = subprocess.Popen(["bash", "-c", "exec -a /opt/bin/torchrun sleep 30"])
+    try:
+        time.sleep(0.5)
+        assert resources._is_torchrun(fake.pid) and not resources._is_torchrun(os.getpid())
+    finally:
+        fake.kill()
