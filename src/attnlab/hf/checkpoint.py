@@ -131,8 +131,9 @@ def check_inputs(
     src: Path, n_kv_heads: int, method: str, calib: str | Path | None, device: str = "auto"
 ) -> tuple[dict, Family]:
     """Every check of a GQA conversion's inputs that reads no more than SRC's config.json: the method, --calib (the
-    file, not yet its lines), --device, SRC itself, its family, the KV head count. ``attnlab convert`` runs them before it looks at DST (a missing SRC
-    was reported as "destination exists"); returns SRC's config.json and family."""
+    file, not yet its lines), --device, SRC itself, its family, the KV head count. ``attnlab convert`` runs them
+    before it looks at DST (a missing SRC was reported as "destination exists"); returns SRC's config.json and
+    family."""
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
     if calib is not None and method not in DATA_AWARE:

@@ -103,9 +103,9 @@ def check_inputs(
     device: str = "auto",
 ) -> tuple[dict, ModelConfig, int]:
     """Every check of an MLA conversion's inputs that reads no more than SRC's config.json: --device, SRC itself, its
-    family's verdict, the rank, --rope-dim, a --planes stride, --calib (the file, not yet its lines). ``attnlab convert`` runs them before it looks at DST (a
-    refused source or rank was reported as "destination exists"); returns SRC's config.json, its config and the
-    rope_dim the conversion keeps."""
+    family's verdict, the rank, --rope-dim, a --planes stride, --calib (the file, not yet its lines). ``attnlab
+    convert`` runs them before it looks at DST (a refused source or rank was reported as "destination exists");
+    returns SRC's config.json, its config and the rope_dim the conversion keeps."""
     conversion_device(device, True, "--to mla")
     hf = io.read_config(src)
     io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
