@@ -156,11 +156,15 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
-def storage_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype a module's new cache holds by default: its projections' output, the weights' dtype, or under
-    ``torch.autocast`` on the weights' device autocast's (a float32 model's keys are bfloat16 there: a cache of the
-    weights' dtype refused every step)."""
-    return autocast_dtype(weight.device) or weight.dtype
+def placement(
+    weight: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None
+) -> tuple[torch.dtype, torch.device | str]:
+    """A module's new cache's dtype and device: those given, else the weights' device and the dtype of its
+    projections' output: the weights' dtype, or under ``torch.autocast`` on the weights' device autocast's (a float32
+    model's keys are bfloat16 there: a cache of the weights' dtype refused every step)."""
+    return dtype or autocast_dtype(
+        weight.device
+    ) or weight.dtype, device if device is not None else weight.device
 
 
 def _autocast_rows(dtype: torch.dtype, *rows: torch.Tensor | None) -> list[torch.Tensor | None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache, autocast_dtype, storage_dtype
+from ..cache import Cache, KVCache, PagedKVCache, StaticKVCache, autocast_dtype, placement
 from ..config import AttentionConfig
 from .kernels import attend, check_mask
 from .linear import Linear, project
@@ -170,8 +170,7 @@ class GroupedQueryAttention(nn.Module):
         """A cache for this module's KV heads (a ring of the window's size for a sliding-window layer), or with
         ``static`` one of fixed shapes for compiled decode steps (``StaticKVCache``: a window is a mask over every
         slot, not a ring); dtype and device default to the weights' (the dtype: autocast's under it)."""
-        weight = self.wq.weight
-        dtype, device = dtype or storage_dtype(weight), device if device is not None else weight.device
+        dtype, device = placement(self.wq.weight, dtype, device)
         if static:
             return StaticKVCache(
                 batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype=dtype, device=device
@@ -196,15 +195,15 @@ class GroupedQueryAttention(nn.Module):
     ) -> PagedKVCache:
         """A block-table cache for ragged batches (``PagedKVCache``; a sliding-window layer's gives blocks back once
         they fall out of the window); dtype and device default to the weights' (the dtype: autocast's under it)."""
-        weight = self.wq.weight
+        dtype, device = placement(self.wq.weight, dtype, device)
         return PagedKVCache(
             n_blocks,
             block_size,
             self.n_kv_heads,
             self.head_dim,
             batch_size=batch_size,
-            dtype=dtype or storage_dtype(weight),
-            device=device if device is not None else weight.device,
+            dtype=dtype,
+            device=device,
             window=self.cfg.window,
         )
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Cache, LatentCache, PagedKVCache, StaticKVCache, storage_dtype
+from ..cache import Cache, LatentCache, PagedKVCache, StaticKVCache, placement
 from ..config import MLA_MODES, MLAConfig
 from .gqa import cache_rule, check_input, check_step, local_weight, merge_heads, split_heads
 from .kernels import attend
@@ -89,8 +89,7 @@ class MultiHeadLatentAttention(nn.Module):
         """A cache of latent rows (``LatentCache``), or with ``static`` one of fixed shapes for compiled decode steps
         (``StaticKVCache`` of one KV "head" of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values
         are also the values); dtype and device default to the weights' (the dtype: autocast's under it)."""
-        weight = self.wkv_a.weight
-        dtype, device = dtype or storage_dtype(weight), device if device is not None else weight.device
+        dtype, device = placement(self.wkv_a.weight, dtype, device)
         cfg = self.cfg
         if static:
             return StaticKVCache(
@@ -112,15 +111,15 @@ class MultiHeadLatentAttention(nn.Module):
         """A paged cache of latent rows for ragged batches (absorbed mode): one KV "head" of width
         kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank values are also the values; dtype and device default
         to the weights'."""
-        weight = self.wkv_a.weight
+        dtype, device = placement(self.wkv_a.weight, dtype, device)
         return PagedKVCache(
             n_blocks,
             block_size,
             1,
             self.cfg.cache_dim,
             batch_size=batch_size,
-            dtype=dtype or storage_dtype(weight),
-            device=device if device is not None else weight.device,
+            dtype=dtype,
+            device=device,
             values_in_keys=True,
             value_dim=self.cfg.kv_lora_rank,
         )
