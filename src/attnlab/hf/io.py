@@ -286,15 +286,21 @@ def is_weight_file(name: str) -> bool:
     )
 
 
-def weights_id(src: str | Path) -> str:
-    """What a checkpoint's weights are, without reading gigabytes: its weight files' names, sizes and modification
-    times (a model written again to the same path, by a conversion or a training run, is another one)."""
-    h = hashlib.sha256()
+def files_id(src: str | Path, only: Callable[[str], bool] = lambda name: True, salt: str = "") -> str:
+    """What the files of directory ``src`` (those ``only`` takes, by name) are, without reading gigabytes: their
+    names, sizes and modification times, after ``salt``."""
+    h = hashlib.sha256(salt.encode())
     for p in sorted(Path(src).iterdir()):
-        if p.is_file() and is_weight_file(p.name):
+        if p.is_file() and only(p.name):
             st = p.stat()
             h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()[:16]
+
+
+def weights_id(src: str | Path) -> str:
+    """What a checkpoint's weights are (``files_id`` of its weight files): a model written again to the same path,
+    by a conversion or a training run, is another one."""
+    return files_id(src, is_weight_file)
 
 
 def copy_other_files(src: Path, dst: Path | None, skip: set[str] = frozenset()) -> list[str]:

@@ -20,7 +20,6 @@ ratios come from one process and the same moments of a shared machine.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import re
@@ -37,6 +36,7 @@ from ..cost import kv_cache_bytes
 from ..cost.hardware import HARDWARE_NAMES
 from ..cost.sweep import mla_alternative
 from ..data import fingerprint, load_tokenizer, read_text, split_held_out, text_files
+from ..hf.io import files_id
 from ..jobs import Job, torch_threads
 from ..resources import check_fits, resolve_device
 from . import work
@@ -304,13 +304,8 @@ def methods_of(variant: Variant, methods: tuple[str, ...]) -> list[str]:
 
 
 def checkpoint_id(src: Path) -> str:
-    """What the source checkpoint is, without reading gigabytes: its files' names, sizes and modification times."""
-    h = hashlib.sha256(str(src.resolve()).encode())
-    for p in sorted(src.iterdir()):
-        if p.is_file():
-            st = p.stat()
-            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    return h.hexdigest()[:16]
+    """What the source checkpoint is, without reading gigabytes: where it is, and all its files (``files_id``)."""
+    return files_id(src, salt=str(src.resolve()))
 
 
 def _texts(data: Path, eval_data: Path | None) -> tuple[dict[str, dict[str, Path | str]], str]:
