@@ -118,33 +118,37 @@ def _measure(rounds: int = 3) -> Hardware:
     )
 
 
-def _saved() -> Hardware | None:
-    """This boot's cached measurement (``_session_key``), or None: absent, stale or damaged (any JSON but ours)."""
+def _record() -> dict:
+    """This boot's cache file as JSON (``_session_key``); empty where it is absent, stale or not JSON of ours."""
     try:
-        saved = json.loads(_cache_path().read_text())
-        if isinstance(saved, dict) and saved.get("key") == _session_key():
-            hw = Hardware(**saved["hardware"])
-            if _measurable(hw):
-                return hw
+        record = json.loads(_cache_path().read_text())
     # RecursionError: json's reader on brackets nested 100000 deep
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        pass
-    return None
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) and record.get("key") == _session_key() else {}
 
 
-def _best(saved: Hardware) -> Hardware:
-    """``saved`` with the boot's best bandwidth and float32 peak (the cache file's "best"), what a new reading is
-    held to: against the last one only, readings of 0.7x in turn were each taken and the cached bandwidth crept
-    down (23.5, 17.1, then 11.3 GB/s in one hour's commands)."""
+def _saved(record: dict | None = None) -> Hardware | None:
+    """This boot's cached measurement (from ``record``, else the file), or None: absent, stale or damaged."""
+    record = _record() if record is None else record
     try:
-        best = json.loads(_cache_path().read_text())["best"]
-        bandwidth, fp32 = best["bandwidth"], best["fp32"]
-        if not (_rate(bandwidth, 1e13) and _rate(fp32, 1e17)):
-            return saved
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        hw = Hardware(**record["hardware"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return hw if _measurable(hw) else None
+
+
+def _best(saved: Hardware, record: dict) -> Hardware:
+    """``saved`` with the boot's best bandwidth and float32 peak (``record``'s "best"), what a new reading is held
+    to: against the last one only, readings of 0.7x in turn were each taken and the cached bandwidth crept down
+    (23.5, 17.1, then 11.3 GB/s in one hour's commands)."""
+    best = record.get("best")
+    if not isinstance(best, dict) or not (
+        _rate(best.get("bandwidth"), 1e13) and _rate(best.get("fp32"), 1e17)
+    ):
         return saved
-    peaks = saved.peak_flops | {"fp32": max(saved.peak_flops["fp32"], fp32)}
-    return replace(saved, bandwidth=max(saved.bandwidth, bandwidth), peak_flops=peaks)
+    peaks = saved.peak_flops | {"fp32": max(saved.peak_flops["fp32"], best["fp32"])}
+    return replace(saved, bandwidth=max(saved.bandwidth, best["bandwidth"]), peak_flops=peaks)
 
 
 def _rate(x: object, top: float) -> bool:
@@ -219,8 +223,9 @@ def _measure_and_save() -> Hardware:
             file=sys.stderr,
         )
         return hw
-    saved = _saved()
-    earlier = _best(saved) if saved is not None else None
+    record = _record()
+    saved = _saved(record)
+    earlier = _best(saved, record) if saved is not None else None
     slowed = _slowed(hw, earlier) if earlier is not None else None
     if slowed is not None:  # this run's figures are read against it; later commands keep the earlier one
         print(
