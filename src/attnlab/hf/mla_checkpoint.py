@@ -45,7 +45,7 @@ from ..convert.mla_model import (
     with_nope_dim,
 )
 from ..families import family
-from ..families.base import mlp_obstacle
+from ..families.base import MLASupport, mlp_obstacle
 from . import deepseek, io
 from .causal_lm import load_causal_lm, model_config
 from .checkpoint import calibration_batches, check_calib, computing_on, conversion_device, on_device
@@ -101,11 +101,11 @@ def check_inputs(
     planes: str | int | None,
     calib: str | Path | None = None,
     device: str = "auto",
-) -> tuple[dict, ModelConfig, int]:
+) -> tuple[dict, ModelConfig, MLASupport, int]:
     """Every check of an MLA conversion's inputs that reads no more than SRC's config.json: --device, SRC itself, its
     family's verdict, the rank, --rope-dim, a --planes stride, --calib (the file, not yet its lines). ``attnlab
     convert`` runs them before it looks at DST (a refused source or rank was reported as "destination exists");
-    returns SRC's config.json, its config and the rope_dim the conversion keeps."""
+    returns SRC's config.json, its config, its family's verdict and the rope_dim the conversion keeps."""
     conversion_device(device, True, "--to mla")
     hf = io.read_config(src)
     io.copy_other_files(src, None)  # a broken link among the files to copy: refused before any work
@@ -136,7 +136,7 @@ def check_inputs(
             )
     if calib is not None:
         check_calib(src, calib)
-    return hf, cfg, rope_dim
+    return hf, cfg, support, rope_dim
 
 
 def convert_checkpoint_to_mla(
@@ -168,8 +168,8 @@ def convert_checkpoint_to_mla(
     from the CPU.
     """
     src, dst = Path(src), Path(dst)
-    hf, cfg, rope_dim = check_inputs(src, kv_lora_rank, rope_dim, planes, calib, device)
-    attn_cfg, support = cfg.attention, family(hf["model_type"]).mla(cfg)
+    hf, cfg, support, rope_dim = check_inputs(src, kv_lora_rank, rope_dim, planes, calib, device)
+    attn_cfg = cfg.attention
     plain = plain_planes(attn_cfg) if attn_cfg.rope else 0
     where = conversion_device(device, True, "--to mla")
     # Checked again when writing; here so that a refused destination costs no loading.
