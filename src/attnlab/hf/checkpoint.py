@@ -188,9 +188,8 @@ def convert_checkpoint(
     check_destination(dst, (src, calib), overwrite=overwrite)  # --calib is an input too
     model = bert.load_bert(src)[0] if not fam.causal_lm else load_causal_lm(src)
     attn = model.cfg.attention
-    check_kv_heads(
-        attn.n_heads, attn.n_kv_heads, n_kv_heads
-    )  # again: a BERT's GQA export reads as MHA config
+    # again, on the loaded model: a BERT's GQA export keeps the MHA layout, so its config.json shows every head
+    check_kv_heads(attn.n_heads, attn.n_kv_heads, n_kv_heads)
     io.check_finite(model, src)
     batches = (
         calibration_batches(src, calib, vocab_size=model.cfg.vocab_size, max_positions=model.cfg.max_seq_len)
