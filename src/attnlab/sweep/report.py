@@ -125,7 +125,7 @@ COLUMNS = ["", "variant", "method", "steps", "loss", "ppl", "bits/byte", "KV B/t
 
 
 def table_rows(results: dict) -> list[list[str]]:
-    hw = results["options"]["hardware"]
+    hw, notes = results["options"]["hardware"], _notes(results)
     out = []
     for r in results["rows"]:
         cells = ["*" if r["pareto"] else "", r["variant"], r["method"], str(r["steps"]),
@@ -134,7 +134,7 @@ def table_rows(results: dict) -> list[list[str]]:
                  _num(r.get("tokens_per_s"), ".0f")]  # fmt: skip
         pred = r.get("predicted_decode_s") or {}
         cells += [_num(pred[h] * 1e3 if h in pred else None, ".3g") for h in hw]
-        if _notes(results):
+        if notes:
             cells.append(r["error"] or "")
         out.append(cells)
     return out
